@@ -1,0 +1,169 @@
+"""Event contract v1: what clients and the serving layer send, and what the reward join emits.
+
+Every event carries ``schema_version``, a unique ``event_id``, its ``type``, the
+``request_id`` it belongs to and the producer's UTC timestamp ``ts``. The Kafka key is the
+``request_id``, so all events of one request land on one partition.
+
+The JSON Schema exported from these models lives at ``ingest/schema/events.v1.json``;
+regenerate it with ``rtrl events schema --write`` after changing a model.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
+
+SCHEMA_VERSION = 1
+
+Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Arm = Literal["stable", "canary"]
+LogProb = Annotated[float, Field(le=0.0, allow_inf_nan=False)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelRef(_Model):
+    """The exact policy that served a completion."""
+
+    name: Annotated[str, Field(min_length=1, max_length=200)]
+    version: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class _EventBase(_Model):
+    schema_version: Literal[1] = 1
+    event_id: Id
+    request_id: Id
+    ts: AwareDatetime
+    """Producer time; must carry a timezone (UTC recommended)."""
+
+    @field_validator("ts")
+    @classmethod
+    def _to_utc(cls, v: datetime) -> datetime:
+        return v.astimezone(UTC)
+
+
+class CompletionServed(_EventBase):
+    """Emitted by the serving layer (the gateway) once per completion."""
+
+    type: Literal["completion.served"] = "completion.served"
+    session_id: Id
+    user_key: Id
+    """Pseudonymous user key: the unit of randomisation and of analysis."""
+    model: ModelRef
+    arm: Arm
+    prompt_tokens: Annotated[list[TokenId], Field(max_length=32_768)]
+    completion_tokens: Annotated[list[TokenId], Field(max_length=32_768)]
+    logprobs: Annotated[list[LogProb], Field(max_length=32_768)]
+    """The serving policy's log-probability of each completion token (behavior policy)."""
+    latency_ms: Annotated[float, Field(ge=0, le=3_600_000)]
+    tool_calls: Annotated[int, Field(ge=0)] = 0
+    invalid_tool_calls: Annotated[int, Field(ge=0)] = 0
+    completion_kind: Literal["edit", "question", "empty"] = "edit"
+    """What the completion was: a proposed edit, a clarifying question, or nothing."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CompletionServed:
+        if len(self.logprobs) != len(self.completion_tokens):
+            raise ValueError("logprobs must have one entry per completion token")
+        if self.invalid_tool_calls > self.tool_calls:
+            raise ValueError("invalid_tool_calls exceeds tool_calls")
+        return self
+
+
+class EditAccepted(_EventBase):
+    type: Literal["edit.accepted"] = "edit.accepted"
+    inserted_chars: Annotated[int, Field(ge=0)]
+
+
+class EditRejected(_EventBase):
+    type: Literal["edit.rejected"] = "edit.rejected"
+    inserted_chars: Annotated[int, Field(ge=0)] = 0
+
+
+class EditPersistence(_EventBase):
+    """Sent by the client at a horizon after acceptance: how much of the edit is still there."""
+
+    type: Literal["edit.persistence"] = "edit.persistence"
+    horizon_s: Annotated[int, Field(gt=0, le=30 * 86_400)]
+    retained_chars: Annotated[int, Field(ge=0)]
+    inserted_chars: Annotated[int, Field(ge=0)]
+
+    @model_validator(mode="after")
+    def _retained_le_inserted(self) -> EditPersistence:
+        if self.retained_chars > self.inserted_chars:
+            raise ValueError("retained_chars exceeds inserted_chars")
+        return self
+
+
+class FollowupDissatisfied(_EventBase):
+    """The user's follow-up to this request expressed dissatisfaction."""
+
+    type: Literal["followup.dissatisfied"] = "followup.dissatisfied"
+    reason: Annotated[str, Field(max_length=200)] | None = None
+
+
+Event = Annotated[
+    CompletionServed | EditAccepted | EditRejected | EditPersistence | FollowupDissatisfied,
+    Field(discriminator="type"),
+]
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+EVENT_TYPES = ("completion.served", "edit.accepted", "edit.rejected", "edit.persistence",
+               "followup.dissatisfied")
+
+
+class RewardRecord(_Model):
+    """One closed reward for one served completion: everything training needs."""
+
+    schema_version: Literal[1] = 1
+    request_id: Id
+    served_event_id: Id
+    session_id: Id
+    user_key: Id
+    served_ts: AwareDatetime
+    closed_ts: AwareDatetime
+    model: ModelRef
+    arm: Arm
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    behavior_logprobs: list[float]
+    latency_ms: float
+    completion_kind: Literal["edit", "question", "empty"] = "edit"
+    tool_calls: int = 0
+    invalid_tool_calls: int = 0
+    accepted: bool | None = None
+    """True accepted, False rejected, None no accept/reject feedback."""
+    persistence: dict[str, float] = Field(default_factory=dict)
+    """horizon (seconds, as a string key) -> retained/inserted ratio for horizons observed."""
+    dissatisfied: int = 0
+    reward: float
+    components: dict[str, float]
+    reward_spec_version: str
+    defaulted: bool = False
+    """True when no feedback came at all and the spec's default reward was used."""
+
+
+def parse_event(data: bytes | str) -> Event:
+    """Parse and validate one event from JSON; raises pydantic.ValidationError."""
+    return EVENT_ADAPTER.validate_json(data)
+
+
+def event_json_schema() -> dict[str, object]:
+    """The JSON Schema client teams validate against (committed as events.v1.json)."""
+    schema = EVENT_ADAPTER.json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://rtrl.dev/schema/events.v1.json"
+    schema["title"] = "rtrl event v1"
+    return schema

@@ -1,0 +1,113 @@
+"""The Prometheus metrics rtrl exports: one catalogue, so alerts and dashboards can be
+checked against the names services really register (see tests/unit/test_metric_names.py).
+
+Each service imports the metrics it updates from here. Add new metrics here, in the
+section of the service that owns them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, Info
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+BUILD_INFO = Info("rtrl_build", "rtrl version and the service this process runs")
+
+# --- shared by every Kafka consumer -------------------------------------------------------
+CONSUMER_LAG = Gauge(
+    "rtrl_consumer_lag_messages",
+    "Messages between the committed/consumed position and the end of the partition",
+    ["service", "topic", "partition"],
+)
+BATCH_SECONDS = Histogram(
+    "rtrl_batch_processing_seconds", "Time to process one polled batch", ["service"],
+    buckets=LATENCY_BUCKETS,
+)
+
+# --- ingest ------------------------------------------------------------------------------
+INGEST_EVENTS = Counter("rtrl_ingest_events_total", "Raw events read by ingest", ["result"])
+"""result: valid | rejected | duplicate"""
+INGEST_REJECTED = Counter(
+    "rtrl_ingest_rejected_total", "Raw events sent to the dead-letter topic, by reason", ["reason"]
+)
+
+# --- reward ------------------------------------------------------------------------------
+REWARD_EVENTS = Counter("rtrl_reward_events_total", "Events consumed by the reward join", ["type"])
+REWARD_LATE = Counter(
+    "rtrl_reward_late_events_total",
+    "Events that arrived after their request's reward was emitted (counted, not re-emitted)",
+    ["type"],
+)
+REWARD_ORPHANS = Counter(
+    "rtrl_reward_orphan_events_total",
+    "Feedback events whose completion.served never arrived before their window expired",
+)
+REWARD_OPEN_WINDOWS = Gauge("rtrl_reward_open_windows", "Reward windows waiting to close")
+REWARD_OLDEST_OPEN_AGE = Gauge(
+    "rtrl_reward_oldest_open_window_overdue_seconds",
+    "How far past its due time the most overdue open window is (0 when none is overdue)",
+)
+REWARDS_EMITTED = Counter("rtrl_rewards_emitted_total", "Reward records emitted", ["arm", "defaulted"])
+REWARD_VALUE = Histogram(
+    "rtrl_reward_value", "Emitted reward values", ["arm"],
+    buckets=(-2, -1, -0.5, -0.25, 0, 0.25, 0.5, 1, 2),
+)
+REWARD_CLOSE_SECONDS = Histogram(
+    "rtrl_reward_close_latency_seconds",
+    "From the closing event (or due time) to the reward record being committed",
+    buckets=LATENCY_BUCKETS,
+)
+
+# --- trainer -----------------------------------------------------------------------------
+TRAIN_INCREMENTS = Counter(
+    "rtrl_trainer_increments_total", "RL increments by outcome", ["outcome"]
+)
+"""outcome: success | failed | skipped"""
+TRAIN_RUNNING = Gauge("rtrl_trainer_increment_running", "1 while an increment runs")
+TRAIN_LAST_SUCCESS = Gauge(
+    "rtrl_trainer_last_success_timestamp_seconds", "Unix time of the last registered candidate"
+)
+TRAIN_CADENCE = Gauge("rtrl_trainer_cadence_seconds", "Configured time between increments")
+TRAIN_DURATION = Histogram(
+    "rtrl_trainer_increment_seconds", "Wall time of an increment, trigger to registered",
+    buckets=(10, 30, 60, 120, 300, 600, 1800, 3600, 7200),
+)
+TRAIN_STAT = Gauge(
+    "rtrl_trainer_last_increment_stat",
+    "Statistics of the last increment (loss, kl, clip_fraction, ess, reward_mean, ...)",
+    ["stat"],
+)
+GATE_RESULTS = Counter("rtrl_gate_results_total", "Offline gate results", ["result"])
+
+# --- deployer / judge --------------------------------------------------------------------
+CANARY_PHASE = Gauge("rtrl_canary_phase", "1 for the canary's current phase", ["phase"])
+CANARY_WEIGHT = Gauge("rtrl_canary_weight", "Share of users routed to the canary (0..1)")
+CANARY_PHASE_AGE = Gauge(
+    "rtrl_canary_phase_age_seconds", "Seconds since the canary entered its current phase"
+)
+CANARY_VERDICTS = Counter("rtrl_canary_verdicts_total", "Judge verdicts per tick", ["verdict"])
+CANARY_PROMOTIONS = Counter("rtrl_canary_promotions_total", "Candidates promoted", ["decided_by"])
+CANARY_ROLLBACKS = Counter(
+    "rtrl_canary_rollbacks_total", "Canaries rolled back", ["reason", "decided_by"]
+)
+CANARY_ABORTS = Counter("rtrl_canary_aborts_total", "Canaries aborted (inconclusive, errors)", ["reason"])
+JUDGE_STAT = Gauge(
+    "rtrl_judge_statistic", "The judge's latest statistics per metric", ["metric", "stat"]
+)
+HACKING_DETECTIONS = Counter(
+    "rtrl_reward_hacking_detections_total", "Reward-hacking detectors that fired", ["detector"]
+)
+
+# --- gateway -----------------------------------------------------------------------------
+GATEWAY_REQUESTS = Counter(
+    "rtrl_gateway_requests_total", "Gateway requests", ["arm", "version", "code"]
+)
+GATEWAY_ERRORS = Counter(
+    "rtrl_gateway_errors_total", "Gateway errors by arm and kind", ["arm", "version", "kind"]
+)
+GATEWAY_SECONDS = Histogram(
+    "rtrl_gateway_request_seconds", "Gateway request latency", ["arm"], buckets=LATENCY_BUCKETS
+)
+GATEWAY_FALLBACKS = Counter(
+    "rtrl_gateway_canary_fallbacks_total", "Canary requests served by stable because the canary failed"
+)

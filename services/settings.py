@@ -1,0 +1,161 @@
+"""Settings: the one place where rtrl reads its environment.
+
+Every service builds one frozen settings object at start-up from ``RTRL_*`` variables
+(nested fields use ``__``, e.g. ``RTRL_KAFKA__BOOTSTRAP_SERVERS``). The same code runs
+against the embedded stack (``rtrl up``) and against production Kafka, Redis and MLflow:
+only these values change. Secrets are ``SecretStr`` so they never print in logs or reprs.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class KafkaSettings(_Frozen):
+    """How to reach the Kafka-protocol broker."""
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    """Comma-separated host:port list."""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """As in the Kafka client configuration; SASL_SSL for most managed clusters."""
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    """SASL mechanism when security_protocol uses SASL."""
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: str | None = None
+    """CA bundle that signs the brokers' certificates (Strimzi: the cluster CA)."""
+    ssl_certfile: str | None = None
+    """Client certificate for mutual TLS."""
+    ssl_keyfile: str | None = None
+    client_id: str = "rtrl"
+    request_timeout_ms: int = 30_000
+
+    def client_kwargs(self) -> dict[str, object]:
+        """Keyword arguments shared by kafka-python producers, consumers and admins."""
+        kw: dict[str, object] = {
+            "bootstrap_servers": [s.strip() for s in self.bootstrap_servers.split(",") if s.strip()],
+            "security_protocol": self.security_protocol,
+            "client_id": self.client_id,
+            "request_timeout_ms": self.request_timeout_ms,
+        }
+        if self.sasl_mechanism:
+            kw["sasl_mechanism"] = self.sasl_mechanism
+            kw["sasl_plain_username"] = self.sasl_username
+            kw["sasl_plain_password"] = (
+                self.sasl_password.get_secret_value() if self.sasl_password else None
+            )
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            if getattr(self, name):
+                kw[name] = getattr(self, name)
+        return kw
+
+
+class TopicSettings(_Frozen):
+    """Topic names (the v1 contract's defaults) and how rtrl creates them when absent."""
+
+    raw: str = "rtrl.raw.v1"
+    """Untrusted input from clients and the serving layer."""
+    events: str = "rtrl.events.v1"
+    """Validated, deduplicated events keyed by request_id."""
+    rewards: str = "rtrl.rewards.v1"
+    """One closed reward record per served completion."""
+    dlq: str = "rtrl.dlq.v1"
+    """Rejected input with the original bytes and a reason."""
+    partitions: int = 4
+    """Partitions for topics rtrl creates itself. raw/events/rewards must match."""
+    replication_factor: int = 1
+    create: bool = True
+    """Create missing topics at start-up (turn off where topics are managed, e.g. Strimzi KafkaTopic)."""
+
+
+class RedisSettings(_Frozen):
+    url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    """redis:// or rediss:// URL; may carry a password, hence secret."""
+    key_prefix: str = "rtrl:"
+    """Prefix for every key rtrl writes, so several installs can share one Redis."""
+
+
+class MlflowSettings(_Frozen):
+    tracking_uri: str = "http://127.0.0.1:5000"
+    registered_model: str = "rtrl-policy"
+    training_experiment: str = "rtrl-training"
+    deployments_experiment: str = "rtrl-deployments"
+
+
+class RaySettings(_Frozen):
+    address: str | None = None
+    """Existing Ray cluster (e.g. ray://head:10001 or auto). None: start local Ray."""
+    num_cpus: int = 2
+    object_store_mb: int = 200
+    num_workers: int = 1
+    use_gpu: bool = False
+
+
+class AuthSettings(_Frozen):
+    """Producer authentication for the raw topic (HMAC-SHA256 over the payload)."""
+
+    keys: dict[str, SecretStr] = Field(default_factory=dict)
+    """key id -> shared secret. Set as JSON, e.g. RTRL_AUTH__KEYS='{"gateway":"..."}'."""
+    allow_unsigned: bool = False
+    """Development only: accept events without a signature header."""
+    signature_header: str = "rtrl-signature"
+    key_id_header: str = "rtrl-key-id"
+
+
+class HttpSettings(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = 0
+    """Port for /metrics, /healthz and /readyz; 0 picks a free port (printed at start)."""
+
+
+class StackSettings(_Frozen):
+    """The embedded default stack started by ``rtrl up``."""
+
+    data_dir: Path = Path(".rtrl")
+    kafka_port: int = 9092
+    redis_port: int = 6390
+    mlflow_port: int = 5000
+
+
+class Settings(BaseSettings):
+    """All of rtrl's configuration. Each service reads the parts it needs."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="RTRL_", env_nested_delimiter="__", frozen=True, extra="ignore"
+    )
+
+    kafka: KafkaSettings = KafkaSettings()
+    topics: TopicSettings = TopicSettings()
+    redis: RedisSettings = RedisSettings()
+    mlflow: MlflowSettings = MlflowSettings()
+    ray: RaySettings = RaySettings()
+    auth: AuthSettings = AuthSettings()
+    http: HttpSettings = HttpSettings()
+    stack: StackSettings = StackSettings()
+    log_level: str = "INFO"
+    reward_spec: Path | None = None
+    """Reward spec file; None uses the packaged default (ingest/specs/default.toml)."""
+
+
+def stack_env_file() -> Path:
+    """Where ``rtrl up`` writes the embedded stack's connection settings."""
+    return Path(os.environ.get("RTRL_STACK__DATA_DIR", ".rtrl")) / "stack.env"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings: environment first, then the embedded stack's env file."""
+    env_file = stack_env_file()
+    if env_file.exists():
+        return Settings(_env_file=env_file)  # type: ignore[call-arg]
+    return Settings()

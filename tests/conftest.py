@@ -1,0 +1,98 @@
+"""Shared fixtures. Tiers follow the folder: tests/unit (no network), tests/integration
+(real broker, Redis, MLflow, Ray), tests/e2e (the loop in separate processes).
+
+Integration fixtures start real components on free loopback ports in a temporary folder,
+once per test session, and stop them at the end: a test never depends on a service the
+machine happens to run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.settings import KafkaSettings, MlflowSettings, RedisSettings, Settings, TopicSettings
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+
+_TIERS = {"unit", "integration", "e2e"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        for tier in _TIERS:
+            if tier in parts:
+                item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real Kafka-protocol broker and Redis on free ports (no MLflow server)."""
+    from services.stack import EmbeddedStack, free_port
+
+    st = EmbeddedStack(
+        data_dir=tmp_path_factory.mktemp("stack"),
+        kafka_port=free_port(),
+        redis_port=free_port(),
+        reuse_redis_url=None,
+        with_mlflow=False,
+    )
+    st.up(timeout_s=60)
+    yield st
+    st.down()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server (sqlite backend) on a free port; yields its URI."""
+    from services.stack import EmbeddedStack, free_port
+
+    st = EmbeddedStack(
+        data_dir=tmp_path_factory.mktemp("mlflow"),
+        kafka_port=free_port(),
+        redis_port=free_port(),
+        mlflow_port=free_port(),
+        with_mlflow=True,
+    )
+    st.data_dir.mkdir(parents=True, exist_ok=True)
+    st._up_mlflow()
+    import time
+
+    deadline = time.monotonic() + 120
+    while not st.mlflow_answers():
+        assert time.monotonic() < deadline, "MLflow server did not start"
+        time.sleep(0.5)
+    yield st.mlflow_uri
+    st.down()
+
+
+_topic_seq = itertools.count()
+
+
+@pytest.fixture
+def settings(stack: object) -> Settings:
+    """Settings pointing at the session's broker and Redis, with topics and Redis keys
+    unique to this test so tests never see each other's data."""
+    from services.stack import EmbeddedStack
+
+    assert isinstance(stack, EmbeddedStack)
+    tag = f"t{next(_topic_seq)}-{uuid.uuid4().hex[:6]}"
+    return Settings(
+        kafka=KafkaSettings(bootstrap_servers=stack.kafka_bootstrap),
+        redis=RedisSettings(url=stack.redis_url, key_prefix=f"{tag}:"),  # type: ignore[arg-type]
+        topics=TopicSettings(
+            raw=f"{tag}.raw", events=f"{tag}.events", rewards=f"{tag}.rewards", dlq=f"{tag}.dlq",
+            partitions=4,
+        ),
+        mlflow=MlflowSettings(tracking_uri="sqlite:///unused.db"),
+    )
