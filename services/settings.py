@@ -112,6 +112,37 @@ class AuthSettings(_Frozen):
     key_id_header: str = "rtrl-key-id"
 
 
+class IngestSettings(_Frozen):
+    """The ingest service: validation limits, dedup, batching and transactions."""
+
+    max_bytes: int = 256 * 1024
+    """Largest accepted record value in bytes; larger ones go to the DLQ as ``oversized``
+    before any parsing."""
+    max_future_skew_s: float = 300.0
+    """An event whose ``ts`` is more than this ahead of the ingest clock is ``ts_future``."""
+    max_age_s: float = 7 * 86_400.0
+    """An event whose ``ts`` is older than this is ``ts_too_old``."""
+    dedup_ttl_s: int = 7 * 86_400
+    """How long an ``event_id`` is remembered in Redis for duplicate detection. Keep it
+    at least ``max_age_s``: older events are rejected anyway."""
+    dlq_duplicates: bool = False
+    """Also dead-letter duplicates (reason ``duplicate``); by default they are counted and
+    dropped, because producer retries make them routine."""
+    group_id: str = "rtrl-ingest"
+    """Consumer group of the ingest workers."""
+    max_batch: int = 500
+    """Most records per poll; one Kafka transaction covers one polled batch."""
+    poll_timeout_ms: int = 500
+    transactional_id: str | None = None
+    """Transactional id. None: ``rtrl-ingest-<host>-<pid>-<random>``, unique per
+    process. Set a stable id per replica (e.g. the StatefulSet pod name) so a restarted
+    worker fences and aborts its predecessor's open transaction at once instead of after
+    ``transaction_timeout_ms``."""
+    transaction_timeout_ms: int = 15_000
+    """The broker aborts a transaction left open this long (e.g. by a killed worker);
+    read_committed consumers of the events topic wait at most this long behind it."""
+
+
 class HttpSettings(_Frozen):
     host: str = "127.0.0.1"
     port: int = 0
@@ -140,6 +171,7 @@ class Settings(BaseSettings):
     mlflow: MlflowSettings = MlflowSettings()
     ray: RaySettings = RaySettings()
     auth: AuthSettings = AuthSettings()
+    ingest: IngestSettings = IngestSettings()
     http: HttpSettings = HttpSettings()
     stack: StackSettings = StackSettings()
     log_level: str = "INFO"
