@@ -1,0 +1,74 @@
+"""Duplicate detection by ``event_id``, safe under crash and replay.
+
+The store remembers, for each ``event_id``, a *marker*: the source position
+``topic:partition:offset`` of the record that first claimed it. A later record with the
+same ``event_id`` is a duplicate only if its own position differs from the marker.
+
+Why the marker: ingest claims ids before its Kafka transaction commits. If the worker dies
+in between, the transaction is aborted and the same records are read again from the last
+committed offset. Their ids are already claimed — but by themselves, at the same
+positions, so they are forwarded, not dropped. A plain "seen before?" set would lose them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+
+def position_marker(topic: str, partition: int, offset: int) -> str:
+    """The marker of a source record: ``topic:partition:offset``."""
+    return f"{topic}:{partition}:{offset}"
+
+
+def is_duplicate(existing: str | None, marker: str) -> bool:
+    """True when an id was first claimed by a different record than the one at ``marker``."""
+    return existing is not None and existing != marker
+
+
+class DedupStore(Protocol):
+    """Remembers which source record first claimed each event id (for a TTL)."""
+
+    def claim_many(self, claims: Sequence[tuple[str, str]]) -> list[str | None]:
+        """Claim each ``(event_id, marker)`` in order, atomically per id.
+
+        Returns, per claim, None when this call stored the marker (first sighting), else
+        the marker already stored — possibly by an earlier claim in the same call. Raises
+        on a store failure; nothing returned means nothing can be assumed claimed.
+        """
+        ...
+
+    def forget(self, event_id: str) -> None:
+        """Drop an id (operations: re-admit an event that was wrongly dropped)."""
+        ...
+
+
+def duplicates(store: DedupStore, claims: Sequence[tuple[str, str]]) -> list[bool]:
+    """Claim a batch and say, per claim, whether it is a duplicate to drop."""
+    existing = store.claim_many(claims)
+    return [is_duplicate(prev, marker) for prev, (_, marker) in zip(existing, claims, strict=True)]
+
+
+class MemoryDedupStore:
+    """In-memory DedupStore with expiry, for unit tests."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._seen: dict[str, tuple[str, float]] = {}
+
+    def claim_many(self, claims: Sequence[tuple[str, str]]) -> list[str | None]:
+        now = self._clock()
+        out: list[str | None] = []
+        for event_id, marker in claims:
+            held = self._seen.get(event_id)
+            if held is not None and held[1] > now:
+                out.append(held[0])
+            else:
+                self._seen[event_id] = (marker, now + self.ttl_s)
+                out.append(None)
+        return out
+
+    def forget(self, event_id: str) -> None:
+        self._seen.pop(event_id, None)

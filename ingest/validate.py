@@ -1,0 +1,153 @@
+"""Validation of one raw record: bytes in, ``Accepted(event)`` or ``Rejected(reason)`` out.
+
+``validate`` is pure and never raises on input. Checks run cheapest first and the first
+failure decides the reason:
+
+1. ``oversized``               value longer than ``Limits.max_bytes`` (before any parsing)
+2. ``unsigned`` / ``unknown_key`` / ``bad_signature``   producer authentication (ingest/auth.py)
+3. ``not_utf8`` / ``bad_json`` / ``not_object``          the bytes are not a JSON object
+4. ``unknown_schema_version`` / ``unknown_type`` / ``missing_field`` / ``invalid_field``
+                               the object does not match the event contract (ingest/events.py)
+5. ``ts_future`` / ``ts_too_old``   ``ts`` outside [now - max_age_s, now + max_future_skew_s]
+6. ``key_mismatch``            the Kafka key is set and differs from ``request_id``
+
+``duplicate`` is decided later, by the dedup store (ingest/dedup.py). The reason codes
+are stable strings: they label the ``rtrl_ingest_rejected_total`` metric and the DLQ
+records, and docs/ingest.md lists them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from ingest.auth import AuthPolicy, Headers, authenticate
+from ingest.events import EVENT_ADAPTER, SCHEMA_VERSION, Event
+
+REASONS = (
+    "oversized", "not_utf8", "bad_json", "not_object", "unknown_schema_version", "unknown_type",
+    "missing_field", "invalid_field", "ts_future", "ts_too_old", "unsigned", "bad_signature",
+    "unknown_key", "key_mismatch", "duplicate",
+)
+"""Every reason code a rejection can carry, in documentation order."""
+
+_DETAIL_MAX = 500
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_bytes: int = 256 * 1024
+    max_future_skew_s: float = 300.0
+    max_age_s: float = 7 * 86_400.0
+
+
+@dataclass(frozen=True)
+class Accepted:
+    event: Event
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: str
+    """One of ``REASONS``."""
+    detail: str
+    """Human-readable: which check failed and why (never the payload itself)."""
+
+
+Outcome = Accepted | Rejected
+
+
+def validate(
+    value: bytes | None,
+    headers: Headers,
+    key: bytes | None,
+    now: datetime,
+    limits: Limits,
+    auth: AuthPolicy,
+) -> Outcome:
+    """Validate one raw record. ``now`` is the ingest clock (timezone-aware)."""
+    data = value if value is not None else b""
+    if len(data) > limits.max_bytes:
+        return Rejected("oversized", f"{len(data)} bytes > limit {limits.max_bytes}")
+    failure = authenticate(data, headers, auth)
+    if failure is not None:
+        return Rejected(failure.reason, failure.detail)
+    try:
+        event = EVENT_ADAPTER.validate_json(data)
+    except ValidationError as exc:
+        return classify_errors(data, exc)
+    except Exception as exc:  # the parser must never take the worker down
+        return Rejected("bad_json", f"parser error: {type(exc).__name__}: {str(exc)[:200]}")
+    return _check_event(event, key, now, limits)
+
+
+def _check_event(event: Event, key: bytes | None, now: datetime, limits: Limits) -> Outcome:
+    ahead = (event.ts - now).total_seconds()
+    if ahead > limits.max_future_skew_s:
+        return Rejected("ts_future", f"ts is {ahead:.0f}s ahead of ingest time "
+                                     f"(limit {limits.max_future_skew_s:.0f}s)")
+    if -ahead > limits.max_age_s:
+        return Rejected("ts_too_old", f"ts is {-ahead:.0f}s old (limit {limits.max_age_s:.0f}s)")
+    if key is not None and key != event.request_id.encode():
+        return Rejected("key_mismatch", f"Kafka key {key[:80]!r} != request_id {event.request_id!r}")
+    return Accepted(event)
+
+
+def classify_errors(data: bytes, exc: ValidationError) -> Rejected:
+    """Map pydantic's errors for a failed parse to one stable reason code."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    types = {e["type"] for e in errors}
+    if "json_invalid" in types:
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as ue:
+            return Rejected("not_utf8", f"invalid UTF-8 at byte {ue.start}")
+        return Rejected("bad_json", _join(errors))
+    if any(e["type"] in ("dict_type", "model_type", "model_attributes_type") and not e["loc"]
+           for e in errors):
+        return Rejected("not_object", "the value must be a JSON object")
+    version = _schema_version(data)
+    if version is not _ABSENT and version != SCHEMA_VERSION:
+        return Rejected("unknown_schema_version",
+                        f"schema_version {str(version)[:40]!r} is not supported (expected {SCHEMA_VERSION})")
+    if "union_tag_not_found" in types:
+        return Rejected("missing_field", "type: field required")
+    if "union_tag_invalid" in types:
+        return Rejected("unknown_type", _join([e for e in errors if e["type"] == "union_tag_invalid"]))
+    missing = [e for e in errors if e["type"] == "missing"]
+    if missing:
+        return Rejected("missing_field", _join(missing))
+    return Rejected("invalid_field", _join(errors))
+
+
+_ABSENT: Any = object()
+
+
+def _schema_version(data: bytes) -> Any:
+    """The raw ``schema_version`` of a JSON object, or ``_ABSENT``. Only on the error path."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        return _ABSENT
+    if not isinstance(obj, dict):
+        return _ABSENT
+    return obj.get("schema_version", _ABSENT)
+
+
+def _join(errors: Sequence[Any]) -> str:
+    """``field.path: message; ...`` without the union tag prefix pydantic adds to locations."""
+    parts = []
+    for e in errors[:3]:
+        loc = e["loc"]
+        if loc and isinstance(loc[0], str) and "." in loc[0]:  # the union tag, e.g. 'edit.accepted'
+            loc = loc[1:]
+        where = ".".join(str(p) for p in loc) or "value"
+        parts.append(f"{where}: {e['msg']}")
+    if len(errors) > 3:
+        parts.append(f"(+{len(errors) - 3} more)")
+    return "; ".join(parts)[:_DETAIL_MAX]

@@ -1,0 +1,208 @@
+"""The validator against a corpus of bad inputs: one or more cases per reason code."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from ingest.auth import AuthPolicy, sign
+from ingest.events import CompletionServed, EditPersistence
+from ingest.validate import REASONS, Accepted, Limits, Rejected, validate
+
+NOW = datetime(2026, 11, 22, 10, 0, tzinfo=UTC)
+SECRET = b"k"
+AUTH = AuthPolicy(keys={"gw": SECRET})
+LIMITS = Limits(max_bytes=64 * 1024, max_future_skew_s=300, max_age_s=7 * 86_400)
+
+
+def served(**over: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "schema_version": 1, "event_id": "e1", "type": "completion.served", "request_id": "r1",
+        "ts": "2026-11-22T09:59:00Z", "session_id": "s1", "user_key": "u1",
+        "model": {"name": "rtrl-policy", "version": "3"}, "arm": "canary",
+        "prompt_tokens": [1, 2], "completion_tokens": [3, 4, 5], "logprobs": [-0.1, -2.0, 0.0],
+        "latency_ms": 120.5,
+    }
+    base.update(over)
+    return base
+
+
+def without(field: str) -> dict[str, object]:
+    return {k: v for k, v in served().items() if k != field}
+
+
+def enc(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def headers(value: bytes) -> list[tuple[str, bytes | None]]:
+    return [("rtrl-key-id", b"gw"), ("rtrl-signature", sign(value, SECRET).encode())]
+
+
+def check(value: bytes | None, key: bytes | None = b"r1", auth: AuthPolicy = AUTH,
+          hdrs: list[tuple[str, bytes | None]] | None = None) -> Accepted | Rejected:
+    h = headers(value or b"") if hdrs is None else hdrs
+    return validate(value, h, key, NOW, LIMITS, auth)
+
+
+def ts(delta: timedelta) -> str:
+    return (NOW + delta).isoformat()
+
+
+# (case name, value bytes, expected reason)
+CORPUS: list[tuple[str, bytes, str]] = [
+    ("oversized", enc(served(reason="x" * 70_000)), "oversized"),
+    ("oversized_garbage", b"\xff" * (64 * 1024 + 1), "oversized"),
+    ("latin1", '{"event_id": "é"}'.encode("latin-1"), "not_utf8"),
+    ("random_bytes", bytes(range(256)), "not_utf8"),
+    ("truncated", enc(served())[:-5], "bad_json"),
+    ("empty", b"", "bad_json"),
+    ("trailing_garbage", enc(served()) + b" }", "bad_json"),
+    ("utf8_bom", b"\xef\xbb\xbf" + enc(served()), "bad_json"),
+    ("deep_array", b"[" * 20_000 + b"]" * 20_000, "bad_json"),
+    ("deep_object", b'{"a":' * 5_000 + b"1" + b"}" * 5_000, "bad_json"),
+    ("single_quotes", b"{'event_id': 'e1'}", "bad_json"),
+    ("array", b"[1, 2]", "not_object"),
+    ("string", b'"completion.served"', "not_object"),
+    ("null", b"null", "not_object"),
+    ("number", b"42", "not_object"),
+    ("schema_v2", enc(served(schema_version=2)), "unknown_schema_version"),
+    ("schema_v2_unknown_type", enc(served(schema_version=2, type="brand.new")), "unknown_schema_version"),
+    ("schema_as_string", enc(served(schema_version="1")), "unknown_schema_version"),
+    ("unknown_type", enc(served(type="completion.deleted")), "unknown_type"),
+    ("type_is_number", enc(served(type=7)), "unknown_type"),
+    ("no_type", enc(without("type")), "missing_field"),
+    ("no_request_id", enc(without("request_id")), "missing_field"),
+    ("no_event_id", enc(without("event_id")), "missing_field"),
+    ("no_ts", enc(without("ts")), "missing_field"),
+    ("empty_object", b"{}", "missing_field"),
+    ("negative_latency", enc(served(latency_ms=-1)), "invalid_field"),
+    ("latency_string", enc(served(latency_ms="fast")), "invalid_field"),
+    ("nan_latency", enc(served(latency_ms=float("nan"))), "invalid_field"),
+    ("nan_logprob", enc(served()).replace(b"-2.0", b"NaN"), "invalid_field"),
+    ("infinite_latency", enc(served()).replace(b"120.5", b"Infinity"), "invalid_field"),
+    ("positive_logprob", enc(served(logprobs=[-0.1, 0.5, 0.0])), "invalid_field"),
+    ("logprob_count", enc(served(logprobs=[-0.1])), "invalid_field"),
+    ("huge_token_array", enc(served(prompt_tokens=list(range(40_000)))), "oversized"),
+    ("token_negative", enc(served(prompt_tokens=[-1])), "invalid_field"),
+    ("token_float", enc(served(prompt_tokens=[1.5])), "invalid_field"),
+    ("request_id_int", enc(served(request_id=5)), "invalid_field"),
+    ("request_id_empty", enc(served(request_id="")), "invalid_field"),
+    ("request_id_spaces", enc(served(request_id="a b")), "invalid_field"),
+    ("model_not_object", enc(served(model="rtrl-policy")), "invalid_field"),
+    ("arm_unknown", enc(served(arm="blue")), "invalid_field"),
+    ("extra_field", enc(served(source_code="print(1)")), "invalid_field"),
+    ("naive_ts", enc(served(ts="2026-11-22T09:59:00")), "invalid_field"),
+    ("ts_garbage", enc(served(ts="yesterday")), "invalid_field"),
+    ("invalid_tools", enc(served(tool_calls=1, invalid_tool_calls=2)), "invalid_field"),
+    ("retained_gt_inserted", enc({"event_id": "e2", "request_id": "r1", "type": "edit.persistence",
+                                  "ts": ts(timedelta(0)), "horizon_s": 60, "retained_chars": 9,
+                                  "inserted_chars": 3}), "invalid_field"),
+    ("ts_future", enc(served(ts=ts(timedelta(seconds=301)))), "ts_future"),
+    ("ts_far_future", enc(served(ts="2999-01-01T00:00:00Z")), "ts_future"),
+    ("ts_ancient", enc(served(ts="1970-01-01T00:00:00Z")), "ts_too_old"),
+    ("ts_8_days", enc(served(ts=ts(-timedelta(days=8)))), "ts_too_old"),
+]
+
+
+@pytest.mark.parametrize(("value", "reason"), [c[1:] for c in CORPUS], ids=[c[0] for c in CORPUS])
+def test_corpus(value: bytes, reason: str) -> None:
+    out = check(value)
+    assert isinstance(out, Rejected), out
+    assert out.reason == reason, out.detail
+    assert out.reason in REASONS
+    assert len(out.detail) <= 500
+
+
+def test_huge_array_within_size_limit_is_invalid_not_oversized() -> None:
+    big = Limits(max_bytes=10**6)
+    value = enc(served(prompt_tokens=[1] * 40_000))
+    out = validate(value, headers(value), b"r1", NOW, big, AUTH)
+    assert isinstance(out, Rejected) and out.reason == "invalid_field"
+    assert "prompt_tokens" in out.detail
+
+
+def test_every_reason_is_exercised() -> None:
+    covered = {c[2] for c in CORPUS} | {"unsigned", "bad_signature", "unknown_key", "key_mismatch"}
+    assert covered | {"duplicate"} == set(REASONS)
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"latency_ms": -1}, "latency_ms"),
+        ({"arm": "blue"}, "arm"),
+        ({"model": {"name": "x"}}, "model.version"),
+    ],
+)
+def test_detail_names_the_field(over: dict[str, object], field: str) -> None:
+    out = check(enc(served(**over)))
+    assert isinstance(out, Rejected)
+    assert out.detail.startswith(f"{field}:"), out.detail
+    assert "completion.served" not in out.detail  # the union tag is stripped from locations
+
+
+def test_missing_request_id_detail() -> None:
+    out = check(enc(without("request_id")))
+    assert out == Rejected("missing_field", "request_id: Field required")
+
+
+def test_valid_events_accepted_and_normalised() -> None:
+    out = check(enc(served(ts="2026-11-22T11:59:00+02:00")))
+    assert isinstance(out, Accepted) and isinstance(out.event, CompletionServed)
+    assert out.event.ts == datetime(2026, 11, 22, 9, 59, tzinfo=UTC)
+    value = enc({"event_id": "p", "request_id": "r1", "type": "edit.persistence", "ts": ts(timedelta(0)),
+                 "horizon_s": 60, "retained_chars": 2, "inserted_chars": 3})
+    out = check(value)
+    assert isinstance(out, Accepted) and isinstance(out.event, EditPersistence)
+
+
+def test_timestamp_window_edges() -> None:
+    assert isinstance(check(enc(served(ts=ts(timedelta(seconds=300))))), Accepted)
+    assert isinstance(check(enc(served(ts=ts(-timedelta(days=7))))), Accepted)
+
+
+def test_auth_reasons_come_before_parsing() -> None:
+    assert check(b"not json", hdrs=[]) == Rejected("unsigned", "no rtrl-signature header")
+    bad = [("rtrl-key-id", b"gw"), ("rtrl-signature", sign(b"other", SECRET).encode())]
+    out = check(enc(served()), hdrs=bad)
+    assert isinstance(out, Rejected) and out.reason == "bad_signature"
+    unknown = [("rtrl-key-id", b"intruder"), ("rtrl-signature", b"00")]
+    out = check(enc(served()), hdrs=unknown)
+    assert isinstance(out, Rejected) and out.reason == "unknown_key"
+
+
+def test_allow_unsigned_still_validates() -> None:
+    dev = AuthPolicy(keys={}, allow_unsigned=True)
+    assert isinstance(check(enc(served()), hdrs=[], auth=dev), Accepted)
+    out = check(b"{", hdrs=[], auth=dev)
+    assert isinstance(out, Rejected) and out.reason == "bad_json"
+
+
+def test_key_must_match_request_id_when_present() -> None:
+    assert isinstance(check(enc(served()), key=None), Accepted)
+    out = check(enc(served()), key=b"r2")
+    assert isinstance(out, Rejected) and out.reason == "key_mismatch"
+
+
+def test_tombstone_value_is_rejected_not_raised() -> None:
+    out = check(None)
+    assert isinstance(out, Rejected) and out.reason == "bad_json"
+
+
+def test_never_raises_on_random_input() -> None:
+    import random
+
+    rng = random.Random(7)
+    base = enc(served())
+    dev = AuthPolicy(keys={}, allow_unsigned=True)
+    for _ in range(2000):
+        b = bytearray(base)
+        for _ in range(rng.randint(1, 6)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        out = validate(bytes(b), [], None, NOW, LIMITS, dev)
+        assert isinstance(out, (Accepted, Rejected))
+        if isinstance(out, Rejected):
+            assert out.reason in REASONS
