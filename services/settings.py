@@ -143,10 +143,92 @@ class IngestSettings(_Frozen):
     read_committed consumers of the events topic wait at most this long behind it."""
 
 
+class RewardSettings(_Frozen):
+    """The reward join service: batching, timers, transactions and the emitted markers."""
+
+    group_id: str = "rtrl-reward"
+    """Consumer group of the reward workers (on the events topic)."""
+    max_batch: int = 500
+    """Most events per poll; one Kafka transaction covers one polled batch and its closes."""
+    poll_timeout_ms: int = 200
+    """Longest wait for new events; due windows are checked after every poll, so this bounds
+    how late a timer fires when no events arrive."""
+    max_close_per_batch: int = 2000
+    """Most windows closed in one transaction (the rest close on the next loop)."""
+    time_scale: float = 1.0
+    """Multiplies every duration of the reward spec's window (horizons, grace, follow-up)
+    when deciding *when* a window closes; horizons keep their names. 0.01 makes a 1 h
+    horizon close after 36 s (demos, tests). Production: 1.0."""
+    emitted_ttl_s: int = 7 * 86_400
+    """How long Redis remembers that a request's reward was emitted; events for it within
+    this time are counted as late. Keep it above the largest horizon plus any client delay."""
+    transactional_id: str | None = None
+    """Transactional id. None: ``rtrl-reward-<host>-<pid>-<random>``, unique per process.
+    Set a stable id per replica (e.g. the StatefulSet pod name) so a restarted worker aborts
+    its predecessor's open transaction at once instead of after ``transaction_timeout_ms``."""
+    transaction_timeout_ms: int = 15_000
+    """The broker aborts a transaction left open this long (e.g. by a killed worker)."""
+
+
 class HttpSettings(_Frozen):
     host: str = "127.0.0.1"
     port: int = 0
     """Port for /metrics, /healthz and /readyz; 0 picks a free port (printed at start)."""
+
+
+class UpstreamSettings(_Frozen):
+    """One OpenAI-compatible inference endpoint behind the gateway (upstream mode)."""
+
+    base_url: str
+    """Base URL without the ``/v1/completions`` path, e.g. ``http://vllm-stable:8000``."""
+    model: str
+    """Model name sent in the request body (as the inference server knows it)."""
+    api_key: SecretStr | None = None
+    """Sent as ``Authorization: Bearer ...`` when set."""
+    version: str | None = None
+    """Version label for served events when the routing table names none for this arm."""
+
+
+class GatewaySettings(_Frozen):
+    """The serving gateway (``rtrl serve gateway``): HTTP API, routing, exposure logging."""
+
+    host: str = "127.0.0.1"
+    """Address the API binds to; 0.0.0.0 in containers."""
+    port: int = 8080
+    """Port of the API, which also serves /metrics, /healthz and /readyz."""
+    max_body_bytes: int = 64 * 1024
+    """Larger request bodies are refused with 413 before they are read."""
+    routing_poll_s: float = 1.0
+    """How often the routing table is read from Redis (weight changes apply within this)."""
+    champion_refresh_s: float = 10.0
+    """How often the registry's ``champion`` alias is re-read when Redis names no stable version."""
+    load_retry_s: float = 30.0
+    """Wait before retrying a model version that failed to load."""
+    default_max_tokens: int = Field(16, ge=1, le=256)
+    """max_tokens of a request that does not say."""
+    simulated_ms_per_token: float = Field(0.0, ge=0.0)
+    """Simulated generation cost added to each completion's reported latency_ms (demo)."""
+    sleep_simulated_latency: bool = False
+    """Also sleep the simulated cost before answering, so clients feel it."""
+    key_id: str | None = "gateway"
+    """Key id that signs completion.served events; None sends them unsigned (development)."""
+    secret: SecretStr | None = None
+    """Signing secret; None: the secret of ``key_id`` in ``auth.keys``."""
+    exposure_queue: int = 10_000
+    """Served events waiting for the broker; beyond this they are dropped and counted."""
+    model_cache_dir: Path | None = None
+    """Where downloaded model versions are kept; None: a temporary directory."""
+    torch_threads: int = 1
+    """Intra-op threads per generation; 1 keeps concurrent requests from fighting for cores."""
+    stable_upstream: UpstreamSettings | None = None
+    """Upstream mode: forward the stable arm to this endpoint instead of a local policy."""
+    canary_upstream: UpstreamSettings | None = None
+    """Upstream mode: endpoint of the canary arm (None: no canary in upstream mode)."""
+    upstream_timeout_s: float = 30.0
+    upstream_token_ids: Literal["require", "hash"] = "require"
+    """How upstream completion tokens become token ids in served events: ``require`` asks
+    the server for ids (vLLM ``return_tokens_as_token_ids``) and fails the request (502)
+    when it returns text tokens; ``hash`` maps text tokens to stable 31-bit hashes."""
 
 
 class StackSettings(_Frozen):
@@ -172,7 +254,9 @@ class Settings(BaseSettings):
     ray: RaySettings = RaySettings()
     auth: AuthSettings = AuthSettings()
     ingest: IngestSettings = IngestSettings()
+    reward: RewardSettings = RewardSettings()
     http: HttpSettings = HttpSettings()
+    gateway: GatewaySettings = GatewaySettings()
     stack: StackSettings = StackSettings()
     log_level: str = "INFO"
     reward_spec: Path | None = None
