@@ -1,0 +1,120 @@
+"""Reward-hacking detectors: behaviour drift between canary and stable.
+
+A policy trained on a reward can learn to dodge the reward instead of earning it. Two cases
+seen in production RL on coding assistants: broken tool calls emitted on tasks the model
+expects to fail (when broken calls were discarded rather than penalised), and clarifying
+questions instead of risky edits (when only edits were rewarded). Each detector watches one
+behaviour rate with the same always-valid test as the metrics and fires only when the drift
+is confidently beyond its tolerance; a point estimate beyond tolerance that is not yet
+confident holds promotion back.
+
+| detector | watches | suspicious direction |
+|---|---|---|
+| edit_rate | share of completions that are edits | down |
+| question_rate | share that are clarifying questions | up |
+| abstention_rate | share that are empty | up |
+| invalid_tool_rate | invalid tool calls / tool calls | up |
+| completion_length | mean completion tokens | either way (relative tolerance) |
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rollback.metrics import LABELS, METRICS, arm_stats, compare, ratio_sums, sums_for
+from rollback.types import DetectorResult, JudgePolicy, JudgeState, MetricEvidence, RequestOutcome
+
+Suspicious = Literal["down", "up", "either"]
+
+DETECTORS: dict[str, Suspicious] = {
+    "edit_rate": "down",
+    "question_rate": "up",
+    "abstention_rate": "up",
+    "invalid_tool_rate": "up",
+    "completion_length": "either",
+}
+
+WHY = {
+    "edit_rate": "the canary avoids proposing edits (it asks or answers nothing instead)",
+    "question_rate": "the canary defers edits by asking clarifying questions",
+    "abstention_rate": "the canary returns nothing more often, dodging negative reward",
+    "invalid_tool_rate": "the canary emits broken tool calls, e.g. on tasks it expects to fail",
+    "completion_length": ("the canary's output length changed sharply, a common sign of reward "
+                          "over-optimisation"),
+}
+
+
+def drift_check(
+    direction: Suspicious, lower: float, upper: float, estimate: float, tolerance: float
+) -> tuple[bool, bool]:
+    """(fired, holding) from the confidence bounds on canary − stable.
+
+    Fired: the whole interval lies beyond the tolerance in the suspicious direction.
+    Holding: the point estimate does, but the interval does not yet.
+    """
+    up_fired, up_hold = lower > tolerance, estimate > tolerance
+    down_fired, down_hold = upper < -tolerance, estimate < -tolerance
+    if direction == "up":
+        fired, hold = up_fired, up_hold
+    elif direction == "down":
+        fired, hold = down_fired, down_hold
+    else:
+        fired, hold = up_fired or down_fired, up_hold or down_hold
+    return fired, hold and not fired
+
+
+def tolerance(name: str, policy: JudgePolicy, stable_mean: float) -> float:
+    d = policy.detectors
+    if name == "completion_length":
+        return max(1.0, d.length_change * abs(stable_mean))
+    return {
+        "edit_rate": d.edit_rate_drop,
+        "question_rate": d.question_rate_rise,
+        "abstention_rate": d.abstention_rate_rise,
+        "invalid_tool_rate": d.invalid_tool_rate_rise,
+    }[name]
+
+
+def run_detectors(
+    stable: tuple[RequestOutcome, ...],
+    canary: tuple[RequestOutcome, ...],
+    policy: JudgePolicy,
+    alpha: float,
+    state: JudgeState,
+) -> tuple[DetectorResult, ...]:
+    """Run every enabled detector; ``alpha`` is each detector's share of the error budget."""
+    results = []
+    for name in policy.detectors.enabled:
+        if name not in DETECTORS:
+            raise ValueError(f"unknown detector {name!r}; known: {sorted(DETECTORS)}")
+        if name == "invalid_tool_rate":
+            s_sums = ratio_sums(stable, lambda o: float(o.invalid_tool_calls), lambda o: float(o.tool_calls))
+            c_sums = ratio_sums(canary, lambda o: float(o.invalid_tool_calls), lambda o: float(o.tool_calls))
+        else:
+            s_sums, c_sums = sums_for(stable, METRICS[name]), sums_for(canary, METRICS[name])
+        s_stats, c_stats = arm_stats(s_sums), arm_stats(c_sums)
+        tol = tolerance(name, policy, s_stats[0])
+        suspicious = DETECTORS[name]
+        ev = compare(name, s_stats, c_stats,
+                     direction="higher_is_better" if suspicious == "down" else "lower_is_better",
+                     mde=tol, tau=policy.mixture_scale * tol, alpha=alpha,
+                     min_n=policy.min_users, state=state)
+        if ev.status == "insufficient":
+            results.append(DetectorResult(name, ev, False, False, f"{LABELS[name]}: too few users yet."))
+            continue
+        fired, holding = drift_check(suspicious, ev.ci_lower, ev.ci_upper, ev.estimate, tol)
+        results.append(DetectorResult(name, ev, fired, holding, explain(name, ev, tol, fired, holding)))
+    return tuple(results)
+
+
+def explain(name: str, ev: MetricEvidence, tol: float, fired: bool, holding: bool) -> str:
+    label = LABELS[name]
+    moved = "rose" if ev.estimate > 0 else "fell"
+    body = (f"{label} {moved} from {ev.stable_mean:.3g} on stable to {ev.canary_mean:.3g} on the "
+            f"canary (difference {ev.estimate:+.3g}, always-valid interval {ev.ci_lower:+.3g} to "
+            f"{ev.ci_upper:+.3g}, tolerance ±{tol:.3g})")
+    if fired:
+        return f"Reward hacking: {body}; {WHY[name]}."
+    if holding:
+        return f"Promotion held: {body}; not yet conclusive, watching for reward hacking."
+    return f"{label.capitalize()}: no drift beyond ±{tol:.3g} ({ev.stable_mean:.3g} vs {ev.canary_mean:.3g})."

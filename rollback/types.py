@@ -1,0 +1,292 @@
+"""What the rollback judge reads and what it answers.
+
+The deployer fills one :class:`CohortData` per arm (stable, canary) over the same time
+window — one :class:`RequestOutcome` per closed reward record, plus the gateway's request
+and error counts for that arm — and calls :func:`rollback.judge.judge` every tick. The
+answer is a :class:`Verdict`: a decision, plain-English reasons with numbers, and the
+evidence per metric, guardrail and reward-hacking detector, ready for the ledger.
+
+Everything here is a frozen dataclass of plain values, so verdicts can be logged as JSON
+and the judge's sequential state (a ``dict[str, float]``) can be persisted by the deployer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from ingest.events import RewardRecord
+
+CompletionKind = Literal["edit", "question", "empty"]
+Direction = Literal["higher_is_better", "lower_is_better"]
+Status = Literal["worse", "non_inferior", "better", "undecided", "insufficient"]
+JudgeState = dict[str, float]
+"""Sequential state carried between ticks (running minima of always-valid p-values and a
+tick counter). The deployer persists it as JSON and passes it back on the next tick."""
+
+
+class Decision(StrEnum):
+    """What the deployer should do after this tick."""
+
+    CONTINUE = "continue"
+    """Not enough evidence either way yet: keep the canary at its current step."""
+    PROMOTE = "promote"
+    """Every primary metric is, with confidence, no worse than its minimum detectable effect,
+    no guardrail or detector fired: the candidate may advance / be promoted."""
+    ROLLBACK = "rollback"
+    """A guardrail tripped, a primary metric is confidently worse, or a reward-hacking
+    detector found drift: roll the canary back now."""
+    INCONCLUSIVE = "inconclusive"
+    """The sample or time budget ran out without a decision: abort, never promote."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """One served request and what users did with it (built from a RewardRecord)."""
+
+    user_key: str
+    """Pseudonymous user: the unit of randomisation and of analysis (requests are clustered by it)."""
+    reward: float
+    """The reward the spec assigned."""
+    latency_ms: float
+    """Serving latency of this completion."""
+    persistence: float | None = None
+    """Retained/inserted ratio of the accepted edit at the judged horizon; None when not observed."""
+    accepted: bool | None = None
+    """True accepted, False rejected, None no accept/reject feedback."""
+    error: bool = False
+    """True when serving failed (usually errors arrive as counts in CohortData instead)."""
+    dissatisfied: int = 0
+    """Number of dissatisfied follow-ups to this request."""
+    completion_kind: CompletionKind = "edit"
+    """What the completion was: a proposed edit, a clarifying question, or nothing."""
+    tool_calls: int = 0
+    """Tool calls the completion made."""
+    invalid_tool_calls: int = 0
+    """Of which were invalid (malformed, unknown tool, bad arguments)."""
+    completion_tokens: int = 0
+    """Completion length in tokens."""
+
+
+def outcome_from_reward(record: RewardRecord, horizon_s: int | None = None) -> RequestOutcome:
+    """Build a RequestOutcome from a closed reward record.
+
+    ``horizon_s`` picks the persistence horizon to judge; by default the longest horizon
+    the record observed. Persistence is None when that horizon was not observed.
+    """
+    persistence: float | None = None
+    if record.persistence:
+        if horizon_s is None:
+            key = max(record.persistence, key=lambda k: float(k))
+            persistence = record.persistence[key]
+        else:
+            persistence = record.persistence.get(str(horizon_s))
+    return RequestOutcome(
+        user_key=record.user_key,
+        reward=record.reward,
+        latency_ms=record.latency_ms,
+        persistence=persistence,
+        accepted=record.accepted,
+        dissatisfied=record.dissatisfied,
+        completion_kind=record.completion_kind,
+        tool_calls=record.tool_calls,
+        invalid_tool_calls=record.invalid_tool_calls,
+        completion_tokens=len(record.completion_tokens),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CohortData:
+    """One arm's observations over the judged window."""
+
+    arm: Literal["stable", "canary"]
+    """Which arm these observations come from."""
+    outcomes: tuple[RequestOutcome, ...] = ()
+    """Closed reward records of the window, one per request."""
+    requests: int = 0
+    """Requests the gateway served for this arm in the window (denominator of the error rate).
+    When 0, the number of outcomes is used."""
+    errors: int = 0
+    """Requests the gateway failed for this arm in the window (counted at the gateway, since a
+    failed request never produces a reward record). Outcomes with ``error=True`` are added."""
+
+    def request_count(self) -> int:
+        return max(self.requests, len(self.outcomes))
+
+    def error_count(self) -> int:
+        return self.errors + sum(1 for o in self.outcomes if o.error)
+
+    def users(self) -> int:
+        return len({o.user_key for o in self.outcomes})
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """A metric the judge tests sequentially, and how large a change matters."""
+
+    name: str
+    """One of rollback.metrics.METRICS (persistence, acceptance, reward, latency_ms,
+    latency_tail, dissatisfied, error_rate) or a detector name."""
+    mde: float
+    """Minimum detectable effect, absolute, in the metric's units (e.g. 0.03 = 3 points of
+    persistence, 50 = 50 ms). It sets the mixture scale of the test (power is tuned for it)
+    and the non-inferiority margin promotion requires."""
+    direction: Direction = "higher_is_better"
+    """Which way is better for the product."""
+    primary: bool = True
+    """Primary metrics must be non-inferior for promotion; all listed metrics can roll back."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuardrailPolicy:
+    """Absolute ceilings that roll back at once, without waiting for a test."""
+
+    max_error_rate: float = 0.05
+    """Roll back when the canary's error rate over the window exceeds this (and stable's)."""
+    max_p99_latency_ms: float = 10_000.0
+    """Roll back when the canary's p99 latency over the window exceeds this (and stable's)."""
+    min_requests: int = 200
+    """Guardrails look only once the canary served this many requests (p99 needs a few hundred)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorPolicy:
+    """Reward-hacking detectors: drift in behaviour rates between canary and stable."""
+
+    edit_rate_drop: float = 0.05
+    """Tolerated fall in the share of completions that are edits (absolute). A confident fall
+    beyond it means the model dodges edits (asks questions or says nothing) — rollback."""
+    question_rate_rise: float = 0.05
+    """Tolerated rise in the share of completions that are clarifying questions (absolute)."""
+    abstention_rate_rise: float = 0.03
+    """Tolerated rise in the share of empty completions (absolute)."""
+    invalid_tool_rate_rise: float = 0.02
+    """Tolerated rise in the share of tool calls that are invalid (absolute)."""
+    length_change: float = 0.25
+    """Tolerated relative change of mean completion length either way (0.25 = ±25% of stable)."""
+    enabled: tuple[str, ...] = (
+        "edit_rate", "question_rate", "abstention_rate", "invalid_tool_rate", "completion_length",
+    )
+    """Which detectors run."""
+
+
+def default_metrics() -> tuple[MetricSpec, ...]:
+    return (
+        MetricSpec("persistence", 0.03, "higher_is_better"),
+        MetricSpec("acceptance", 0.03, "higher_is_better"),
+        MetricSpec("reward", 0.05, "higher_is_better"),
+        MetricSpec("latency_ms", 100.0, "lower_is_better"),
+        MetricSpec("latency_tail", 0.02, "lower_is_better", primary=False),
+        MetricSpec("dissatisfied", 0.02, "lower_is_better"),
+        MetricSpec("error_rate", 0.01, "lower_is_better", primary=False),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class JudgePolicy:
+    """How the judge decides. Defaults suit a canary of a few thousand users per arm."""
+
+    alpha: float = 0.01
+    """Target false-rollback rate of an A/A canary, checked at every tick. It is split evenly
+    (Bonferroni) across every sequential test that can roll back: metrics and detectors."""
+    metrics: tuple[MetricSpec, ...] = field(default_factory=default_metrics)
+    """Metrics tested sequentially (always-valid confidence sequences on canary − stable)."""
+    min_users: int = 200
+    """No statistical decision before each arm has this many users (the variance estimate and
+    the normal approximation need them). Guardrails do not wait for it."""
+    max_users: int = 20_000
+    """Sample budget: users per arm (the smaller arm counts). Reached without a decision,
+    the verdict is inconclusive."""
+    max_duration_s: float = 6 * 3600.0
+    """Time budget: seconds since the canary started. Reached without a decision: inconclusive."""
+    require_improvement: bool = False
+    """If True, promotion also needs at least one primary metric confidently better."""
+    mixture_scale: float = 1.0
+    """The mSPRT normal mixture has standard deviation mixture_scale × MDE; 1.0 makes the test
+    most sensitive near the MDE."""
+    guardrails: GuardrailPolicy = field(default_factory=GuardrailPolicy)
+    """Absolute ceilings that roll back immediately."""
+    detectors: DetectorPolicy = field(default_factory=DetectorPolicy)
+    """Reward-hacking drift detectors."""
+
+    def n_tests(self) -> int:
+        """Number of sequential tests sharing alpha."""
+        return len(self.metrics) + len(self.detectors.enabled)
+
+    def alpha_per_test(self) -> float:
+        return self.alpha / max(1, self.n_tests())
+
+
+@dataclass(frozen=True, slots=True)
+class MetricEvidence:
+    """The judge's statistics for one metric (or detector) at this tick: canary − stable."""
+
+    metric: str
+    direction: Direction
+    stable_mean: float
+    canary_mean: float
+    estimate: float
+    """canary − stable."""
+    ci_lower: float
+    """Always-valid lower confidence bound on canary − stable (at the per-test level)."""
+    ci_upper: float
+    p_value: float
+    """Always-valid p-value for "no difference" (running minimum over ticks)."""
+    n_stable: int
+    """Users (clusters) in stable contributing to this metric (requests for error_rate)."""
+    n_canary: int
+    mde: float
+    """Minimum detectable effect / tolerance (absolute) for this metric."""
+    status: Status
+    """worse: confidently worse (rolls back); non_inferior: confidently no worse than −MDE;
+    better: confidently better; undecided: none of these yet; insufficient: too few samples."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuardrailResult:
+    name: str
+    """error_rate or p99_latency_ms."""
+    canary_value: float
+    stable_value: float
+    ceiling: float
+    tripped: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorResult:
+    name: str
+    """edit_rate, question_rate, abstention_rate, invalid_tool_rate, completion_length."""
+    evidence: MetricEvidence
+    fired: bool
+    """Confident drift beyond the tolerance in the suspicious direction: rollback."""
+    holding: bool
+    """The point estimate is beyond the tolerance but not yet confidently: blocks promotion."""
+    explanation: str
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    decision: Decision
+    reasons: tuple[str, ...]
+    """Plain-English sentences with numbers, most important first."""
+    metrics: tuple[MetricEvidence, ...]
+    guardrails: tuple[GuardrailResult, ...]
+    detectors: tuple[DetectorResult, ...]
+    users_stable: int
+    users_canary: int
+    state: JudgeState
+    """Pass this back on the next tick (and persist it)."""
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form for the ledger."""
+        return asdict(self)
+
+    def stats(self) -> dict[str, float]:
+        """Flat metric_stat -> value map (for MLflow metrics and the JUDGE_STAT gauge)."""
+        out: dict[str, float] = {}
+        for ev in (*self.metrics, *(d.evidence for d in self.detectors)):
+            for stat in ("stable_mean", "canary_mean", "estimate", "ci_lower", "ci_upper", "p_value"):
+                out[f"{ev.metric}.{stat}"] = float(getattr(ev, stat))
+        return out

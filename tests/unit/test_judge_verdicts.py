@@ -1,0 +1,102 @@
+"""The judge's verdicts on small hand-built cohorts: each decision path and its reasons."""
+
+from __future__ import annotations
+
+import json
+import random
+from datetime import UTC, datetime
+
+from ingest.events import ModelRef, RewardRecord
+from rollback.judge import judge
+from rollback.types import (
+    CohortData,
+    Decision,
+    GuardrailPolicy,
+    JudgePolicy,
+    MetricSpec,
+    RequestOutcome,
+    outcome_from_reward,
+)
+
+
+def _cohort(arm: str, users: int, *, seed: int, persist: float = 0.6, edit: float = 0.8,
+            latency: float = 400.0, errors: int = 0, invalid: float = 0.02) -> CohortData:
+    rng = random.Random(seed)
+    out = []
+    for u in range(users):
+        for _ in range(rng.randint(1, 4)):
+            r = rng.random()
+            kind = "edit" if r < edit else ("question" if r < edit + (1 - edit) / 2 else "empty")
+            acc = (rng.random() < 0.7) if kind == "edit" else None
+            out.append(RequestOutcome(
+                user_key=f"{arm}-{u}", reward=rng.gauss(0.3, 0.5),
+                latency_ms=latency * rng.lognormvariate(0, 0.3),
+                persistence=float(rng.random() < persist) if acc else None, accepted=acc,
+                dissatisfied=int(rng.random() < 0.05), completion_kind=kind,  # type: ignore[arg-type]
+                tool_calls=2, invalid_tool_calls=int(rng.random() < invalid),
+                completion_tokens=rng.randint(20, 60)))
+    return CohortData(arm, tuple(out), requests=len(out) + errors, errors=errors)  # type: ignore[arg-type]
+
+
+POLICY = JudgePolicy(min_users=100, max_users=50_000)
+
+
+def test_identical_cohorts_continue_or_promote_never_rollback() -> None:
+    v = judge(_cohort("stable", 300, seed=1), _cohort("canary", 300, seed=2), POLICY)
+    assert v.decision in (Decision.CONTINUE, Decision.PROMOTE)
+    assert v.state["ticks"] == 1.0
+    json.dumps(v.to_dict())  # the ledger stores it as JSON
+
+
+def test_too_few_users_waits() -> None:
+    v = judge(_cohort("stable", 20, seed=1), _cohort("canary", 20, seed=2), POLICY)
+    assert v.decision == Decision.CONTINUE
+    assert any("Waiting for 100 users" in r for r in v.reasons)
+
+
+def test_large_persistence_regression_rolls_back_with_numbers() -> None:
+    v = judge(_cohort("stable", 1500, seed=1), _cohort("canary", 1500, seed=2, persist=0.3), POLICY)
+    assert v.decision == Decision.ROLLBACK
+    assert any(r.startswith("Edit persistence") and "worse" in r for r in v.reasons)
+    ev = {e.metric: e for e in v.metrics}["persistence"]
+    assert ev.status == "worse" and ev.ci_upper < 0 < 0.4 + ev.ci_lower
+
+
+def test_error_guardrail_rolls_back_at_once() -> None:
+    v = judge(_cohort("stable", 60, seed=1), _cohort("canary", 60, seed=2, errors=100), POLICY)
+    assert v.decision == Decision.ROLLBACK
+    assert any(r.startswith("Guardrail: canary error rate") for r in v.reasons)
+
+
+def test_p99_guardrail() -> None:
+    policy = JudgePolicy(min_users=100, guardrails=GuardrailPolicy(max_p99_latency_ms=2000))
+    v = judge(_cohort("stable", 200, seed=1), _cohort("canary", 200, seed=2, latency=5000), policy)
+    assert v.decision == Decision.ROLLBACK
+    assert any("p99 latency" in r for r in v.reasons)
+
+
+def test_edit_avoidance_is_reward_hacking() -> None:
+    v = judge(_cohort("stable", 1500, seed=1), _cohort("canary", 1500, seed=2, edit=0.4), POLICY)
+    assert v.decision == Decision.ROLLBACK
+    assert any(r.startswith("Reward hacking: edit rate fell from 0.8") for r in v.reasons)
+
+
+def test_budget_spent_is_inconclusive() -> None:
+    policy = JudgePolicy(min_users=10, max_users=30, metrics=(MetricSpec("persistence", 0.001),))
+    v = judge(_cohort("stable", 40, seed=1), _cohort("canary", 40, seed=2), policy)
+    assert v.decision == Decision.INCONCLUSIVE
+    assert v.reasons[0].startswith("Inconclusive: the sample budget")
+
+
+def test_outcome_from_reward_takes_longest_horizon() -> None:
+    now = datetime.now(UTC)
+    rec = RewardRecord(request_id="r1", served_event_id="e1", session_id="s", user_key="u",
+                       served_ts=now, closed_ts=now, model=ModelRef(name="m", version="1"),
+                       arm="canary", prompt_tokens=[1], completion_tokens=[2, 3, 4],
+                       behavior_logprobs=[-1.0, -1.0, -1.0], latency_ms=12.0, accepted=True,
+                       persistence={"600": 0.9, "3600": 0.5}, reward=0.4, components={},
+                       reward_spec_version="v1")
+    o = outcome_from_reward(rec)
+    assert o.persistence == 0.5 and o.completion_tokens == 3 and o.accepted is True
+    assert outcome_from_reward(rec, horizon_s=600).persistence == 0.9
+    assert outcome_from_reward(rec, horizon_s=60).persistence is None
