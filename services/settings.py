@@ -231,6 +231,71 @@ class GatewaySettings(_Frozen):
     when it returns text tokens; ``hash`` maps text tokens to stable 31-bit hashes."""
 
 
+class SimulatorSettings(_Frozen):
+    """Simulated users (``rtrl serve simulator``): they call the gateway and send the client
+    events of the contract (accept/reject, persistence at horizons, dissatisfied follow-ups)."""
+
+    gateway_url: str = "http://127.0.0.1:8080"
+    """Base URL of the gateway's HTTP API."""
+    seed: int = 0
+    """Seeds the world (tasks, preferences), the population and every reaction."""
+    n_users: int = 200
+    """Simulated users; each has a user_key, a type from the mix and hidden preferences."""
+    user_mix: dict[str, float] = Field(default_factory=dict)
+    """Overrides of the user types' shares by name (patient, typical, impatient),
+    e.g. RTRL_SIMULATOR__USER_MIX='{"impatient": 0.6}'. Empty: the default mix."""
+    ambiguous_share: float = Field(0.1, ge=0.0, le=1.0)
+    """Share of requests on ambiguous tasks, where asking a question beats guessing."""
+    concurrency: int = Field(4, ge=1)
+    """Requests in flight at once (one thread each)."""
+    rate_per_s: float = Field(20.0, ge=0.0)
+    """Target requests per second over all users; 0: as fast as the gateway answers."""
+    max_tokens: int = Field(24, ge=1, le=256)
+    temperature: float = Field(1.0, gt=0.0)
+    time_scale: float = Field(1.0, gt=0.0)
+    """Multiplies the reward spec's horizons and the users' delays (same meaning as
+    ``reward.time_scale``; set both to the same value): 0.005 sends the 1 h persistence
+    report 18 s after the edit."""
+    accept_delay_s: float = Field(2.0, ge=0.0)
+    """Seconds (before time_scale) between a completion and the user's accept/reject."""
+    followup_delay_s: float = Field(20.0, ge=0.0)
+    """Seconds (before time_scale) between the reaction and a dissatisfied follow-up."""
+    max_requests: int = Field(0, ge=0)
+    """Stop after this many requests (0: run until stopped)."""
+    request_timeout_s: float = 10.0
+    key_id: str | None = "simulator"
+    """Key id that signs the client events; None sends them unsigned (development)."""
+    secret: SecretStr | None = None
+    """Signing secret; None: the secret of ``key_id`` in ``auth.keys``."""
+
+
+class DemoSettings(_Frozen):
+    """``rtrl demo``: the closed loop on an embedded stack (flags override these)."""
+
+    data_dir: Path = Path(".rtrl/demo")
+    """The demo's own stack, registry and logs; wiped at the start of each run."""
+    report_dir: Path = Path("reports")
+    minutes: float = Field(12.0, gt=0.0)
+    """Wall-clock budget of the loop phase (the whole demo stays under ~15 minutes)."""
+    increments: int = Field(4, ge=1)
+    """Stop early once this many trainer increments have been decided by the deployer."""
+    time_scale: float = Field(0.005, gt=0.0)
+    """Time compression of reward windows and simulated users (1 h -> 18 s at 0.005)."""
+    trainer_cadence_s: float = Field(75.0, gt=0.0)
+    """Seconds between scheduled RL increments during the demo (production: 5 h)."""
+    simulated_ms_per_token: float = 20.0
+    """Simulated generation cost per token added to latency_ms by the gateway."""
+    bad_candidate: Literal["reward-hacked", "corrupted", "none"] = "reward-hacked"
+    """The deliberately bad candidate injected once: a policy that asks questions instead
+    of editing, or the champion with corrupted weights."""
+    bad_candidate_after_decisions: int = Field(1, ge=0)
+    """Inject the bad candidate once this many canaries have been decided."""
+    progress_every_s: float = Field(5.0, gt=0.0)
+    sim_rate_per_s: float = Field(25.0, ge=0.0)
+    sim_users: int = 300
+    seed: int = 0
+
+
 class StackSettings(_Frozen):
     """The embedded default stack started by ``rtrl up``."""
 
@@ -258,6 +323,8 @@ class Settings(BaseSettings):
     http: HttpSettings = HttpSettings()
     gateway: GatewaySettings = GatewaySettings()
     stack: StackSettings = StackSettings()
+    simulator: SimulatorSettings = SimulatorSettings()
+    demo: DemoSettings = DemoSettings()
     log_level: str = "INFO"
     reward_spec: Path | None = None
     """Reward spec file; None uses the packaged default (ingest/specs/default.toml)."""
