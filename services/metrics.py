@@ -57,6 +57,11 @@ REWARD_CLOSE_SECONDS = Histogram(
     "From the closing event (or due time) to the reward record being committed",
     buckets=LATENCY_BUCKETS,
 )
+REWARD_RECOVERED = Counter(
+    "rtrl_reward_recovered_total",
+    "Request ids found on the rewards topic at partition assignment and marked emitted "
+    "(non-zero after a worker died between its Kafka commit and its Redis update)",
+)
 
 # --- trainer -----------------------------------------------------------------------------
 TRAIN_INCREMENTS = Counter(

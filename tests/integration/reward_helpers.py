@@ -1,0 +1,82 @@
+"""Helpers shared by the reward integration tests: events straight onto the events topic,
+and a read_committed reader of the rewards topic."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from ingest.events import (
+    CompletionServed,
+    EditAccepted,
+    EditPersistence,
+    EditRejected,
+    FollowupDissatisfied,
+    ModelRef,
+)
+from services.kafka_io import make_consumer, make_producer
+from services.settings import Settings
+
+T0 = datetime.now(UTC) - timedelta(minutes=5)
+
+
+def served(rid: str, kind: str = "edit", arm: str = "stable", **kw: Any) -> CompletionServed:
+    return CompletionServed(
+        event_id=f"{rid}-s", request_id=rid, ts=T0, session_id="s", user_key=f"u-{rid}",
+        model=ModelRef(name="tiny", version="1"), arm=arm,  # type: ignore[arg-type]
+        prompt_tokens=[1, 2, 3], completion_tokens=[4, 5], logprobs=[-0.5, -0.25],
+        latency_ms=kw.pop("latency_ms", 500.0), completion_kind=kind, **kw,  # type: ignore[arg-type]
+    )
+
+
+def accepted(rid: str) -> EditAccepted:
+    return EditAccepted(event_id=f"{rid}-a", request_id=rid, ts=T0, inserted_chars=100)
+
+
+def rejected(rid: str) -> EditRejected:
+    return EditRejected(event_id=f"{rid}-r", request_id=rid, ts=T0)
+
+
+def persisted(rid: str, h: int, kept: int) -> EditPersistence:
+    return EditPersistence(event_id=f"{rid}-p{h}", request_id=rid, ts=T0 + timedelta(seconds=1),
+                           horizon_s=h, retained_chars=kept, inserted_chars=100)
+
+
+def dissatisfied(rid: str) -> FollowupDissatisfied:
+    return FollowupDissatisfied(event_id=f"{rid}-d", request_id=rid, ts=T0)
+
+
+def full_edit(rid: str, kept: int = 80) -> list[Any]:
+    return [served(rid), accepted(rid), persisted(rid, 30, 100), persisted(rid, 600, kept),
+            persisted(rid, 3600, kept // 2)]
+
+
+def produce(settings: Settings, events: list[Any]) -> None:
+    prod = make_producer(settings.kafka)
+    for ev in events:
+        prod.send(settings.topics.events, value=ev.model_dump_json().encode(), key=ev.request_id.encode())
+    prod.flush()
+    prod.close()
+
+
+def read_rewards(settings: Settings, expect: int, timeout_s: float = 30.0,
+                 settle_s: float = 0.0) -> list[dict[str, Any]]:
+    """Read the rewards topic (read_committed) until ``expect`` records, then ``settle_s``
+    more seconds (to see duplicates that would follow)."""
+    c = make_consumer(settings.kafka, None, [settings.topics.rewards])
+    out: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout_s
+    settle_until: float | None = None
+    try:
+        while time.monotonic() < deadline:
+            for recs in c.poll(timeout_ms=200).values():
+                out += [json.loads(r.value) for r in recs]
+            if len(out) >= expect and settle_until is None:
+                settle_until = time.monotonic() + settle_s
+            if settle_until is not None and time.monotonic() >= settle_until:
+                break
+    finally:
+        c.close()
+    return out
