@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -244,23 +244,23 @@ class SimulatorSettings(_Frozen):
     user_mix: dict[str, float] = Field(default_factory=dict)
     """Overrides of the user types' shares by name (patient, typical, impatient),
     e.g. RTRL_SIMULATOR__USER_MIX='{"impatient": 0.6}'. Empty: the default mix."""
-    ambiguous_share: float = Field(0.1, ge=0.0, le=1.0)
+    ambiguous_share: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
     """Share of requests on ambiguous tasks, where asking a question beats guessing."""
-    concurrency: int = Field(4, ge=1)
+    concurrency: Annotated[int, Field(ge=1)] = 4
     """Requests in flight at once (one thread each)."""
-    rate_per_s: float = Field(20.0, ge=0.0)
+    rate_per_s: Annotated[float, Field(ge=0.0)] = 20.0
     """Target requests per second over all users; 0: as fast as the gateway answers."""
-    max_tokens: int = Field(24, ge=1, le=256)
-    temperature: float = Field(1.0, gt=0.0)
-    time_scale: float = Field(1.0, gt=0.0)
+    max_tokens: Annotated[int, Field(ge=1, le=256)] = 24
+    temperature: Annotated[float, Field(gt=0.0)] = 1.0
+    time_scale: Annotated[float, Field(gt=0.0)] = 1.0
     """Multiplies the reward spec's horizons and the users' delays (same meaning as
     ``reward.time_scale``; set both to the same value): 0.005 sends the 1 h persistence
     report 18 s after the edit."""
-    accept_delay_s: float = Field(2.0, ge=0.0)
+    accept_delay_s: Annotated[float, Field(ge=0.0)] = 2.0
     """Seconds (before time_scale) between a completion and the user's accept/reject."""
-    followup_delay_s: float = Field(20.0, ge=0.0)
+    followup_delay_s: Annotated[float, Field(ge=0.0)] = 20.0
     """Seconds (before time_scale) between the reaction and a dissatisfied follow-up."""
-    max_requests: int = Field(0, ge=0)
+    max_requests: Annotated[int, Field(ge=0)] = 0
     """Stop after this many requests (0: run until stopped)."""
     request_timeout_s: float = 10.0
     key_id: str | None = "simulator"
@@ -275,23 +275,23 @@ class DemoSettings(_Frozen):
     data_dir: Path = Path(".rtrl/demo")
     """The demo's own stack, registry and logs; wiped at the start of each run."""
     report_dir: Path = Path("reports")
-    minutes: float = Field(12.0, gt=0.0)
+    minutes: Annotated[float, Field(gt=0.0)] = 12.0
     """Wall-clock budget of the loop phase (the whole demo stays under ~15 minutes)."""
-    increments: int = Field(4, ge=1)
+    increments: Annotated[int, Field(ge=1)] = 4
     """Stop early once this many trainer increments have been decided by the deployer."""
-    time_scale: float = Field(0.005, gt=0.0)
+    time_scale: Annotated[float, Field(gt=0.0)] = 0.005
     """Time compression of reward windows and simulated users (1 h -> 18 s at 0.005)."""
-    trainer_cadence_s: float = Field(75.0, gt=0.0)
+    trainer_cadence_s: Annotated[float, Field(gt=0.0)] = 75.0
     """Seconds between scheduled RL increments during the demo (production: 5 h)."""
     simulated_ms_per_token: float = 20.0
     """Simulated generation cost per token added to latency_ms by the gateway."""
     bad_candidate: Literal["reward-hacked", "corrupted", "none"] = "reward-hacked"
     """The deliberately bad candidate injected once: a policy that asks questions instead
     of editing, or the champion with corrupted weights."""
-    bad_candidate_after_decisions: int = Field(1, ge=0)
+    bad_candidate_after_decisions: Annotated[int, Field(ge=0)] = 1
     """Inject the bad candidate once this many canaries have been decided."""
-    progress_every_s: float = Field(5.0, gt=0.0)
-    sim_rate_per_s: float = Field(25.0, ge=0.0)
+    progress_every_s: Annotated[float, Field(gt=0.0)] = 5.0
+    sim_rate_per_s: Annotated[float, Field(ge=0.0)] = 25.0
     sim_users: int = 300
     seed: int = 0
 
