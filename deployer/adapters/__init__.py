@@ -1,0 +1,1 @@
+"""Real adapters for the deployer's ports (MLflow registry). Only this package imports MLflow."""

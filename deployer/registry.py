@@ -1,0 +1,145 @@
+"""The model registry port: versions of one registered policy, their tags and three aliases.
+
+Conventions (shared by trainer, deployer, gateway and the operator CLI):
+
+- one registered model (``settings.mlflow.registered_model``, default ``rtrl-policy``);
+- aliases ``champion`` (serves the stable arm), ``candidate`` (under canary) and
+  ``previous`` (the last champion, for rollback); stages are not used;
+- versions are strings everywhere (MLflow's sqlite store answers ints, REST answers strings);
+- every version carries lineage and decision tags whose keys start with ``rtrl.`` (:class:`Tag`).
+
+The real adapter is ``deployer/adapters/mlflow_registry.py``; :class:`InMemoryRegistry`
+is the fake for unit tests. One contract test suite runs against both.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+CHAMPION = "champion"
+"""Serves the stable arm."""
+CANDIDATE = "candidate"
+"""The version under canary (or waiting for one)."""
+PREVIOUS = "previous"
+"""The champion before the current one."""
+ALIASES = (CHAMPION, CANDIDATE, PREVIOUS)
+
+
+class Tag:
+    """Version tag keys. Values are strings; structured values are JSON."""
+
+    PARENT_VERSION = "rtrl.parent_version"
+    """The version this one was trained from ("" for a bootstrap)."""
+    WINDOW = "rtrl.window"
+    """JSON: topic, partitions, offset ranges and counts of the data window."""
+    REWARD_SPEC_VERSION = "rtrl.reward_spec_version"
+    KIND = "rtrl.kind"
+    """bootstrap | increment (other values, e.g. corrupted, are test fixtures)."""
+    GATE_RESULT = "rtrl.gate.result"
+    """pass | fail. A version tagged fail is never canaried."""
+    GATE_REASONS = "rtrl.gate.reasons"
+    """JSON list of the checks that failed (empty on pass) and the gate's figures."""
+    CANARY_OUTCOME = "rtrl.canary.outcome"
+    DECISION = "rtrl.decision"
+    DECISION_REASON = "rtrl.decision.reason"
+    DECIDED_BY = "rtrl.decided_by"
+    RUN_ID = "rtrl.run_id"
+    """The MLflow run that produced the version (the fake stores what it is given)."""
+
+
+@runtime_checkable
+class Registry(Protocol):
+    """Where policies are versioned. Every method raises on a registry error; none retries."""
+
+    def register(
+        self, run_id: str | None, policy_dir: str | Path, tags: Mapping[str, str] | None = None
+    ) -> str:
+        """Store the saved policy directory as a new version of the registered model and
+        return its version. ``run_id`` names the run that produced it (None: a run is made)."""
+        ...
+
+    def set_alias(self, alias: str, version: str) -> None:
+        """Point ``alias`` at ``version`` (moving it if it pointed elsewhere)."""
+        ...
+
+    def delete_alias(self, alias: str) -> None:
+        """Remove ``alias``; no error when it does not exist."""
+        ...
+
+    def alias_version(self, alias: str) -> str | None:
+        """The version ``alias`` points at, as a string, or None."""
+        ...
+
+    def set_tags(self, version: str, tags: Mapping[str, str]) -> None:
+        """Set (overwrite) tags on a version; other tags are kept."""
+        ...
+
+    def get_tags(self, version: str) -> dict[str, str]:
+        """All tags of a version; KeyError when the version does not exist."""
+        ...
+
+    def download(self, version: str, dst_dir: str | Path) -> Path:
+        """Copy the version's policy directory under ``dst_dir``; return the directory that
+        holds its ``policy.json`` (pass it to ``trainer.policy.load_policy``)."""
+        ...
+
+    def versions(self) -> list[str]:
+        """All versions, oldest first."""
+        ...
+
+
+class InMemoryRegistry:
+    """A registry in a dict, with policy copies in a temporary folder. Unit tests only."""
+
+    def __init__(self, root: str | Path | None = None) -> None:
+        self._root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="rtrl-registry-"))
+        self._tags: dict[str, dict[str, str]] = {}
+        self._aliases: dict[str, str] = {}
+        self.runs: dict[str, str | None] = {}
+        """version -> run_id it was registered with."""
+
+    def register(
+        self, run_id: str | None, policy_dir: str | Path, tags: Mapping[str, str] | None = None
+    ) -> str:
+        src = Path(policy_dir)
+        if not src.is_dir():
+            raise FileNotFoundError(f"policy directory {src} does not exist")
+        version = str(len(self._tags) + 1)
+        shutil.copytree(src, self._root / version / "policy")
+        self._tags[version] = {k: str(v) for k, v in (tags or {}).items()}
+        self.runs[version] = run_id
+        return version
+
+    def _check(self, version: str) -> str:
+        version = str(version)
+        if version not in self._tags:
+            raise KeyError(f"no version {version} in the registry")
+        return version
+
+    def set_alias(self, alias: str, version: str) -> None:
+        self._aliases[alias] = self._check(version)
+
+    def delete_alias(self, alias: str) -> None:
+        self._aliases.pop(alias, None)
+
+    def alias_version(self, alias: str) -> str | None:
+        return self._aliases.get(alias)
+
+    def set_tags(self, version: str, tags: Mapping[str, str]) -> None:
+        self._tags[self._check(version)].update({k: str(v) for k, v in tags.items()})
+
+    def get_tags(self, version: str) -> dict[str, str]:
+        return dict(self._tags[self._check(version)])
+
+    def download(self, version: str, dst_dir: str | Path) -> Path:
+        version = self._check(version)
+        dst = Path(dst_dir) / "policy"
+        shutil.copytree(self._root / version / "policy", dst, dirs_exist_ok=True)
+        return dst
+
+    def versions(self) -> list[str]:
+        return sorted(self._tags, key=int)

@@ -1,0 +1,49 @@
+"""The registry contract (tests/unit/test_trainer_registry.py) against real MLflow: a direct
+sqlite store (versions come back as ints there) and a tracking server over REST (strings)."""
+
+from __future__ import annotations
+
+import importlib.util
+import uuid
+from pathlib import Path
+
+import pytest
+
+from deployer.adapters.mlflow_registry import MlflowRegistry
+from deployer.registry import CHAMPION, Registry
+
+_spec = importlib.util.spec_from_file_location(
+    "trainer_registry_contract", Path(__file__).parents[1] / "unit" / "test_trainer_registry.py"
+)
+assert _spec and _spec.loader
+contract = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(contract)
+
+
+@pytest.fixture(scope="module")
+def sqlite_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One sqlite store per module: creating its tables takes seconds."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+class TestMlflowRegistrySqlite(contract.RegistryContract):  # type: ignore[name-defined,misc]
+    @pytest.fixture
+    def registry(self, sqlite_uri: str) -> Registry:
+        return MlflowRegistry(sqlite_uri, f"rtrl-policy-{uuid.uuid4().hex[:8]}", "rtrl-training")
+
+
+class TestMlflowRegistryServer(contract.RegistryContract):  # type: ignore[name-defined,misc]
+    @pytest.fixture
+    def registry(self, mlflow_server: str) -> Registry:
+        # one server for the session: a fresh registered model per test keeps tests apart
+        return MlflowRegistry(mlflow_server, f"rtrl-policy-{uuid.uuid4().hex[:8]}", "rtrl-training")
+
+
+def test_versions_are_linked_to_their_runs(sqlite_uri: str, tmp_path: Path) -> None:
+    reg = MlflowRegistry(sqlite_uri)
+    run_id = reg.client.create_run(reg.experiment_id()).info.run_id
+    v = reg.register(run_id, contract.make_policy_dir(tmp_path, "x"))
+    assert reg.run_id(v) == run_id
+    reg.set_alias(CHAMPION, v)
+    # a second adapter instance (another process) sees the same alias
+    assert MlflowRegistry(reg.tracking_uri).alias_version(CHAMPION) == v
