@@ -116,3 +116,17 @@ GATEWAY_SECONDS = Histogram(
 GATEWAY_FALLBACKS = Counter(
     "rtrl_gateway_canary_fallbacks_total", "Canary requests served by stable because the canary failed"
 )
+GATEWAY_EXPOSURES = Counter(
+    "rtrl_gateway_exposures_total", "completion.served events by outcome", ["result"]
+)
+"""result: sent (acked by the broker) | failed (broker refused or timed out) |
+dropped (queue full or broker unreachable: never sent) | invalid (did not fit the contract)"""
+GATEWAY_MODEL_LOADS = Counter(
+    "rtrl_gateway_model_loads_total", "Model version loads by arm and result", ["arm", "result"]
+)
+GATEWAY_SERVING = Gauge(
+    "rtrl_gateway_serving_version", "1 for the version each arm currently serves", ["arm", "version"]
+)
+GATEWAY_ROUTING_AGE = Gauge(
+    "rtrl_gateway_routing_age_seconds", "Seconds since the routing table was last read from Redis"
+)

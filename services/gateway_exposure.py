@@ -1,0 +1,155 @@
+"""Exposure logging: one signed ``completion.served`` event per request, never on the
+response path.
+
+The request thread only puts the served fields on a bounded in-memory queue
+(``log`` never blocks). A background thread builds the event (contract validation),
+signs it and hands it to the Kafka producer, which batches. So:
+
+* a slow or unreachable broker adds no latency to responses;
+* while the broker is unreachable the queue fills; beyond ``maxsize`` events are dropped
+  and counted (``rtrl_gateway_exposures_total{result="dropped"}``), the gateway keeps
+  serving, and ``/readyz`` reports ``broker`` failing so on-call sees it;
+* a producer that cannot be created at start (broker down) is retried every ``retry_s``;
+* ``stop`` drains the queue and flushes the producer (SIGTERM loses nothing that reached
+  the queue, as long as the broker answers within the flush timeout).
+
+Delivery results come back through the producer's futures: ``sent`` on ack, ``failed``
+when the broker refused or the send timed out.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ingest.events import CompletionServed
+from services.metrics import GATEWAY_EXPOSURES
+
+log = logging.getLogger(__name__)
+
+
+class _Sender(Protocol):
+    """What the logger needs of services.event_producer.EventProducer."""
+
+    def send(self, event: Any) -> Any: ...
+
+    def flush(self, timeout: float | None = None) -> None: ...
+
+    def close(self, timeout: float | None = None) -> None: ...
+
+
+class ExposureLogger:
+    def __init__(
+        self, make_sender: Callable[[], _Sender], maxsize: int = 10_000, retry_s: float = 2.0
+    ) -> None:
+        self._make_sender = make_sender
+        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=maxsize)
+        self._retry_s = retry_s
+        self._sender: _Sender | None = None
+        self._healthy = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="exposures", daemon=True)
+
+    # ----------------------------------------------------------------- request path
+    def log(self, fields: dict[str, Any]) -> bool:
+        """Queue one served event's fields (CompletionServed keyword arguments); never blocks.
+        Returns False when the queue is full and the event was dropped."""
+        try:
+            self._queue.put_nowait(fields)
+            return True
+        except queue.Full:
+            GATEWAY_EXPOSURES.labels("dropped").inc()
+            return False
+
+    @property
+    def healthy(self) -> bool:
+        """The producer exists, its last delivery succeeded and the queue is not full."""
+        return self._sender is not None and self._healthy and not self._queue.full()
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    # ----------------------------------------------------------------- background
+    def start(self) -> ExposureLogger:
+        self._thread.start()
+        return self
+
+    def _connect(self) -> bool:
+        try:
+            self._sender = self._make_sender()
+            self._healthy = True
+            log.info("exposure logging connected to the broker")
+            return True
+        except Exception as exc:
+            log.warning("broker unreachable for exposure logging (retry in %.0fs): %s", self._retry_s, exc)
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sender is None and not self._connect():
+                self._stop.wait(self._retry_s)
+                continue
+            try:
+                fields = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._send(fields)
+
+    def _send(self, fields: dict[str, Any]) -> None:
+        assert self._sender is not None
+        try:
+            event = CompletionServed(**fields)
+        except ValueError as exc:
+            GATEWAY_EXPOSURES.labels("invalid").inc()
+            log.error("served event does not fit the contract, not sent: %s", exc)
+            return
+        try:
+            future = self._sender.send(event)
+        except Exception as exc:  # e.g. metadata timeout while the broker is down
+            self._healthy = False
+            GATEWAY_EXPOSURES.labels("failed").inc()
+            log.warning("could not hand a served event to the producer: %s", exc)
+            return
+        if future is not None and hasattr(future, "add_callback"):
+            future.add_callback(self._on_sent)
+            future.add_errback(self._on_failed)
+        else:
+            self._on_sent(None)
+
+    def _on_sent(self, _meta: object) -> None:
+        self._healthy = True
+        GATEWAY_EXPOSURES.labels("sent").inc()
+
+    def _on_failed(self, exc: BaseException) -> None:
+        self._healthy = False
+        GATEWAY_EXPOSURES.labels("failed").inc()
+        log.warning("served event not delivered: %s", exc)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Drain the queue into the producer, flush and close it."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        if self._sender is None and not self._queue.empty():
+            self._connect()
+        if self._sender is not None:
+            while time.monotonic() < deadline:
+                try:
+                    self._send(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._sender.flush(max(0.1, deadline - time.monotonic()))
+                self._sender.close(1.0)
+            except Exception as exc:
+                log.warning("flushing served events at stop failed: %s", exc)
+        left = self._queue.qsize()
+        if left:
+            GATEWAY_EXPOSURES.labels("dropped").inc(left)
+            log.warning("%d served events dropped at stop (broker unreachable)", left)
