@@ -1,0 +1,397 @@
+"""``rtrl serve ingest``: validate, authenticate and dedup raw events, exactly once.
+
+One worker = one consumer in the ingest group on the raw topic and one transactional
+producer. Each polled batch is handled as a unit:
+
+1. every record goes through ``ingest.validate.validate`` (pure);
+2. accepted events claim their ``event_id`` in the dedup store (one Redis round trip);
+3. one Kafka transaction carries the valid events (to the events topic, keyed by
+   ``request_id``), the rejected records (to the DLQ) and the batch's consumer offsets.
+
+Outputs and offsets commit together or not at all: a worker killed anywhere in the batch
+leaves an aborted (invisible to read_committed readers) transaction behind, and the next
+owner of the partitions reads the batch again. The dedup markers make that replay safe
+(ingest/dedup.py). SIGTERM finishes the current batch, commits it and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
+from kafka.errors import KafkaError, ProducerFencedError
+from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from ingest.adapters import RedisDedupStore
+from ingest.auth import AuthPolicy
+from ingest.dedup import DedupStore, is_duplicate, position_marker
+from ingest.validate import Accepted, Limits, Rejected, validate
+from services import metrics as m
+from services.kafka_io import ensure_topics, make_consumer, make_producer, wait_for_broker
+from services.observability import Health, HttpEndpoints
+from services.redis_io import make_redis
+from services.runtime import Stopper, setup_logging
+from services.settings import Settings, get_settings
+
+log = logging.getLogger("rtrl.ingest")
+
+SERVICE = "ingest"
+REASON_HEADER = "rtrl-reason"
+SOURCE_HEADER = "rtrl-source"
+
+
+def auth_policy(settings: Settings) -> AuthPolicy:
+    a = settings.auth
+    return AuthPolicy(
+        keys={k: v.get_secret_value().encode() for k, v in a.keys.items()},
+        allow_unsigned=a.allow_unsigned,
+        key_id_header=a.key_id_header,
+        signature_header=a.signature_header,
+    )
+
+
+def limits(settings: Settings) -> Limits:
+    s = settings.ingest
+    return Limits(max_bytes=s.max_bytes, max_future_skew_s=s.max_future_skew_s, max_age_s=s.max_age_s)
+
+
+def dlq_record(record: Any, rejected: Rejected, received_at: datetime) -> bytes:
+    """The DLQ value for a rejected raw record (format documented in docs/ingest.md).
+
+    Header *names* only are kept: a signature value must never be copied anywhere.
+    """
+    key = record.key
+    value = record.value if record.value is not None else b""
+    doc = {
+        "reason": rejected.reason,
+        "detail": rejected.detail,
+        "source": {
+            "topic": record.topic,
+            "partition": record.partition,
+            "offset": record.offset,
+            "key": base64.b64encode(key).decode() if key is not None else None,
+            "timestamp_ms": record.timestamp,
+        },
+        "headers": [name for name, _ in (record.headers or [])],
+        "original_b64": base64.b64encode(value).decode(),
+        "received_at": received_at.isoformat().replace("+00:00", "Z"),
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+@dataclass
+class BatchResult:
+    """What one batch produced; metrics are counted only after its transaction commits."""
+
+    valid: int = 0
+    duplicate: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    """Next offset to read per partition (what gets committed)."""
+    first: dict[TopicPartition, int] = field(default_factory=dict)
+    """First offset of the batch per partition (where to seek back after an abort)."""
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, worker: IngestWorker) -> None:
+        self.worker = worker
+
+    def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        self.worker.on_revoked(list(revoked))
+
+    def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        self.worker.on_assigned(list(assigned))
+
+
+class IngestWorker:
+    """The batch loop of one ingest worker. ``run`` until the stopper is set."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        consumer: KafkaConsumer,
+        producer: KafkaProducer,
+        dedup: DedupStore,
+        health: Health,
+        group_id: str,
+        max_batch: int,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.settings = settings
+        self.consumer = consumer
+        self.producer = producer
+        self.dedup = dedup
+        self.health = health
+        self.group_id = group_id
+        self.max_batch = max_batch
+        self.clock = clock
+        self.limits = limits(settings)
+        self.auth = auth_policy(settings)
+        self.in_transaction = False
+        self.assignment_known = False
+        self.assigned: list[TopicPartition] = []
+        self.last_broker_ok = 0.0
+        self._last_lag = 0.0
+        health.add_check("broker", lambda: time.monotonic() - self.last_broker_ok < 30)
+        health.add_check("assignment", lambda: self.assignment_known)
+
+    # ------------------------------------------------------------------ rebalance
+    def subscribe(self) -> None:
+        self.consumer.subscribe([self.settings.topics.raw], listener=_Rebalance(self))
+
+    def on_revoked(self, revoked: list[TopicPartition]) -> None:
+        # Callbacks run inside poll(), between batches, so normally nothing is in flight.
+        if self.in_transaction:
+            log.warning("partitions revoked during a transaction: aborting it")
+            self._abort()
+        for tp in revoked:
+            try:
+                m.CONSUMER_LAG.remove(SERVICE, tp.topic, str(tp.partition))
+            except KeyError:
+                pass
+        log.info("revoked %s", _fmt(revoked))
+
+    def on_assigned(self, assigned: list[TopicPartition]) -> None:
+        self.assigned = assigned
+        self.assignment_known = True
+        log.info("assigned %s", _fmt(assigned))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, stopper: Stopper) -> None:
+        topics = self.settings.topics
+        timeout_ms = self.settings.ingest.poll_timeout_ms
+        while not stopper.stopping:
+            self.health.beat()
+            try:
+                polled = self.consumer.poll(timeout_ms=timeout_ms, max_records=self.max_batch)
+            except KafkaError as exc:
+                log.warning("poll failed: %s", exc)
+                time.sleep(1)
+                continue
+            self.last_broker_ok = time.monotonic()
+            if polled:
+                t0 = time.perf_counter()
+                result = self.handle(polled, topics.events, topics.dlq, stopper)
+                if result is not None:
+                    m.BATCH_SECONDS.labels(SERVICE).observe(time.perf_counter() - t0)
+                    _count(result)
+            self._update_lag()
+
+    def handle(
+        self,
+        polled: Mapping[TopicPartition, Sequence[Any]],
+        events_topic: str,
+        dlq_topic: str,
+        stopper: Stopper | None = None,
+    ) -> BatchResult | None:
+        """Process one polled batch in one transaction; None when it was not committed
+        (the consumer is rewound to the batch start and will read it again)."""
+        now = self.clock()
+        result = BatchResult()
+        accepted: list[tuple[Any, Accepted]] = []
+        rejected: list[tuple[Any, Rejected]] = []
+        for tp, records in polled.items():
+            result.first[tp] = records[0].offset
+            result.offsets[tp] = records[-1].offset + 1
+            for rec in records:
+                out = validate(rec.value, rec.headers or [], rec.key, now, self.limits, self.auth)
+                if isinstance(out, Accepted):
+                    accepted.append((rec, out))
+                else:
+                    rejected.append((rec, out))
+
+        claims = [(a.event.event_id, position_marker(r.topic, r.partition, r.offset)) for r, a in accepted]
+        held = self._claim(claims, stopper)
+        if held is None:
+            self._rewind(result.first)
+            return None
+
+        try:
+            self.producer.begin_transaction()
+            self.in_transaction = True
+            send = self.producer.send
+            for (rec, acc), (event_id, marker), prev in zip(accepted, claims, held, strict=True):
+                if is_duplicate(prev, marker):
+                    result.duplicate += 1
+                    if self.settings.ingest.dlq_duplicates:
+                        why = f"event_id {event_id!r} first seen at {prev}"
+                        rejected.append((rec, Rejected("duplicate", why)))
+                    continue
+                ev = acc.event
+                send(
+                    events_topic,
+                    value=ev.model_dump_json().encode(),
+                    key=ev.request_id.encode(),
+                    headers=[(SOURCE_HEADER, marker.encode())],
+                )
+                result.valid += 1
+            for rec, rej in rejected:
+                send(
+                    dlq_topic,
+                    value=dlq_record(rec, rej, now),
+                    key=rec.key,
+                    headers=[(REASON_HEADER, rej.reason.encode())],
+                )
+                result.rejected[rej.reason] += 1
+            self.producer.send_offsets_to_transaction(
+                {tp: OffsetAndMetadata(off, "", -1) for tp, off in result.offsets.items()},
+                self.consumer.group_metadata(),
+            )
+            self.producer.commit_transaction()
+            self.in_transaction = False
+        except ProducerFencedError:
+            self.in_transaction = False
+            log.error("fenced: another ingest worker uses transactional id; stopping")
+            raise
+        except KafkaError as exc:
+            log.warning("transaction failed (%s: %s): aborting, re-reading the batch",
+                        type(exc).__name__, exc)
+            self._abort()
+            self._rewind(result.first)
+            return None
+        self.last_broker_ok = time.monotonic()
+        return result
+
+    # ------------------------------------------------------------------ helpers
+    def _claim(self, claims: list[tuple[str, str]], stopper: Stopper | None) -> list[str | None] | None:
+        """Claim event ids, retrying while the store is down; per claim the marker that
+        held the id before (None: first sighting). None if asked to stop meanwhile."""
+        delay = 0.2
+        while True:
+            try:
+                return self.dedup.claim_many(claims)
+            except Exception as exc:  # the store's client errors; anything else would repeat too
+                log.warning("dedup store failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, delay)
+                self.health.beat()
+                if stopper is not None and stopper.wait(delay):
+                    return None
+                if stopper is None:
+                    time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _abort(self) -> None:
+        try:
+            self.producer.abort_transaction()
+        finally:
+            self.in_transaction = False
+
+    def _rewind(self, first: Mapping[TopicPartition, int]) -> None:
+        for tp, off in first.items():
+            try:
+                self.consumer.seek(tp, off)
+            except Exception as exc:  # partition revoked meanwhile: its new owner re-reads it
+                log.info("not rewinding %s (%s)", tp, exc)
+
+    def _update_lag(self) -> None:
+        now = time.monotonic()
+        if now - self._last_lag < 2.0:
+            return
+        self._last_lag = now
+        for tp in list(self.consumer.assignment()):
+            try:
+                high = self.consumer.highwater(tp)
+                pos = self.consumer.position(tp, timeout_ms=1000)
+            except Exception as exc:  # lag is best effort; never stop the loop for it
+                log.debug("no lag for %s: %s", tp, exc)
+                continue
+            if high is not None and pos is not None:
+                m.CONSUMER_LAG.labels(SERVICE, tp.topic, str(tp.partition)).set(max(0, high - pos))
+
+
+def _count(result: BatchResult) -> None:
+    if result.valid:
+        m.INGEST_EVENTS.labels("valid").inc(result.valid)
+    if result.duplicate:
+        m.INGEST_EVENTS.labels("duplicate").inc(result.duplicate)
+    n_rejected = sum(n for reason, n in result.rejected.items() if reason != "duplicate")
+    if n_rejected:
+        m.INGEST_EVENTS.labels("rejected").inc(n_rejected)
+    for reason, n in result.rejected.items():
+        m.INGEST_REJECTED.labels(reason).inc(n)
+
+
+def _fmt(tps: Sequence[TopicPartition]) -> str:
+    return ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(tps)) or "nothing"
+
+
+def default_transactional_id(group_id: str) -> str:
+    return f"rtrl-ingest-{group_id}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+# ---------------------------------------------------------------------- entry point
+def run_worker(
+    settings: Settings,
+    stopper: Stopper,
+    group_id: str | None = None,
+    max_batch: int | None = None,
+    metrics_port: int | None = None,
+    on_ready: Callable[[HttpEndpoints], None] | None = None,
+) -> int:
+    """Run one ingest worker until ``stopper`` is set; returns the exit code."""
+    s = settings.ingest
+    group = group_id or s.group_id
+    batch = max_batch or s.max_batch
+    health = Health()
+    http = HttpEndpoints(health, settings.http.host,
+                         settings.http.port if metrics_port is None else metrics_port).start()
+    if on_ready is not None:
+        on_ready(http)
+    consumer: KafkaConsumer | None = None
+    producer: KafkaProducer | None = None
+    try:
+        wait_for_broker(settings.kafka, timeout_s=60)
+        ensure_topics(settings, [settings.topics.raw, settings.topics.events, settings.topics.dlq])
+        txn_id = s.transactional_id or default_transactional_id(group)
+        producer = make_producer(
+            settings.kafka, transactional_id=txn_id, transaction_timeout_ms=s.transaction_timeout_ms,
+        )
+        producer.init_transactions()
+        consumer = make_consumer(settings.kafka, group, max_poll_records=batch)
+        redis_client = make_redis(settings.redis)
+        dedup = RedisDedupStore(redis_client, settings.redis.key_prefix, s.dedup_ttl_s)
+        worker = IngestWorker(settings, consumer, producer, dedup, health, group, batch)
+        worker.subscribe()
+        log.info("ingest worker up: group %s, transactional id %s, %s -> %s / %s",
+                 group, txn_id, settings.topics.raw, settings.topics.events, settings.topics.dlq)
+        worker.run(stopper)
+        log.info("stopped cleanly")
+        return 0
+    except ProducerFencedError:
+        return 3
+    finally:
+        if consumer is not None:
+            consumer.close(autocommit=False)
+        if producer is not None:
+            producer.close(timeout=10)
+        http.stop()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rtrl serve ingest", description=__doc__.splitlines()[0])
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="port for /metrics /healthz /readyz (default: RTRL_HTTP__PORT, 0 = free port)")
+    parser.add_argument("--group-id", default=None, help="consumer group (default: RTRL_INGEST__GROUP_ID)")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="records per poll and per transaction (default: RTRL_INGEST__MAX_BATCH)")
+    args = parser.parse_args(argv)
+    settings = get_settings()
+    setup_logging(settings.log_level, SERVICE)
+    m.BUILD_INFO.info({"service": SERVICE})
+    stopper = Stopper().install()
+
+    def announce(http: HttpEndpoints) -> None:
+        print(f"rtrl ingest: metrics on http://{settings.http.host}:{http.port}/metrics", flush=True)
+
+    return run_worker(settings, stopper, args.group_id, args.max_batch, args.metrics_port, announce)
