@@ -130,3 +130,10 @@ GATEWAY_SERVING = Gauge(
 GATEWAY_ROUTING_AGE = Gauge(
     "rtrl_gateway_routing_age_seconds", "Seconds since the routing table was last read from Redis"
 )
+
+# --- simulator ---------------------------------------------------------------------------
+SIM_REQUESTS = Counter(
+    "rtrl_sim_requests_total", "Requests the simulated users sent to the gateway", ["arm", "code"]
+)
+SIM_EVENTS = Counter("rtrl_sim_events_total", "Client events sent by the simulated users", ["type"])
+SIM_SCHEDULED = Gauge("rtrl_sim_scheduled_events", "Client events waiting for their due time")
