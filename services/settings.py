@@ -170,6 +170,74 @@ class RewardSettings(_Frozen):
     """The broker aborts a transaction left open this long (e.g. by a killed worker)."""
 
 
+class GateSettings(_Frozen):
+    """The offline gate every candidate passes before it may be canaried."""
+
+    max_kl: Annotated[float, Field(gt=0.0)] = 2.0
+    """Budget for KL(parent || candidate) in nats per completion on held-out records."""
+    min_ess: Annotated[float, Field(ge=0.0, le=1.0)] = 0.2
+    """Smallest effective sample size of the importance weights, as a share of held-out records."""
+    max_regression: Annotated[float, Field(ge=0.0)] = 0.1
+    """Fail when the upper confidence bound of the candidate's estimated reward is this far
+    below the logged (behavior) reward: a clear regression."""
+    truncate: Annotated[float, Field(gt=1.0)] = 2.0
+    """Per-token importance ratios are truncated at this value in the gate's estimate."""
+    z: Annotated[float, Field(gt=0.0)] = 1.96
+    """Normal quantile of the confidence interval (1.96: 95%)."""
+    min_heldout: Annotated[int, Field(ge=0)] = 20
+    """Fewer held-out records: the estimate is reported but not used to fail the candidate."""
+    max_abs_loss: Annotated[float, Field(gt=0.0)] = 1e4
+    """A training loss larger than this (in magnitude) fails the candidate."""
+
+
+class TrainerSettings(_Frozen):
+    """RL increments (``rtrl serve trainer``, ``rtrl train --now``, ``rtrl bootstrap``)."""
+
+    interval_s: Annotated[float, Field(gt=0.0)] = 5 * 3600.0
+    """Seconds between scheduled increments (demos: a minute or two)."""
+    misfire_grace_s: Annotated[int, Field(ge=1)] = 3600
+    """A run missed (trainer down) by less than this still runs once at start-up."""
+    run_on_start: bool = False
+    """Also start one increment as soon as the scheduler starts."""
+    data_dir: Path = Path(".rtrl/trainer")
+    """Scheduler job store, the pending window, Ray checkpoints and scratch space. On a Ray
+    cluster, ``ray_storage`` must be shared storage instead."""
+    ray_storage: str | None = None
+    """Ray Train storage_path (e.g. s3://bucket/rtrl); None: ``<data_dir>/ray``."""
+    consumer_group: str = "rtrl-trainer"
+    """Consumer group whose committed offsets on the rewards topic mark the last window's cut."""
+    min_records: Annotated[int, Field(ge=1)] = 64
+    """A window with fewer training records is skipped (and recorded) instead of trained."""
+    max_records: Annotated[int, Field(ge=1)] = 200_000
+    """Most records in one window; the rest wait for the next increment."""
+    heldout_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+    """Share of the window (chosen by request_id hash) kept out of training for the gate."""
+    group_size: Annotated[int, Field(ge=2)] = 8
+    """Samples per advantage group (same-prompt groups when prompts repeat)."""
+    normalize_std: bool = False
+    """Divide advantages by the group's reward standard deviation (off: Dr. GRPO)."""
+    batch_size: Annotated[int, Field(ge=1)] = 32
+    epochs: Annotated[int, Field(ge=1)] = 1
+    """Passes over the window (1: each record trained once)."""
+    lr: Annotated[float, Field(gt=0.0)] = 3e-4
+    """Adam learning rate (all parameters)."""
+    max_grad_norm: Annotated[float, Field(gt=0.0)] = 1.0
+    clip_low: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.2
+    """PPO clip: ratios to the parent below 1 - clip_low stop pulling."""
+    clip_high: Annotated[float, Field(ge=0.0)] = 0.28
+    """PPO clip: ratios to the parent above 1 + clip_high stop pushing."""
+    truncate_is: Annotated[float, Field(gt=0.0)] = 2.0
+    """Truncation of the parent/behavior importance weights (staleness correction)."""
+    kl_coef: Annotated[float, Field(ge=0.0)] = 0.02
+    """Weight of the k1 KL term to the parent checkpoint."""
+    checkpoint_every: Annotated[int, Field(ge=1)] = 10
+    """Steps between Ray Train checkpoints (a killed increment resumes from the last one)."""
+    seed: int = 0
+    policy_kind: str = "tiny-transformer"
+    """Kind of a policy made from scratch by ``rtrl bootstrap`` (hf: pass --hf-model)."""
+    gate: GateSettings = GateSettings()
+
+
 class HttpSettings(_Frozen):
     host: str = "127.0.0.1"
     port: int = 0
@@ -320,6 +388,7 @@ class Settings(BaseSettings):
     auth: AuthSettings = AuthSettings()
     ingest: IngestSettings = IngestSettings()
     reward: RewardSettings = RewardSettings()
+    trainer: TrainerSettings = TrainerSettings()
     http: HttpSettings = HttpSettings()
     gateway: GatewaySettings = GatewaySettings()
     stack: StackSettings = StackSettings()
