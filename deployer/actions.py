@@ -1,0 +1,159 @@
+"""What the canary controller asks the outside world to do, and how the actions are applied.
+
+``next_state`` returns these plain dataclasses; ``apply_actions`` hands each one to the
+port that carries it out (routing keys in Redis, aliases and tags in the MLflow registry,
+the decision ledger in MLflow). Every action is idempotent: applying it twice leaves the
+world as applying it once, so a controller killed between "apply" and "persist status"
+simply re-applies the same actions on its next tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# --------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class SetRouting:
+    """Write all routing keys at once: stable and canary versions, canary weight, salt.
+
+    ``canary=None`` removes the canary version (the gateway then serves stable only)."""
+
+    stable: str | None
+    canary: str | None
+    weight: float
+    salt: str
+
+
+@dataclass(frozen=True)
+class SetWeight:
+    """Change only the canary's share of users (0..1)."""
+
+    weight: float
+
+
+@dataclass(frozen=True)
+class MoveAlias:
+    """Point a registry alias (champion, candidate, previous) at a version."""
+
+    alias: str
+    version: str
+
+
+@dataclass(frozen=True)
+class DeleteAlias:
+    """Remove an alias, but only while it still points at ``expected`` (a candidate
+    registered in the meantime is never removed by mistake)."""
+
+    alias: str
+    expected: str
+
+
+@dataclass(frozen=True)
+class WriteTags:
+    """Set tags on a model version (the outcome mirrored from the ledger)."""
+
+    version: str
+    tags: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class LedgerOpen:
+    """Start (or find) the ledger run of one canary."""
+
+    canary_id: str
+    params: Mapping[str, str]
+    tags: Mapping[str, str]
+    ts: float
+
+
+@dataclass(frozen=True)
+class LedgerStep:
+    """Record one judged tick: cohort metrics and the judge's statistics at ``step``."""
+
+    canary_id: str
+    step: int
+    ts: float
+    metrics: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class LedgerNote:
+    """Record an event in the ledger run (e.g. an operator paused the canary)."""
+
+    canary_id: str
+    key: str
+    text: str
+
+
+@dataclass(frozen=True)
+class LedgerClose:
+    """Write the final decision, the reason and who decided; draw the plot; end the run."""
+
+    canary_id: str
+    ts: float
+    tags: Mapping[str, str]
+    summary: Mapping[str, object] = field(default_factory=dict)
+
+
+LedgerEvent = LedgerOpen | LedgerStep | LedgerNote | LedgerClose
+Action = SetRouting | SetWeight | MoveAlias | DeleteAlias | WriteTags | LedgerEvent
+
+# --------------------------------------------------------------------------- ports
+
+
+class RoutingPort(Protocol):
+    """The routing keys the gateway polls (``{prefix}routing:*`` in Redis)."""
+
+    def set_routing(self, stable: str | None, canary: str | None, weight: float, salt: str) -> None:
+        """Write all keys in one transaction; raises on a Redis error (the tick retries)."""
+
+    def set_weight(self, weight: float) -> None:
+        """Write the canary weight only."""
+
+
+class AliasPort(Protocol):
+    """The part of the model registry the controller moves (deployer/registry.py)."""
+
+    def set_alias(self, alias: str, version: str) -> None: ...
+
+    def delete_alias(self, alias: str) -> None: ...
+
+    def alias_version(self, alias: str) -> str | None: ...
+
+    def set_tags(self, version: str, tags: Mapping[str, str]) -> None: ...
+
+
+class LedgerPort(Protocol):
+    """The decision ledger (one MLflow run per canary)."""
+
+    def record(self, event: LedgerEvent) -> None:
+        """Apply one ledger event; each kind is idempotent for the same ``canary_id``."""
+
+
+def apply_actions(
+    actions: Iterable[Action], routing: RoutingPort, registry: AliasPort, ledger: LedgerPort
+) -> None:
+    """Carry out ``actions`` in order. An exception stops at the failing action; the
+    status is then not persisted and the next tick re-applies the whole list."""
+    for action in actions:
+        match action:
+            case SetRouting(stable=stable, canary=canary, weight=weight, salt=salt):
+                routing.set_routing(stable, canary, weight, salt)
+            case SetWeight(weight=weight):
+                routing.set_weight(weight)
+            case MoveAlias(alias=alias, version=version):
+                registry.set_alias(alias, version)
+            case DeleteAlias(alias=alias, expected=expected):
+                current = registry.alias_version(alias)
+                if current is not None and str(current) == str(expected):
+                    registry.delete_alias(alias)
+            case WriteTags(version=version, tags=tags):
+                registry.set_tags(version, tags)
+            case LedgerOpen() | LedgerStep() | LedgerNote() | LedgerClose():
+                ledger.record(action)
+            case _:
+                raise TypeError(f"unknown action {action!r}")

@@ -1,0 +1,149 @@
+"""In-memory fakes of the deployer's ports, for unit tests (the real adapters live in
+deployer/adapters/ and services/)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from deployer.actions import (
+    Action,
+    LedgerClose,
+    LedgerEvent,
+    LedgerNote,
+    LedgerOpen,
+    LedgerStep,
+    apply_actions,
+)
+from deployer.canary import CanaryPolicy, CanaryStatus, Command, Judgement, Observations
+from deployer.controller import tick
+from deployer.ledger import TAG_GATE
+
+
+@dataclass
+class FakeRouting:
+    """The gateway's routing keys as a dict."""
+
+    keys: dict[str, str] = field(default_factory=dict)
+    writes: int = 0
+
+    def set_routing(self, stable: str | None, canary: str | None, weight: float, salt: str) -> None:
+        self.keys.update(stable_version=stable or "", canary_version=canary or "",
+                         canary_weight=repr(float(weight)), salt=salt)
+        self.writes += 1
+
+    def set_weight(self, weight: float) -> None:
+        self.keys["canary_weight"] = repr(float(weight))
+        self.writes += 1
+
+    @property
+    def weight(self) -> float:
+        return float(self.keys.get("canary_weight", "0"))
+
+
+@dataclass
+class FakeAliases:
+    """Aliases and version tags of one registered model."""
+
+    aliases: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def set_alias(self, alias: str, version: str) -> None:
+        self.aliases[alias] = str(version)
+
+    def delete_alias(self, alias: str) -> None:
+        self.aliases.pop(alias, None)
+
+    def alias_version(self, alias: str) -> str | None:
+        return self.aliases.get(alias)
+
+    def set_tags(self, version: str, tags: Mapping[str, str]) -> None:
+        self.tags.setdefault(str(version), {}).update(tags)
+
+    def get_tags(self, version: str) -> dict[str, str]:
+        return dict(self.tags.get(str(version), {}))
+
+
+@dataclass
+class FakeRun:
+    params: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, dict[int, float]] = field(default_factory=dict)
+    summary: dict[str, object] = field(default_factory=dict)
+    closed: bool = False
+
+
+@dataclass
+class FakeLedger:
+    """Ledger runs by canary id, with the same idempotence as the MLflow adapter."""
+
+    runs: dict[str, FakeRun] = field(default_factory=dict)
+
+    def record(self, event: LedgerEvent) -> None:
+        run = self.runs.setdefault(event.canary_id, FakeRun())
+        match event:
+            case LedgerOpen():
+                run.params.update(event.params)
+                for k, v in event.tags.items():
+                    run.tags.setdefault(k, v)
+            case LedgerStep():
+                for name, value in event.metrics.items():
+                    run.metrics.setdefault(name, {})[event.step] = value
+            case LedgerNote():
+                run.tags[event.key] = event.text
+            case LedgerClose():
+                run.tags.update(event.tags)
+                run.summary = dict(event.summary)
+                run.closed = True
+
+
+@dataclass
+class FakeWorld:
+    """Registry, routing and ledger fakes driven tick by tick the way the controller does
+    (decide, apply, persist as JSON, finish transient phases), recording each phase."""
+
+    policy: CanaryPolicy = field(default_factory=CanaryPolicy)
+    registry: FakeAliases = field(default_factory=FakeAliases)
+    routing: FakeRouting = field(default_factory=FakeRouting)
+    ledger: FakeLedger = field(default_factory=FakeLedger)
+    status: CanaryStatus = field(default_factory=CanaryStatus)
+    now: float = 1_800_000_000.0
+    phases: list[str] = field(default_factory=list)
+
+    def register(self, version: str, gate: str = "pass", alias: str | None = None) -> None:
+        self.registry.set_tags(version, {TAG_GATE: gate})
+        if alias:
+            self.registry.set_alias(alias, version)
+
+    def observe(self, judgement: Judgement | None = None, commands: tuple[Command, ...] = (),
+                error: str | None = None) -> Observations:
+        aliases = self.registry.aliases
+        versions = {aliases.get("candidate"), aliases.get("previous"),
+                    *(c.version for c in commands)}
+        gate = {v: self.registry.tags.get(v, {}).get(TAG_GATE, "") for v in versions if v}
+        cohorts = {"stable.n": 100.0, "canary.n": 10.0} if judgement else {}
+        return Observations(
+            now=self.now, champion=aliases.get("champion"), candidate=aliases.get("candidate"),
+            previous=aliases.get("previous"), gate=gate, judgement=judgement, cohorts=cohorts,
+            commands=commands, error=error,
+        )
+
+    def tick(self, decision: str | None = None, dt: float = 60.0, commands: tuple[Command, ...] = (),
+             error: str | None = None) -> CanaryStatus:
+        """Advance the clock by ``dt`` and run one controller tick with this verdict."""
+        self.now += dt
+        judgement = None
+        if decision is not None:
+            judgement = Judgement(decision, (f"judge said {decision}",),  # type: ignore[arg-type]
+                                  {"reward.p_value": 0.5}, {"ticks": 1.0})
+        obs = self.observe(judgement, commands, error)
+
+        def apply(actions: list[Action]) -> None:
+            apply_actions(actions, self.routing, self.registry, self.ledger)
+
+        def persist(status: CanaryStatus) -> None:
+            self.status = CanaryStatus.from_json(json.loads(json.dumps(status.to_json())))
+            self.phases.append(self.status.phase.value)
+
+        return tick(self.status, obs, self.policy, apply, persist)

@@ -1,0 +1,149 @@
+"""What the decision ledger records (pure content; deployer/adapters/ledger_mlflow.py writes it).
+
+One MLflow run per canary, named after the canary id (``canary-v7-20261122T031500Z``) in the
+deployments experiment. A product reviewer answers from it alone:
+
+- what shipped when: tags ``rtrl.decision`` / ``rtrl.canary.outcome`` and the run's end time;
+- on what evidence: step metrics ``cohort.<arm>.<metric>`` and ``judge.<metric>.<stat>`` at
+  every judged tick, ``canary.weight`` over time, and the ``cohorts.png`` plot;
+- what was rolled back and why: ``rtrl.decision.reason`` and ``rtrl.decided_by``
+  (``controller`` or the operator's name), mirrored on the model version's tags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+
+from deployer.registry import Tag
+
+TAG_GATE = Tag.GATE_RESULT
+TAG_OUTCOME = Tag.CANARY_OUTCOME
+TAG_DECISION = Tag.DECISION
+TAG_REASON = Tag.DECISION_REASON
+TAG_DECIDED_BY = Tag.DECIDED_BY
+TAG_CANARY_ID = "rtrl.canary.id"
+TAG_CANDIDATE = "rtrl.candidate_version"
+TAG_STABLE = "rtrl.stable_version"
+TAG_KIND = "rtrl.canary.kind"
+TAG_DECIDED_AT = "rtrl.decided_at"
+
+CONTROLLER = "controller"
+"""``decided_by`` for decisions the controller took by itself."""
+
+OUTCOME_RUNNING = "running"
+OUTCOMES = ("promoted", "rolled_back", "aborted")
+"""Final outcomes; the decision tag says promote / rollback / abort respectively."""
+DECISION_OF = {"promoted": "promote", "rolled_back": "rollback", "aborted": "abort"}
+
+VERDICT_CODE = {"rollback": -1.0, "continue": 0.0, "inconclusive": 0.5, "promote": 1.0}
+"""The judge's verdict as a step metric (``judge.verdict``) so it can be plotted."""
+
+MAX_TAG_CHARS = 4_900
+"""MLflow caps tag values at 5,000 characters (sqlite store); longer reasons are cut."""
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def canary_id(kind: str, version: str, ts: float) -> str:
+    """Run name and ledger key: e.g. ``canary-v7-20261122T031500Z``, ``promote-v7-...``."""
+    stamp = datetime.fromtimestamp(ts, UTC).strftime("%Y%m%dT%H%M%SZ")
+    return f"{kind}-v{version}-{stamp}"
+
+
+def clip(text: str) -> str:
+    return text if len(text) <= MAX_TAG_CHARS else text[: MAX_TAG_CHARS - 3] + "..."
+
+
+def open_tags(cid: str, kind: str, candidate: str, stable: str | None) -> dict[str, str]:
+    """Tags on a new ledger run; ``kind`` is canary | manual_promote | manual_rollback."""
+    return {
+        TAG_CANARY_ID: cid,
+        TAG_KIND: kind,
+        TAG_CANDIDATE: candidate,
+        TAG_STABLE: stable or "",
+        TAG_OUTCOME: OUTCOME_RUNNING,
+    }
+
+
+def open_params(
+    candidate: str, stable: str | None, steps: tuple[float, ...], bake_s: float, max_duration_s: float
+) -> dict[str, str]:
+    """Run parameters: which versions and which schedule."""
+    return {
+        "candidate_version": candidate,
+        "stable_version": stable or "",
+        "steps": ",".join(f"{w:g}" for w in steps),
+        "bake_s": f"{bake_s:g}",
+        "max_duration_s": f"{max_duration_s:g}",
+    }
+
+
+def step_metrics(
+    weight: float,
+    verdict: str,
+    cohorts: Mapping[str, float],
+    stats: Mapping[str, float],
+    paused: bool,
+) -> dict[str, float]:
+    """Metrics of one judged tick: ``canary.weight``, ``canary.paused``, ``judge.verdict``,
+    ``cohort.<arm>.<metric>`` and ``judge.<metric>.<stat>``. Non-finite values are
+    dropped (MLflow stores them, but plots and comparisons choke on them)."""
+    out: dict[str, float] = {
+        "canary.weight": float(weight),
+        "canary.paused": 1.0 if paused else 0.0,
+        "judge.verdict": VERDICT_CODE.get(verdict, 0.0),
+    }
+    for key, value in cohorts.items():
+        out[f"cohort.{key}"] = float(value)
+    for key, value in stats.items():
+        out[f"judge.{key}"] = float(value)
+    return {k: v for k, v in out.items() if v == v and abs(v) != float("inf")}
+
+
+def decision_tags(outcome: str, reason: str, decided_by: str, ts: float) -> dict[str, str]:
+    """Tags of the final decision, on the run and mirrored on the model version."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
+    return {
+        TAG_OUTCOME: outcome,
+        TAG_DECISION: DECISION_OF[outcome],
+        TAG_REASON: clip(reason),
+        TAG_DECIDED_BY: decided_by,
+        TAG_DECIDED_AT: iso(ts),
+    }
+
+
+def version_tags(cid: str, outcome: str, reason: str, decided_by: str, ts: float) -> dict[str, str]:
+    """What a model version carries after its canary: the decision plus the ledger run."""
+    return {**decision_tags(outcome, reason, decided_by, ts), TAG_CANARY_ID: cid}
+
+
+def summary(
+    cid: str,
+    candidate: str,
+    stable: str | None,
+    outcome: str,
+    reason: str,
+    decided_by: str,
+    started_at: float,
+    ts: float,
+    reasons: tuple[str, ...],
+    cohorts: Mapping[str, float],
+) -> dict[str, object]:
+    """The ``decision.json`` artifact: the decision in one readable document."""
+    return {
+        "canary_id": cid,
+        "candidate_version": candidate,
+        "stable_version": stable,
+        "outcome": outcome,
+        "decision": DECISION_OF[outcome],
+        "reason": reason,
+        "decided_by": decided_by,
+        "started_at": iso(started_at) if started_at else None,
+        "decided_at": iso(ts),
+        "judge_reasons": list(reasons),
+        "last_cohorts": dict(cohorts),
+    }
