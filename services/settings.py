@@ -364,6 +364,39 @@ class DemoSettings(_Frozen):
     seed: int = 0
 
 
+class DeployerSettings(_Frozen):
+    """``rtrl serve deployer``: the canary controller, its schedule and the judge's knobs."""
+
+    tick_s: Annotated[float, Field(gt=0.0)] = 30.0
+    """Seconds between controller ticks (read status, judge, act, persist)."""
+    steps: tuple[float, ...] = (0.01, 0.05, 0.25, 0.5)
+    """Canary weights in order, each in (0, 1). Promotion is the final 100% (the candidate
+    becomes the stable version), so 1.0 is not listed. Env: RTRL_DEPLOYER__STEPS='[0.01,0.1]'."""
+    bake_s: Annotated[float, Field(ge=0.0)] = 600.0
+    """Least seconds on each step before stepping up (and before promoting from the last)."""
+    max_duration_s: Annotated[float, Field(gt=0.0)] = 6 * 3600.0
+    """Budget of one canary; still undecided after it, the canary is aborted (inconclusive)."""
+    max_errors: Annotated[int, Field(ge=1)] = 5
+    """Consecutive ticks whose observations failed before the canary is aborted."""
+    lease_ttl_s: Annotated[float, Field(gt=0.0)] = 90.0
+    """The controller lease in Redis expires this long after the last renewal, so a killed
+    controller's successor takes over after at most this long (keep it > 2 x tick_s)."""
+    judge_alpha: Annotated[float, Field(gt=0.0, lt=0.5)] = 0.01
+    """The judge's false-rollback rate for an A/A canary, checked at every tick."""
+    judge_min_users: Annotated[int, Field(ge=1)] = 200
+    """No statistical decision before each arm has this many users."""
+    judge_max_users: Annotated[int, Field(ge=1)] = 20_000
+    """Sample budget in users per arm; spent without a decision, the canary is aborted."""
+    judge_max_error_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 0.05
+    """Guardrail: the canary's error-rate ceiling (rolls back at once)."""
+    judge_max_p99_latency_ms: Annotated[float, Field(gt=0.0)] = 10_000.0
+    """Guardrail: the canary's p99 latency ceiling in ms (rolls back at once)."""
+    judge_min_requests: Annotated[int, Field(ge=1)] = 200
+    """Guardrails look only once the canary served this many requests."""
+    poll_timeout_ms: Annotated[int, Field(ge=1)] = 500
+    """Longest wait for new reward records in one tick."""
+
+
 class StackSettings(_Frozen):
     """The embedded default stack started by ``rtrl up``."""
 
@@ -394,6 +427,7 @@ class Settings(BaseSettings):
     stack: StackSettings = StackSettings()
     simulator: SimulatorSettings = SimulatorSettings()
     demo: DemoSettings = DemoSettings()
+    deployer: DeployerSettings = DeployerSettings()
     log_level: str = "INFO"
     reward_spec: Path | None = None
     """Reward spec file; None uses the packaged default (ingest/specs/default.toml)."""
