@@ -320,7 +320,7 @@ def _handler(server: GatewayServer) -> type[BaseHTTPRequestHandler]:
 def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
     """Wire the gateway from settings; returns it and its background parts (started)."""
     from services.gateway_exposure import ExposureLogger
-    from services.gateway_models import MlflowModelSource, policy_loader
+    from services.gateway_models import policy_loader
     from services.gateway_routing import ChampionCache, RedisRoutingSource, RoutingPoller
     from services.redis_io import make_redis
 
@@ -343,7 +343,10 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
         import torch
 
         torch.set_num_threads(gw.torch_threads)
-        source = MlflowModelSource(settings.mlflow)
+        from deployer.adapters.mlflow_registry import MlflowRegistry
+
+        mlf = settings.mlflow
+        source = MlflowRegistry(mlf.tracking_uri, mlf.registered_model, mlf.training_experiment)
         slots = ModelSlots(policy_loader(source, gw.model_cache_dir), gw.load_retry_s)
         champion = ChampionCache(lambda: source.alias_version("champion"), gw.champion_refresh_s).get
         model_name = settings.mlflow.registered_model
@@ -384,7 +387,8 @@ def make_event_producer(settings: Any) -> Any:
                 f"no signing secret for key id {gw.key_id!r}: set RTRL_GATEWAY__SECRET or "
                 f"RTRL_AUTH__KEYS, or RTRL_GATEWAY__KEY_ID=null to send unsigned (development)"
             )
-    producer = make_producer(settings.kafka, max_block_ms=5000)
+    # bounded waits: a down broker costs the background thread seconds, never the requests
+    producer = make_producer(settings.kafka, max_block_ms=5000, bootstrap_timeout_ms=5000)
     return EventProducer(settings, gw.key_id, secret, producer=producer)
 
 

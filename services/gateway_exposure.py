@@ -136,9 +136,7 @@ class ExposureLogger:
         if self._thread.is_alive():
             self._thread.join(timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
-        if self._sender is None and not self._queue.empty():
-            self._connect()
-        if self._sender is not None:
+        if self._sender is not None:  # never connected: no point waiting for a bootstrap now
             while time.monotonic() < deadline:
                 try:
                     self._send(self._queue.get_nowait())

@@ -31,7 +31,6 @@ from typing import Protocol
 
 from deployer.routing import Arm
 from services.metrics import GATEWAY_ERRORS, GATEWAY_MODEL_LOADS, GATEWAY_SERVING
-from services.settings import MlflowSettings
 
 log = logging.getLogger(__name__)
 
@@ -81,59 +80,16 @@ class PolicyBackend:
 
 
 class ModelSource(Protocol):
-    """Where local policies come from (the MLflow registry in production)."""
+    """Where local policies come from: deployer.registry.Registry (MlflowRegistry in
+    production) satisfies it."""
 
     def alias_version(self, alias: str) -> str | None:
         """The version an alias points at, or None when the alias does not exist."""
         ...
 
-    def download(self, version: str, dst_dir: Path) -> Path:
+    def download(self, version: str, dst_dir: str | Path) -> Path:
         """Fetch a version's files under ``dst_dir``; return the directory holding the policy."""
         ...
-
-
-def find_policy_dir(root: Path) -> Path:
-    """The directory under ``root`` (itself or below) that holds a policy manifest."""
-    from trainer.policy import MANIFEST
-
-    if (root / MANIFEST).exists():
-        return root
-    found = sorted(root.rglob(MANIFEST), key=lambda p: len(p.parts))
-    if not found:
-        raise FileNotFoundError(f"no {MANIFEST} under {root}: the version holds no rtrl policy")
-    return found[0].parent
-
-
-class MlflowModelSource:
-    """Model versions of ``mlflow.registered_model`` in the MLflow model registry."""
-
-    def __init__(self, mlflow: MlflowSettings) -> None:
-        from mlflow import MlflowClient
-
-        self._settings = mlflow
-        self._client = MlflowClient(tracking_uri=mlflow.tracking_uri, registry_uri=mlflow.tracking_uri)
-
-    def alias_version(self, alias: str) -> str | None:
-        from mlflow.exceptions import MlflowException
-
-        try:
-            mv = self._client.get_model_version_by_alias(self._settings.registered_model, alias)
-        except MlflowException as exc:
-            if "RESOURCE_DOES_NOT_EXIST" in str(exc.error_code) or "not found" in str(exc).lower():
-                return None
-            raise
-        return str(mv.version)
-
-    def download(self, version: str, dst_dir: Path) -> Path:
-        mv = self._client.get_model_version(self._settings.registered_model, version)
-        uri = self._client.get_model_version_download_uri(self._settings.registered_model, version)
-        import mlflow.artifacts
-
-        dst_dir.mkdir(parents=True, exist_ok=True)
-        local = mlflow.artifacts.download_artifacts(
-            artifact_uri=uri or mv.source, dst_path=str(dst_dir), tracking_uri=self._settings.tracking_uri
-        )
-        return find_policy_dir(Path(local))
 
 
 def policy_loader(source: ModelSource, cache_dir: Path | None) -> Callable[[Arm, str], Backend]:
