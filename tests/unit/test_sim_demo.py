@@ -1,0 +1,239 @@
+"""The demo's orchestration pieces and the report maths (no network)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from ingest.reward_spec import default_spec_text, parse_spec
+from services.demo import MARKER, demo_spec_text, prepare_data_dir, service_env, write_corpus
+from services.demo_runtime import ProcSpec, RewardsTracker, Supervisor
+from services.report import (
+    Decision,
+    Row,
+    by_version,
+    cohort,
+    compare,
+    primary_persistence,
+    relative_change,
+    render_markdown,
+    row_from_record,
+    series,
+    write_report,
+)
+from services.settings import DemoSettings, Settings
+from trainer.tokens import EOS
+
+
+def test_demo_spec_is_a_valid_spec_with_its_own_version() -> None:
+    spec = parse_spec(demo_spec_text(default_spec_text()), "demo")
+    base = parse_spec(default_spec_text())
+    assert spec.version == "demo-v1" and spec.version != base.version
+    assert spec.persistence == base.persistence and spec.acceptance == base.acceptance
+    assert spec.window.followup_s == 600 and spec.latency.slo_ms == 150
+
+
+def test_corpus_lines_are_prompt_and_mediocre_completion(tmp_path: Path) -> None:
+    path = write_corpus(tmp_path / "c.jsonl", seed=1, n=50)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 50
+    for r in rows:
+        assert r["prompt_tokens"][0] == 0 and r["completion_tokens"][-1] == EOS
+        assert len(r["completion_tokens"]) >= 8  # long-ish: ideal length plus 5..9 extra
+
+
+def test_service_env_is_read_back_by_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = service_env(DemoSettings(), tmp_path, {"RTRL_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1"}, 4321,
+                      {"gateway": "a", "simulator": "b"}, tmp_path / "spec.toml")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s = Settings()
+    assert s.gateway.port == 4321 and s.simulator.gateway_url == "http://127.0.0.1:4321"
+    assert s.reward.time_scale == s.simulator.time_scale == DemoSettings().time_scale
+    assert s.auth.keys["simulator"].get_secret_value() == "b"
+    assert s.deployer.steps == (0.1, 0.25, 0.5)
+    assert s.trainer.interval_s == DemoSettings().trainer_cadence_s
+
+
+def test_prepare_data_dir_wipes_only_demo_directories(tmp_path: Path) -> None:
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("x")
+    with pytest.raises(SystemExit, match="not made by rtrl demo"):
+        prepare_data_dir(foreign)
+    assert (foreign / "precious.txt").exists()
+    demo = tmp_path / "demo"
+    prepare_data_dir(demo)
+    (demo / "old.log").write_text("x")
+    prepare_data_dir(demo)
+    assert (demo / MARKER).exists() and not (demo / "old.log").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def test_supervisor_stops_services_and_their_children(tmp_path: Path) -> None:
+    """A service that ignores SIGTERM and has a child of its own: both are gone after stop_all."""
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(tmp_path / 'child.pid')!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    sup = Supervisor(tmp_path / "logs", {"X_DEMO": "1"})
+    stubborn = sup.start(ProcSpec("stubborn", [sys.executable, "-c", script]))
+    polite = sup.start(ProcSpec("polite", [sys.executable, "-c", "import time; time.sleep(60)"]))
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "child.pid").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int((tmp_path / "child.pid").read_text())
+    codes = sup.stop_all(grace_s=1.0)
+    assert codes["polite"] == -signal.SIGTERM
+    assert codes["stubborn"] == -signal.SIGKILL
+    assert not _alive(stubborn.pid) and not _alive(polite.pid)
+    deadline = time.monotonic() + 5
+    while _alive(child):
+        assert time.monotonic() < deadline, "grandchild survived"
+        time.sleep(0.05)
+
+
+def test_supervisor_reports_exits_once_and_runs_one_shots(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path / "logs")
+    sup.start(ProcSpec("quick", [sys.executable, "-c", "print('bye'); raise SystemExit(3)"]))
+    time.sleep(1.0)
+    assert sup.newly_exited() == {"quick": 3}
+    assert sup.newly_exited() == {}
+    assert "bye" in sup.log_tail("quick")
+    assert sup.run(ProcSpec("once", [sys.executable, "-c", "pass"]), timeout_s=20) == 0
+    with pytest.raises(TimeoutError, match="did not finish"):
+        sup.run(ProcSpec("slow", [sys.executable, "-c", "import time; time.sleep(30)"]), timeout_s=0.5)
+
+
+def _record(version: str, arm: str, served: float, accepted: bool | None, ratio: float | None,
+            latency: float, reward: float, kind: str = "edit") -> dict[str, object]:
+    return {
+        "served_ts": datetime.fromtimestamp(served, UTC).isoformat(), "model": {"name": "m", "version": version},
+        "arm": arm, "completion_kind": kind, "accepted": accepted,
+        "persistence": {} if ratio is None else {"30": 1.0, "600": ratio, "3600": ratio / 2},
+        "latency_ms": latency, "reward": reward, "dissatisfied": 0,
+    }
+
+
+def test_primary_persistence_uses_the_nearest_horizon() -> None:
+    assert primary_persistence({"30": 1.0, "600": 0.5}, 600) == 0.5
+    assert primary_persistence({"30": 1.0, "3600": 0.2}, 600) == 1.0
+    assert primary_persistence({"3600": 0.2}, 600) == 0.2
+    assert primary_persistence({}, 600) is None
+
+
+def test_cohort_hand_computed() -> None:
+    t = 1_700_000_000.0
+    rows = [row_from_record(r, 600) for r in (
+        _record("1", "stable", t, True, 0.8, 100, 1.0),
+        _record("1", "stable", t, True, 0.4, 200, 0.5),
+        _record("1", "stable", t, False, None, 300, -0.25),
+        _record("1", "stable", t, None, None, 50, 0.0, kind="question"),
+    )]
+    c = cohort(rows)
+    assert c.n == 4 and c.n_persistence == 2
+    assert c.edit_persistence == pytest.approx(0.6)
+    assert c.latency_ms == pytest.approx(162.5)
+    assert c.latency_p95_ms == 300
+    assert c.reward == pytest.approx(0.3125)
+    assert c.acceptance == pytest.approx(2 / 3)
+    assert c.edit_rate == pytest.approx(0.75) and c.question_rate == pytest.approx(0.25)
+    assert math.isnan(cohort([]).edit_persistence)
+
+
+def test_relative_change_and_targets() -> None:
+    assert relative_change(0.5, 0.6) == pytest.approx(0.2)
+    assert relative_change(200, 170) == pytest.approx(-0.15)
+    assert math.isnan(relative_change(0, 1)) and math.isnan(relative_change(math.nan, 1))
+    t = 1_700_000_000.0
+    rows = [row_from_record(r, 600) for r in (
+        _record("1", "stable", t, True, 0.5, 200, 0.1), _record("3", "canary", t, True, 0.6, 170, 0.3))]
+    cmp = compare(by_version(rows), "1", "3")
+    assert cmp.persistence_change == pytest.approx(0.2) and cmp.persistence_ok
+    assert cmp.latency_change == pytest.approx(-0.15) and cmp.latency_ok
+    worse = compare(by_version(rows), "3", "1")
+    assert not worse.persistence_ok and not worse.latency_ok
+
+
+def test_series_bins_per_version_and_arm() -> None:
+    t = 1_700_000_000.0
+    rows = [row_from_record(_record("2", arm, t + dt, True, 0.5, lat, 0.0), 600)
+            for arm, dt, lat in (("stable", 1, 100), ("stable", 2, 300), ("canary", 31, 50))]
+    s = series(rows, t, 30.0, "latency_ms")
+    assert s[("2", "stable")] == [(0.25, 200.0)]
+    assert s[("2", "canary")] == [(0.75, 50.0)]
+
+
+def test_tracker_keeps_records_and_recent_cohorts() -> None:
+    tr = RewardsTracker(Settings(), 600)
+    now = time.time()
+    tr.add_bytes(json.dumps(_record("1", "stable", now - 5, True, 0.5, 100, 1.0)).encode())
+    tr.add_bytes(json.dumps(_record("2", "canary", now - 500, True, 0.5, 100, 1.0)).encode())
+    tr.add_bytes(b"not json")
+    assert tr.count() == 2
+    recent = tr.recent(60.0, now)
+    assert set(recent) == {("1", "stable")} and recent[("1", "stable")].n == 1
+
+
+def _decision(cand: str, outcome: str, reason: str, ts: float) -> Decision:
+    return Decision(f"canary-v{cand}", cand, "1", outcome, reason, "controller",
+                    datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), ts - 60,
+                    url="http://mlflow/#/x", evidence={"cohort.canary.reward": 0.3})
+
+
+def test_write_report_states_targets_bad_candidate_and_plots(tmp_path: Path) -> None:
+    t = 1_700_000_000.0
+    recs = []
+    for i in range(40):
+        recs.append(_record("1", "stable", t + i, True, 0.4, 250, 0.1))
+        recs.append(_record("2", "canary", t + 100 + i, True, 0.5, 200, 0.3))
+        recs.append(_record("3", "canary", t + 200 + i, None, None, 40, -0.3, kind="question"))
+    decisions = [_decision("2", "promoted", "judge: canary at least as good", t + 150),
+                 _decision("3", "rolled_back", "judge: canary worse: edit_rate drift", t + 250)]
+    path = write_report(tmp_path / "r", recs, decisions, primary_horizon_s=600, baseline_version="1",
+                        final_version="2", bad_version="3", started=t, finished=t + 300,
+                        command="rtrl demo --minutes 5", mlflow_url="http://mlflow",
+                        kinds={"1": "bootstrap", "2": "increment", "3": "reward-hacked"})
+    md = path.read_text()
+    assert "+25.0%" in md and "-20.0%" in md and "**not met**" not in md
+    assert "rolled back automatically" in md and "edit_rate drift" in md
+    assert "[canary-v3](http://mlflow/#/x)" in md and "http://mlflow" in md
+    for png in ("edit_persistence.png", "latency_ms.png", "reward.png"):
+        assert (tmp_path / "r" / png).stat().st_size > 1000
+        assert f"]({png})" in md
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["comparison"]["persistence_ok"] and summary["records"] == 120
+
+
+def test_markdown_without_promotion_says_so() -> None:
+    md = render_markdown(title="t", command="c", started=0, finished=60, cohorts=by_version([]),
+                         comparison=None, decisions=[], bad_version="4", mlflow_url="u", plots=[])
+    assert "no before/after comparison" in md and "no decision in the ledger" in md
+
+
+def test_rows_keep_version_and_arm() -> None:
+    row = row_from_record(_record("7", "canary", 1.0, False, None, 10, -0.25), 600)
+    assert row == Row(1.0, "7", "canary", "edit", False, None, 10.0, -0.25, 0)
