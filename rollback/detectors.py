@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from rollback.metrics import LABELS, METRICS, arm_stats, compare, ratio_sums, sums_for
+from rollback.metrics import LABELS, METRICS, arm_stats, compare, fmt_delta, fmt_value, ratio_sums, sums_for
 from rollback.types import DetectorResult, JudgePolicy, JudgeState, MetricEvidence, RequestOutcome
 
 Suspicious = Literal["down", "up", "either"]
@@ -110,11 +110,14 @@ def run_detectors(
 def explain(name: str, ev: MetricEvidence, tol: float, fired: bool, holding: bool) -> str:
     label = LABELS[name]
     moved = "rose" if ev.estimate > 0 else "fell"
-    body = (f"{label} {moved} from {ev.stable_mean:.3g} on stable to {ev.canary_mean:.3g} on the "
-            f"canary (difference {ev.estimate:+.3g}, always-valid interval {ev.ci_lower:+.3g} to "
-            f"{ev.ci_upper:+.3g}, tolerance ±{tol:.3g})")
+    body = (f"{label} {moved} from {fmt_value(name, ev.stable_mean)} on stable to "
+            f"{fmt_value(name, ev.canary_mean)} on the canary (difference {fmt_delta(name, ev.estimate)}, "
+            f"always-valid interval {fmt_delta(name, ev.ci_lower)} to {fmt_delta(name, ev.ci_upper)}, "
+            f"tolerance ±{fmt_delta(name, tol, sign=False)})")
     if fired:
         return f"Reward hacking: {body}; {WHY[name]}."
     if holding:
         return f"Promotion held: {body}; not yet conclusive, watching for reward hacking."
-    return f"{label.capitalize()}: no drift beyond ±{tol:.3g} ({ev.stable_mean:.3g} vs {ev.canary_mean:.3g})."
+    return (f"{label.capitalize()}: no drift beyond ±{fmt_delta(name, tol, sign=False)} "
+            f"({fmt_value(name, ev.stable_mean)} on stable, "
+            f"{fmt_value(name, ev.canary_mean)} on the canary).")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from rollback.detectors import run_detectors
-from rollback.metrics import LABELS, METRICS, Sums, arm_stats, compare, sums_for
+from rollback.metrics import LABELS, METRICS, Sums, arm_stats, compare, fmt_delta, fmt_value, sums_for
 from rollback.stats import proportion_var, quantile
 from rollback.types import (
     CohortData,
@@ -86,7 +86,7 @@ def judge(
                        f"(stable {users_s}, canary {users_c}).")
     else:
         reasons += [f"{describe(e, level)}: not yet shown to be within "
-                    f"{_fmt(e.mde)} of stable." for e in waiting]
+                    f"{fmt_delta(e.metric, e.mde, sign=False)} of stable." for e in waiting]
     if out_of_users or out_of_time:
         budget = (f"the sample budget of {policy.max_users} users per arm" if out_of_users
                   else f"the time budget of {policy.max_duration_s / 3600:.1f} h")
@@ -145,21 +145,17 @@ def _is_primary(e: MetricEvidence, specs: tuple[MetricSpec, ...]) -> bool:
     return any(s.name == e.metric and s.primary for s in specs)
 
 
-def _fmt(x: float) -> str:
-    if not math.isfinite(x):
-        return str(x)
-    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}" if abs(x) >= 1 else f"{x:.3f}"
-
-
 def describe(e: MetricEvidence, level: float) -> str:
     """One plain-English clause with the numbers a reviewer needs."""
     label = LABELS.get(e.metric, e.metric)
     if e.status == "insufficient":
-        return f"{label}: too few users yet ({e.n_canary} canary, {e.n_stable} stable)"
-    return (f"{label.capitalize()} {_fmt(e.canary_mean)} on the canary vs {_fmt(e.stable_mean)} "
-            f"on stable (difference {e.estimate:+.3g}, always-valid {level:.1%} interval "
-            f"{e.ci_lower:+.3g} to {e.ci_upper:+.3g}, p={e.p_value:.2g}; "
-            f"{e.n_canary} vs {e.n_stable} users)")
+        return f"{label.capitalize()}: too few users yet ({e.n_canary} canary, {e.n_stable} stable)"
+    unit = "requests" if e.metric == "error_rate" else "users"
+    return (f"{label.capitalize()} {fmt_value(e.metric, e.canary_mean)} on the canary vs "
+            f"{fmt_value(e.metric, e.stable_mean)} on stable (difference "
+            f"{fmt_delta(e.metric, e.estimate)}, always-valid {level:.1%} interval "
+            f"{fmt_delta(e.metric, e.ci_lower)} to {fmt_delta(e.metric, e.ci_upper)}, "
+            f"p={e.p_value:.2g}; {e.n_canary:,} vs {e.n_stable:,} {unit})")
 
 
 def _guard_reason(g: GuardrailResult) -> str:

@@ -31,7 +31,7 @@ LABELS = {
     "persistence": "edit persistence",
     "acceptance": "acceptance rate",
     "reward": "mean reward",
-    "latency_ms": "mean latency (ms)",
+    "latency_ms": "mean latency",
     "latency_tail": "share of requests slower than the pooled p95",
     "dissatisfied": "dissatisfied follow-up rate",
     "error_rate": "error rate",
@@ -39,8 +39,35 @@ LABELS = {
     "question_rate": "clarifying-question rate",
     "abstention_rate": "empty-completion rate",
     "invalid_tool_rate": "invalid tool-call rate",
-    "completion_length": "mean completion length (tokens)",
+    "completion_length": "mean completion length",
 }
+
+RATES = frozenset({"persistence", "acceptance", "dissatisfied", "error_rate", "latency_tail",
+                   "edit_rate", "question_rate", "abstention_rate", "invalid_tool_rate"})
+UNITS = {"latency_ms": "ms", "completion_length": "tokens"}
+
+
+def fmt_value(metric: str, x: float) -> str:
+    """A metric's value as a reviewer reads it: rates in %, latency in ms."""
+    if not math.isfinite(x):
+        return "n/a"
+    if metric in RATES:
+        return f"{x:.1%}"
+    if metric in UNITS:
+        return f"{x:,.0f} {UNITS[metric]}" if abs(x) >= 100 else f"{x:.3g} {UNITS[metric]}"
+    return f"{x:.3g}"
+
+
+def fmt_delta(metric: str, x: float, sign: bool = True) -> str:
+    """A difference: percentage points for rates, units otherwise."""
+    if not math.isfinite(x):
+        return "unbounded"
+    plus = "+" if sign else ""
+    if metric in RATES:
+        return f"{x * 100:{plus}.1f} pts"
+    if metric in UNITS:
+        return f"{x:{plus},.1f} {UNITS[metric]}"
+    return f"{x:{plus}.3g}"
 
 Sums = tuple[float, float, float, float, float, int]
 

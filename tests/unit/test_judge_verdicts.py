@@ -78,7 +78,7 @@ def test_p99_guardrail() -> None:
 def test_edit_avoidance_is_reward_hacking() -> None:
     v = judge(_cohort("stable", 1500, seed=1), _cohort("canary", 1500, seed=2, edit=0.4), POLICY)
     assert v.decision == Decision.ROLLBACK
-    assert any(r.startswith("Reward hacking: edit rate fell from 0.8") for r in v.reasons)
+    assert any(r.startswith("Reward hacking: edit rate fell from 8") for r in v.reasons)
 
 
 def test_budget_spent_is_inconclusive() -> None:
