@@ -131,7 +131,8 @@ def test_supervisor_reports_exits_once_and_runs_one_shots(tmp_path: Path) -> Non
 def _record(version: str, arm: str, served: float, accepted: bool | None, ratio: float | None,
             latency: float, reward: float, kind: str = "edit") -> dict[str, object]:
     return {
-        "served_ts": datetime.fromtimestamp(served, UTC).isoformat(), "model": {"name": "m", "version": version},
+        "served_ts": datetime.fromtimestamp(served, UTC).isoformat(),
+        "model": {"name": "m", "version": version},
         "arm": arm, "completion_kind": kind, "accepted": accepted,
         "persistence": {} if ratio is None else {"30": 1.0, "600": ratio, "3600": ratio / 2},
         "latency_ms": latency, "reward": reward, "dissatisfied": 0,
