@@ -1,0 +1,76 @@
+"""A tiny OpenAI-compatible completions server: the stand-in for a team's inference server
+in the gateway benchmark and the upstream-mode tests.
+
+``POST /v1/completions`` answers ``max_tokens`` tokens (ids derived from the prompt, so
+answers are deterministic) with ``logprobs.tokens`` as vLLM's ``"token_id:N"`` strings
+(or as text when ``text_tokens`` is set) and ``token_logprobs`` of -0.5. Every request
+body is kept in ``requests`` for assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class FakeCompletionsServer:
+    def __init__(self, delay_s: float = 0.0, text_tokens: bool = False, status: int = 200) -> None:
+        self.delay_s = delay_s
+        self.text_tokens = text_tokens
+        self.status = status
+        self.requests: list[dict[str, Any]] = []
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-upstream", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> FakeCompletionsServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def answer(self, req: dict[str, Any]) -> dict[str, Any]:
+        prompt = req.get("prompt") or [0]
+        n = int(req.get("max_tokens") or 16)
+        ids = [3 + (sum(prompt) + i) % 60 for i in range(n)]
+        tokens = [f"w{i}" if self.text_tokens else f"token_id:{i}" for i in ids]
+        return {
+            "id": "cmpl-fake", "object": "text_completion", "model": req.get("model"),
+            "choices": [{"index": 0, "text": " ".join(tokens), "finish_reason": "length",
+                         "logprobs": {"tokens": tokens, "token_logprobs": [-0.5] * n}}],
+        }
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                req = json.loads(body)
+                req["_authorization"] = self.headers.get("Authorization")
+                fake.requests.append(req)
+                if fake.delay_s:
+                    time.sleep(fake.delay_s)
+                payload = json.dumps(fake.answer(req) if fake.status == 200 else {"error": "fake"}).encode()
+                self.send_response(fake.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, format: str, *args: object) -> None:
+                return
+
+        return Handler
