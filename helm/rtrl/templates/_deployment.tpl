@@ -1,0 +1,222 @@
+{{/*
+The Deployment every component shares. Call with
+  (dict "root" $ "component" "ingest" "singleton" false)
+A singleton (trainer, deployer) runs exactly one pod with the Recreate strategy, so two
+controllers never act at once.
+*/}}
+{{- define "rtrl.deployment" -}}
+{{- $root := .root }}
+{{- $v := $root.Values }}
+{{- $c := index $v .component }}
+{{- $ctx := dict "root" $root "component" .component }}
+{{- $kafkaTls := $v.kafka.tls }}
+{{- /* The gateway serves /metrics and the probes on its API port; the others on metrics.port. */}}
+{{- $probePort := ternary "http" "metrics" (eq .component "gateway") }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "rtrl.componentName" $ctx }}
+  labels:
+    {{- include "rtrl.componentLabels" $ctx | nindent 4 }}
+spec:
+  {{- if .singleton }}
+  replicas: 1
+  strategy:
+    type: Recreate
+  {{- else }}
+  {{- if not (and (hasKey $c "autoscaling") $c.autoscaling.enabled) }}
+  replicas: {{ $c.replicas }}
+  {{- end }}
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: 1
+      maxUnavailable: 0
+  {{- end }}
+  revisionHistoryLimit: 5
+  selector:
+    matchLabels:
+      {{- include "rtrl.selectorLabels" $ctx | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "rtrl.componentLabels" $ctx | nindent 8 }}
+        {{- with $c.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      annotations:
+        checksum/config: {{ include (print $root.Template.BasePath "/configmap-settings.yaml") $root | sha256sum }}
+        checksum/secret: {{ include (print $root.Template.BasePath "/secret-credentials.yaml") $root | sha256sum }}
+        {{- with $c.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      serviceAccountName: {{ include "rtrl.serviceAccountName" $root }}
+      automountServiceAccountToken: false
+      enableServiceLinks: false
+      terminationGracePeriodSeconds: {{ $c.terminationGracePeriodSeconds }}
+      {{- with $v.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        runAsNonRoot: true
+        runAsUser: {{ $v.securityContext.runAsUser }}
+        runAsGroup: {{ $v.securityContext.runAsGroup }}
+        fsGroup: {{ $v.securityContext.fsGroup }}
+        seccompProfile:
+          type: RuntimeDefault
+      containers:
+        - name: {{ .component }}
+          image: {{ include "rtrl.image" $root | quote }}
+          imagePullPolicy: {{ $v.image.pullPolicy }}
+          command: ["rtrl", "serve", {{ .component | quote }}]
+          ports:
+            {{- if eq .component "gateway" }}
+            - name: http
+              containerPort: {{ $c.port }}
+              protocol: TCP
+            {{- else }}
+            - name: metrics
+              containerPort: {{ $v.metrics.port }}
+              protocol: TCP
+            {{- end }}
+          envFrom:
+            - configMapRef:
+                name: {{ include "rtrl.fullname" $root }}-settings
+            {{- if $v.mlflow.envFromSecret }}
+            - secretRef:
+                name: {{ $v.mlflow.envFromSecret }}
+            {{- end }}
+          env:
+            {{- include "rtrl.secretEnvs" $ctx | trim | nindent 12 }}
+            {{- if eq .component "gateway" }}
+            - name: RTRL_GATEWAY__HOST
+              value: "0.0.0.0"
+            - name: RTRL_GATEWAY__PORT
+              value: {{ $c.port | quote }}
+            {{- end }}
+            {{- if eq .component "trainer" }}
+            - name: RTRL_TRAINER__DATA_DIR
+              value: /var/lib/rtrl/trainer
+            {{- with include "rtrl.rayAddress" $root }}
+            - name: RTRL_RAY__ADDRESS
+              value: {{ . | quote }}
+            {{- end }}
+            {{- end }}
+            {{- range $name, $value := $c.env }}
+            - name: {{ $name }}
+              value: {{ $value | quote }}
+            {{- end }}
+            {{- with $c.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          startupProbe:
+            httpGet:
+              path: /healthz
+              port: {{ $probePort }}
+            periodSeconds: 5
+            failureThreshold: 60
+          livenessProbe:
+            httpGet:
+              path: /healthz
+              port: {{ $probePort }}
+            periodSeconds: 10
+            timeoutSeconds: 5
+            failureThreshold: 6
+          readinessProbe:
+            httpGet:
+              path: /readyz
+              port: {{ $probePort }}
+            periodSeconds: 5
+            timeoutSeconds: 5
+            failureThreshold: 3
+          resources:
+            {{- include "rtrl.resources" $c.resources | trim | nindent 12 }}
+          securityContext:
+            runAsNonRoot: true
+            allowPrivilegeEscalation: false
+            readOnlyRootFilesystem: true
+            capabilities:
+              drop: ["ALL"]
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+            {{- if eq .component "trainer" }}
+            - name: dshm
+              mountPath: /dev/shm
+            - name: data
+              mountPath: /var/lib/rtrl
+            {{- end }}
+            {{- if $kafkaTls.caSecret.name }}
+            - name: kafka-ca
+              mountPath: /etc/rtrl/kafka-ca
+              readOnly: true
+            {{- end }}
+            {{- if $kafkaTls.clientSecret.name }}
+            - name: kafka-client
+              mountPath: /etc/rtrl/kafka-client
+              readOnly: true
+            {{- end }}
+      volumes:
+        - name: tmp
+          emptyDir:
+            sizeLimit: {{ $c.tmpSizeLimit }}
+        {{- if eq .component "trainer" }}
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: 1Gi
+        - name: data
+          {{- if $c.persistence.enabled }}
+          persistentVolumeClaim:
+            claimName: {{ default (printf "%s-data" (include "rtrl.componentName" $ctx)) $c.persistence.existingClaim }}
+          {{- else }}
+          emptyDir: {}
+          {{- end }}
+        {{- end }}
+        {{- if $kafkaTls.caSecret.name }}
+        - name: kafka-ca
+          secret:
+            secretName: {{ $kafkaTls.caSecret.name }}
+            items:
+              - key: {{ $kafkaTls.caSecret.key }}
+                path: ca.crt
+        {{- end }}
+        {{- if $kafkaTls.clientSecret.name }}
+        - name: kafka-client
+          secret:
+            secretName: {{ $kafkaTls.clientSecret.name }}
+            items:
+              - key: {{ $kafkaTls.clientSecret.certKey }}
+                path: client.crt
+              - key: {{ $kafkaTls.clientSecret.keyKey }}
+                path: client.key
+        {{- end }}
+      {{- with $c.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $c.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $c.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end }}
+
+{{/* requests/limits without the unset (null) entries */}}
+{{- define "rtrl.resources" -}}
+{{- range $kind := list "requests" "limits" }}
+{{- $list := dict }}
+{{- range $k, $q := (index $ $kind | default dict) }}
+{{- if $q }}{{ $_ := set $list $k $q }}{{ end }}
+{{- end }}
+{{- if $list }}
+{{ $kind }}:
+  {{- toYaml $list | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,112 @@
+{{/* Names and labels ---------------------------------------------------------------- */}}
+{{- define "rtrl.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "rtrl.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<component>"; call with (dict "root" $ "component" "gateway") */}}
+{{- define "rtrl.componentName" -}}
+{{- printf "%s-%s" (include "rtrl.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "rtrl.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "rtrl.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: rtrl
+{{- end }}
+
+{{/* Selector labels of one component; call with (dict "root" $ "component" "gateway") */}}
+{{- define "rtrl.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rtrl.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "rtrl.componentLabels" -}}
+{{ include "rtrl.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "rtrl.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "rtrl.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "rtrl.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "rtrl.secretName" -}}
+{{- printf "%s-credentials" (include "rtrl.fullname" .) }}
+{{- end }}
+
+{{- define "rtrl.rayClusterName" -}}
+{{- printf "%s-ray" (include "rtrl.fullname" .) | trunc 50 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The Ray address the trainer uses: the chart's RayCluster, else ray.address. */}}
+{{- define "rtrl.rayAddress" -}}
+{{- if .Values.ray.cluster.enabled }}
+{{- printf "ray://%s-head-svc:10001" (include "rtrl.rayClusterName" .) }}
+{{- else }}
+{{- .Values.ray.address }}
+{{- end }}
+{{- end }}
+
+{{/* Secrets ---------------------------------------------------------------------------- */}}
+{{/* Which credentials the chart's own Secret holds (the rest come from existing Secrets). */}}
+{{- define "rtrl.ownSecretKeys" -}}
+{{- $keys := list }}
+{{- if and .Values.kafka.sasl.password (not .Values.kafka.sasl.existingSecret.name) }}{{ $keys = append $keys "kafka-sasl-password" }}{{ end }}
+{{- if and .Values.redis.url (not .Values.redis.existingSecret.name) }}{{ $keys = append $keys "redis-url" }}{{ end }}
+{{- if and .Values.auth.keys (not .Values.auth.existingSecret.name) }}{{ $keys = append $keys "auth-keys" }}{{ end }}
+{{- join "," $keys }}
+{{- end }}
+
+{{/* One env var from a Secret: (dict "root" $ "env" NAME "ref" existingSecretRef "ownKey" KEY) */}}
+{{- define "rtrl.secretEnv" -}}
+- name: {{ .env }}
+  valueFrom:
+    secretKeyRef:
+      {{- if .ref.name }}
+      name: {{ .ref.name }}
+      key: {{ .ref.key }}
+      {{- else }}
+      name: {{ include "rtrl.secretName" .root }}
+      key: {{ .ownKey }}
+      {{- end }}
+{{- end }}
+
+{{/* Environment from Secrets for one component; call with (dict "root" $ "component" NAME) */}}
+{{- define "rtrl.secretEnvs" -}}
+{{- $v := .root.Values }}
+{{- if or $v.kafka.sasl.existingSecret.name $v.kafka.sasl.password }}
+{{ include "rtrl.secretEnv" (dict "root" .root "env" "RTRL_KAFKA__SASL_PASSWORD" "ref" $v.kafka.sasl.existingSecret "ownKey" "kafka-sasl-password") }}
+{{- end }}
+{{- if or $v.redis.existingSecret.name $v.redis.url }}
+{{ include "rtrl.secretEnv" (dict "root" .root "env" "RTRL_REDIS__URL" "ref" $v.redis.existingSecret "ownKey" "redis-url") }}
+{{- else }}
+{{- fail "set redis.url or redis.existingSecret.name: every rtrl service needs Redis" }}
+{{- end }}
+{{- if and (has .component (list "gateway" "ingest")) (or $v.auth.existingSecret.name $v.auth.keys) }}
+{{ include "rtrl.secretEnv" (dict "root" .root "env" "RTRL_AUTH__KEYS" "ref" $v.auth.existingSecret "ownKey" "auth-keys") }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,455 @@
+"""The typed model of the chart's values: one source for values.yaml (defaults and
+comments) and values.schema.json (what Helm rejects). Run ``python helm/generate.py``
+after editing; a test fails when the generated files are stale.
+
+Field docstrings become the comments in values.yaml and the descriptions in the schema,
+so every value is documented in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+Quantity = Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$")]
+"""A Kubernetes quantity such as 500m, 2, 512Mi or 4Gi."""
+Duration = Annotated[str, Field(pattern=r"^[0-9]+(ms|s|m|h)$")]
+Port = Annotated[int, Field(ge=1, le=65535)]
+UnprivilegedPort = Annotated[int, Field(ge=1024, le=65535)]
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+Peer = dict[str, Any]
+"""A NetworkPolicyPeer (podSelector / namespaceSelector / ipBlock), as in Kubernetes."""
+
+
+class _Values(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        use_attribute_docstrings=True,
+    )
+
+
+# --- shared building blocks ---------------------------------------------------------------
+class ResourceList(_Values):
+    cpu: Quantity | None = None
+    """CPU, e.g. 250m or 2."""
+    memory: Quantity | None = None
+    """Memory, e.g. 512Mi or 4Gi."""
+
+
+class Resources(_Values):
+    requests: ResourceList = ResourceList(cpu="100m", memory="256Mi")
+    """What the scheduler reserves for the container."""
+    limits: ResourceList = ResourceList(memory="1Gi")
+    """Hard ceiling; the container is OOM-killed above the memory limit."""
+
+
+class SecretKeyRef(_Values):
+    name: str = ""
+    """Name of an existing Secret; empty uses the chart's own Secret (from the plain value)."""
+    key: str
+    """Key inside that Secret."""
+
+
+class Pdb(_Values):
+    enabled: bool = True
+    """Create a PodDisruptionBudget for this component."""
+    max_unavailable: Annotated[int, Field(ge=1)] = 1
+    """Pods that voluntary disruptions (node drains) may take down at once."""
+
+
+class Autoscaling(_Values):
+    enabled: bool = False
+    """Create a HorizontalPodAutoscaler (replicas is then ignored). Replicas beyond the
+    topic's partition count sit idle: keep maxReplicas <= topics.partitions."""
+    min_replicas: Annotated[int, Field(ge=1)] = 1
+    """Lower bound of the autoscaler."""
+    max_replicas: Annotated[int, Field(ge=1)] = 4
+    """Upper bound of the autoscaler."""
+    target_cpu_utilization_percentage: Annotated[int, Field(ge=1, le=100)] = 70
+    """Average CPU utilisation (percent of requests) the autoscaler aims for."""
+
+
+class Component(_Values):
+    """Settings every component shares."""
+
+    enabled: bool = True
+    """Run this component."""
+    resources: Resources = Resources()
+    """Container resources."""
+    env: dict[EnvName, str] = {}
+    """Extra environment for this component only, e.g. RTRL_<SERVICE>__<FIELD>: value
+    (see services/settings.py for the settings each service reads)."""
+    extra_env: list[dict[str, Any]] = []
+    """Extra EnvVar entries as in a PodSpec, e.g. a valueFrom.secretKeyRef for an upstream API key."""
+    pod_annotations: dict[str, str] = {}
+    """Annotations added to the pods."""
+    pod_labels: dict[str, str] = {}
+    """Labels added to the pods (never used in selectors)."""
+    node_selector: dict[str, str] = {}
+    """Node labels the pods must match."""
+    tolerations: list[dict[str, Any]] = []
+    """Tolerations, as in a PodSpec."""
+    affinity: dict[str, Any] = {}
+    """Affinity, as in a PodSpec."""
+    termination_grace_period_seconds: Annotated[int, Field(ge=0)] = 60
+    """Time between SIGTERM and SIGKILL: the service finishes its batch and commits in it."""
+    tmp_size_limit: Quantity = "1Gi"
+    """Size limit of the writable /tmp emptyDir (the root filesystem is read-only)."""
+
+
+class ScalableComponent(Component):
+    replicas: Annotated[int, Field(ge=1)] = 1
+    """Pods when autoscaling is off."""
+    pdb: Pdb = Pdb()
+    """PodDisruptionBudget."""
+
+
+class WorkerComponent(ScalableComponent):
+    autoscaling: Autoscaling = Autoscaling()
+    """Optional HorizontalPodAutoscaler on CPU."""
+
+
+class GatewayService(_Values):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    """Service type for the completions API."""
+    port: Port = 80
+    """Service port for the completions API."""
+    annotations: dict[str, str] = {}
+    """Annotations on the Service (e.g. for a cloud load balancer)."""
+
+
+class Gateway(ScalableComponent):
+    port: UnprivilegedPort = 8080
+    """Container port of the HTTP API (POST /v1/completions), which also serves /metrics,
+    /healthz and /readyz (RTRL_GATEWAY__PORT)."""
+    service: GatewayService = GatewayService()
+    """The Service in front of the API."""
+    allowed_clients: list[Peer] = []
+    """NetworkPolicy peers allowed to call the API; empty allows every source (ingress
+    controllers, other namespaces). Example: [{namespaceSelector: {matchLabels:
+    {kubernetes.io/metadata.name: serving}}}]."""
+
+
+class TrainerPersistence(_Values):
+    enabled: bool = False
+    """Keep the data directory on a PersistentVolumeClaim; false uses an emptyDir (lost
+    with the pod: an interrupted increment then starts over at the next cadence)."""
+    size: Quantity = "20Gi"
+    """Size of the claim."""
+    storage_class_name: str = ""
+    """StorageClass of the claim; empty uses the cluster default."""
+    existing_claim: str = ""
+    """Use this existing PersistentVolumeClaim instead of creating one."""
+
+
+class Trainer(Component):
+    """The scheduler of RL increments. Always one replica (Recreate strategy): two
+    schedulers would train on the same data window twice."""
+
+    resources: Resources = Resources(
+        requests=ResourceList(cpu="1", memory="2Gi"), limits=ResourceList(memory="8Gi")
+    )
+    """Container resources (the increment runs here when no Ray cluster is set)."""
+    termination_grace_period_seconds: Annotated[int, Field(ge=0)] = 300
+    """Time between SIGTERM and SIGKILL: a running increment is handed back cleanly."""
+    tmp_size_limit: Quantity = "10Gi"
+    """Size limit of /tmp (model artifacts are staged here before MLflow upload)."""
+    persistence: TrainerPersistence = TrainerPersistence()
+    """The trainer's data directory (RTRL_TRAINER__DATA_DIR): scheduler job store, the
+    pending data window and Ray checkpoints, so a restart resumes an interrupted increment."""
+
+
+class Deployer(Component):
+    """The canary controller with the rollback judge. Always one replica (Recreate)."""
+
+
+# --- external dependencies ----------------------------------------------------------------
+class KafkaSasl(_Values):
+    mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    """SASL mechanism; null when securityProtocol has no SASL."""
+    username: str = ""
+    """SASL user name (Strimzi: the KafkaUser's name)."""
+    password: str = ""
+    """SASL password, stored in the chart's Secret. Prefer existingSecret."""
+    existing_secret: SecretKeyRef = SecretKeyRef(key="password")
+    """Read the password from an existing Secret (Strimzi: the KafkaUser's Secret, key password)."""
+
+
+class ClientCertRef(_Values):
+    name: str = ""
+    """Existing Secret with the client certificate and key; empty disables mutual TLS."""
+    cert_key: str = "user.crt"
+    """Key of the PEM certificate (Strimzi KafkaUser with tls auth: user.crt)."""
+    key_key: str = "user.key"
+    """Key of the PEM private key (Strimzi: user.key)."""
+
+
+class CaRef(_Values):
+    name: str = ""
+    """Existing Secret with the CA bundle that signs the brokers (Strimzi:
+    <cluster>-cluster-ca-cert); empty uses the image's system CAs."""
+    key: str = "ca.crt"
+    """Key of the PEM CA bundle in that Secret."""
+
+
+class KafkaTls(_Values):
+    ca_secret: CaRef = CaRef()
+    """CA bundle for SSL / SASL_SSL, mounted read-only and set as RTRL_KAFKA__SSL_CAFILE."""
+    client_secret: ClientCertRef = ClientCertRef()
+    """Client certificate for mutual TLS (RTRL_KAFKA__SSL_CERTFILE / SSL_KEYFILE)."""
+
+
+class Kafka(_Values):
+    bootstrap_servers: Annotated[str, Field(pattern=r"^[^,\s]+:[0-9]+(,[^,\s]+:[0-9]+)*$")] = "kafka:9092"
+    """Comma-separated host:port list of the brokers."""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """As in the Kafka client configuration; SASL_SSL for most managed clusters."""
+    sasl: KafkaSasl = KafkaSasl()
+    """SASL authentication."""
+    tls: KafkaTls = KafkaTls()
+    """TLS material for SSL / SASL_SSL."""
+    client_id: str = "rtrl"
+    """Client id prefix the brokers see (quotas, logs)."""
+
+
+class Topics(_Values):
+    raw: str = "rtrl.raw.v1"
+    """Untrusted input from clients and the serving layer."""
+    events: str = "rtrl.events.v1"
+    """Validated, deduplicated events keyed by request_id."""
+    rewards: str = "rtrl.rewards.v1"
+    """One closed reward record per served completion."""
+    dlq: str = "rtrl.dlq.v1"
+    """Rejected input with the original bytes and a reason."""
+    partitions: Annotated[int, Field(ge=1)] = 4
+    """Partitions of topics rtrl creates; the most useful ingest/reward replicas."""
+    replication_factor: Annotated[int, Field(ge=1)] = 3
+    """Replication factor of topics rtrl creates."""
+    create: bool = True
+    """Create missing topics at start-up; false where topics are managed (Strimzi KafkaTopic)."""
+
+
+class Redis(_Values):
+    url: Annotated[str, Field(pattern=r"^(rediss?://.*)?$")] = "redis://redis:6379/0"
+    """redis:// or rediss:// URL, stored in the chart's Secret (it may carry a password)."""
+    existing_secret: SecretKeyRef = SecretKeyRef(key="redis-url")
+    """Read the URL from an existing Secret instead (the whole URL under this key)."""
+    key_prefix: str = "rtrl:"
+    """Prefix for every key rtrl writes, so several installs can share one Redis."""
+
+
+class Mlflow(_Values):
+    tracking_uri: Annotated[str, Field(pattern=r"^(https?|databricks|file|sqlite|postgresql)[:+]")] = (
+        "http://mlflow:5000"
+    )
+    """MLflow tracking server."""
+    registered_model: str = "rtrl-policy"
+    """Registered model that holds the champion, candidate and previous aliases."""
+    env_from_secret: str = ""
+    """Existing Secret whose keys are loaded as environment (e.g. MLFLOW_TRACKING_TOKEN,
+    MLFLOW_TRACKING_USERNAME/PASSWORD, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for artifacts)."""
+
+
+class RayGroup(_Values):
+    resources: Resources = Resources(
+        requests=ResourceList(cpu="2", memory="4Gi"), limits=ResourceList(memory="8Gi")
+    )
+    """Container resources of each Ray pod in this group."""
+
+
+class RayWorkers(RayGroup):
+    replicas: Annotated[int, Field(ge=0)] = 1
+    """Worker pods to start with."""
+    min_replicas: Annotated[int, Field(ge=0)] = 0
+    """Lower bound when the Ray autoscaler is used."""
+    max_replicas: Annotated[int, Field(ge=0)] = 4
+    """Upper bound when the Ray autoscaler is used."""
+
+
+class RayCluster(_Values):
+    enabled: bool = False
+    """Create a KubeRay RayCluster (needs the KubeRay operator) and point the trainer at it."""
+    ray_version: str = "2.60.0"
+    """Ray version in the image; must match the ray package in the rtrl image."""
+    head: RayGroup = RayGroup()
+    """The head pod."""
+    workers: RayWorkers = RayWorkers()
+    """The worker group."""
+
+
+class Ray(_Values):
+    address: str = ""
+    """Existing Ray cluster (e.g. ray://raycluster-head-svc:10001); empty with
+    cluster.enabled false runs Ray inside the trainer pod."""
+    cluster: RayCluster = RayCluster()
+    """Optional KubeRay RayCluster for the trainer."""
+
+
+class Auth(_Values):
+    keys: dict[str, str] = {}
+    """Producer key id -> shared HMAC secret for raw events, stored in the chart's Secret."""
+    existing_secret: SecretKeyRef = SecretKeyRef(key="auth-keys")
+    """Read the keys from an existing Secret: a JSON object {"key-id": "secret"} under this key."""
+    allow_unsigned: bool = False
+    """Development only: accept raw events without a signature."""
+
+
+# --- cluster plumbing ---------------------------------------------------------------------
+class Image(_Values):
+    repository: str = "ghcr.io/rtrl/rtrl"
+    """Image built from the repository's Dockerfile."""
+    tag: str = ""
+    """Image tag; empty uses the chart's appVersion."""
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Kubernetes imagePullPolicy."""
+
+
+class SecurityContext(_Values):
+    run_as_user: Annotated[int, Field(ge=1)] = 10001
+    """Non-root user id the containers run as (the Dockerfile's rtrl user)."""
+    run_as_group: Annotated[int, Field(ge=1)] = 10001
+    """Group id of the containers."""
+    fs_group: Annotated[int, Field(ge=1)] = 10001
+    """Group that owns mounted volumes."""
+
+
+class ServiceAccount(_Values):
+    create: bool = True
+    """Create a ServiceAccount for the pods (no Kubernetes API token is mounted)."""
+    name: str = ""
+    """Name to use; empty derives it from the release."""
+    annotations: dict[str, str] = {}
+    """Annotations, e.g. for cloud workload identity (object storage for MLflow artifacts)."""
+
+
+class Metrics(_Values):
+    port: UnprivilegedPort = 9100
+    """Port of /metrics, /healthz and /readyz in every pod (RTRL_HTTP__PORT)."""
+
+
+class ServiceMonitor(_Values):
+    enabled: bool = False
+    """Create a prometheus-operator ServiceMonitor for every component."""
+    interval: Duration = "30s"
+    """Scrape interval."""
+    labels: dict[str, str] = {}
+    """Extra labels, e.g. {release: kube-prometheus-stack} to match the Prometheus selector."""
+
+
+class PrometheusRule(_Values):
+    enabled: bool = False
+    """Create a PrometheusRule with the alerts in files/alerts/."""
+    labels: dict[str, str] = {}
+    """Extra labels, e.g. {release: kube-prometheus-stack}."""
+    runbook_base_url: Annotated[str, Field(pattern=r"^https?://\S+[^/]$")] = (
+        "https://github.com/rtrl/rtrl/blob/main/docs/runbooks"
+    )
+    """Base of every alert's runbook_url (no trailing slash); point it at your fork or wiki."""
+
+
+class Dashboards(_Values):
+    enabled: bool = False
+    """Ship the Grafana dashboard in a ConfigMap for the Grafana sidecar."""
+    label: str = "grafana_dashboard"
+    """Label the Grafana sidecar watches."""
+    label_value: str = "1"
+    """Value of that label."""
+    annotations: dict[str, str] = {}
+    """Annotations, e.g. {grafana_folder: rtrl} for the sidecar's folder support."""
+
+
+class Egress(_Values):
+    to: list[Peer] = []
+    """Peers allowed; empty allows any destination on these ports."""
+    ports: list[Port] = []
+    """TCP ports allowed."""
+
+
+class NetworkPolicyEgress(_Values):
+    kafka: Egress = Egress(ports=[9092, 9093])
+    """Brokers (Strimzi: 9092 plain, 9093 TLS)."""
+    redis: Egress = Egress(ports=[6379])
+    """Redis."""
+    mlflow: Egress = Egress(ports=[80, 443, 5000])
+    """MLflow tracking server and the artifact store behind it."""
+    ray: Egress = Egress(ports=[6379, 8265, 10001])
+    """An external Ray cluster (GCS, dashboard, client). With ray.cluster.enabled the
+    chart's RayCluster pods are allowed instead."""
+    dns: Egress = Egress(
+        to=[{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+        ports=[53],
+    )
+    """Cluster DNS (TCP and UDP)."""
+    extra: list[dict[str, Any]] = []
+    """Extra NetworkPolicyEgressRules added to every component."""
+
+
+class NetworkPolicy(_Values):
+    enabled: bool = True
+    """Create a NetworkPolicy per component: only the listed traffic is allowed."""
+    metrics_from: list[Peer] = [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    ]
+    """Peers allowed to scrape /metrics (default: prometheus-operator's Prometheus pods)."""
+    egress: NetworkPolicyEgress = NetworkPolicyEgress()
+    """Outgoing traffic each component may open."""
+
+
+class Values(_Values):
+    """Values of the rtrl chart."""
+
+    name_override: str = ""
+    """Replaces the chart name in resource names."""
+    fullname_override: str = ""
+    """Replaces the release-derived prefix of resource names."""
+    image: Image = Image()
+    """Container image of every component."""
+    image_pull_secrets: list[dict[str, str]] = []
+    """Secrets for a private registry, e.g. [{name: regcred}]."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of every service (RTRL_LOG_LEVEL)."""
+    config: dict[Annotated[str, Field(pattern=r"^RTRL_[A-Z0-9_]+$")], str] = {}
+    """Extra settings for every component, added to the ConfigMap (RTRL_* names, see
+    services/settings.py). Secrets do not belong here."""
+    kafka: Kafka = Kafka()
+    """External Kafka."""
+    topics: Topics = Topics()
+    """Topic names and creation."""
+    redis: Redis = Redis()
+    """External Redis (traffic split, dedup and window state)."""
+    mlflow: Mlflow = Mlflow()
+    """External MLflow (registry and decision ledger)."""
+    ray: Ray = Ray()
+    """Ray for the trainer."""
+    auth: Auth = Auth()
+    """Producer authentication for the raw topic."""
+    metrics: Metrics = Metrics()
+    """Metrics and health endpoints."""
+    security_context: SecurityContext = SecurityContext()
+    """Pod user and group (always non-root, read-only root filesystem, no capabilities)."""
+    service_account: ServiceAccount = ServiceAccount()
+    """The pods' ServiceAccount."""
+    gateway: Gateway = Gateway(replicas=2)
+    """Serves completions and routes users to the stable or canary arm."""
+    ingest: WorkerComponent = WorkerComponent()
+    """Validates, authenticates and deduplicates raw events."""
+    reward: WorkerComponent = WorkerComponent()
+    """Joins events per request and emits rewards."""
+    trainer: Trainer = Trainer()
+    """Schedules RL increments."""
+    deployer: Deployer = Deployer()
+    """Runs canaries and rolls back."""
+    network_policy: NetworkPolicy = NetworkPolicy()
+    """NetworkPolicies."""
+    service_monitor: ServiceMonitor = ServiceMonitor()
+    """prometheus-operator ServiceMonitor."""
+    prometheus_rule: PrometheusRule = PrometheusRule()
+    """prometheus-operator PrometheusRule with the alerts."""
+    dashboards: Dashboards = Dashboards()
+    """Grafana dashboard ConfigMap."""
+    global_: dict[str, Any] = Field(default={}, alias="global")
+    """Helm's global values (not used by this chart)."""

@@ -1,0 +1,341 @@
+"""The Helm chart, rendered for every values file: lint, Kubernetes schemas, the
+prometheus-operator models, and assertions on the parsed manifests (security context,
+probes, selectors, NetworkPolicies, secrets, the settings the services read)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from kubernetes_validate.utils import SchemaNotFoundError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helm"))
+import chart_tools as ct
+
+K8S_VERSIONS = ("1.25.0", "1.37.0")  # the chart's kubeVersion floor and the newest schema
+COMPONENTS = ("gateway", "ingest", "reward", "trainer", "deployer")
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    return ct.tool("helm")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return ct.helm_env(tmp_path_factory.mktemp("helm-home"))
+
+
+@pytest.fixture(scope="module")
+def rendered(helm: str, env: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for name, args in ct.VALUES_SETS.items():
+        proc = ct.helm_template(helm, env, args)
+        assert proc.returncode == 0, f"helm template ({name}) failed:\n{proc.stderr}"
+        out[name] = ct.documents(proc.stdout)
+    return out
+
+
+def each(rendered: dict[str, list[dict[str, Any]]], kind: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    for name, docs in rendered.items():
+        for doc in docs:
+            if doc["kind"] == kind:
+                yield name, doc
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def component_of(doc: dict[str, Any]) -> str:
+    return str(doc["metadata"]["labels"]["app.kubernetes.io/component"])
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    deps = by_kind(docs, "Deployment")
+    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in deps}
+
+
+# --- lint and schemas ---------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(ct.VALUES_SETS))
+def test_helm_lint_strict(helm: str, env: dict[str, str], name: str) -> None:
+    proc = ct.run([helm, "lint", "--strict", str(ct.CHART), *ct.VALUES_SETS[name]], env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_core_manifests_valid_under_strict_kubernetes_schemas(rendered, version: str) -> None:
+    checked = 0
+    for name, docs in rendered.items():
+        for doc in docs:
+            if doc["apiVersion"].startswith(("monitoring.coreos.com/", "ray.io/")):
+                continue
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except SchemaNotFoundError:
+                pytest.fail(f"{name}: no Kubernetes {version} schema for {doc['kind']} {doc['apiVersion']}")
+            except kubernetes_validate.ValidationError as e:
+                path = ".".join(str(p) for p in e.path)
+                pytest.fail(f"{name}: {doc['kind']}/{doc['metadata']['name']} at {path}: {e.message}")
+            checked += 1
+    assert checked > 40
+
+
+def test_raycluster_pod_templates_are_valid_pod_templates(rendered) -> None:
+    clusters = list(each(rendered, "RayCluster"))
+    assert {name for name, _ in clusters} == {"everything", "strimzi"}
+    templates = [ray["spec"]["headGroupSpec"]["template"] for _, ray in clusters]
+    templates += [g["template"] for _, ray in clusters for g in ray["spec"]["workerGroupSpecs"]]
+    for template in templates:
+        wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "ray"},
+                   "template": template}
+        kubernetes_validate.validate(wrapped, K8S_VERSIONS[-1], strict=True)
+        container = template["spec"]["containers"][0]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert all(ray["spec"]["rayVersion"] == "2.60.0" for _, ray in clusters)
+
+
+@pytest.mark.parametrize("kind", ["PrometheusRule", "ServiceMonitor"])
+def test_monitoring_resources_match_the_prometheus_operator_models(rendered, kind: str) -> None:
+    from cloudcoil.models.prometheus_operator import v1
+
+    found = list(each(rendered, kind))
+    assert {name for name, _ in found} == {"everything", "strimzi"}
+    for name, doc in found:
+        model = getattr(v1, kind).model_validate(doc)
+        # The models ignore unknown fields: a field lost on the round trip is a typo.
+        assert model.model_dump(mode="json", by_alias=True, exclude_none=True) == doc, name
+
+
+# --- the pods -----------------------------------------------------------------------------
+def test_every_component_has_a_deployment(rendered) -> None:
+    for name, docs in rendered.items():
+        components = {component_of(d) for d in by_kind(docs, "Deployment")}
+        assert components == set(COMPONENTS), name
+
+
+def test_pods_run_as_non_root_with_a_read_only_root_filesystem(rendered) -> None:
+    for name, dep in each(rendered, "Deployment"):
+        spec = dep["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] > 0
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert spec["automountServiceAccountToken"] is False
+        (container,) = spec["containers"]
+        sc = container["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True, name
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert "emptyDir" in volumes[mounts["/tmp"]], "a writable /tmp is needed with a read-only root"
+
+
+def test_probes_hit_health_endpoints_on_a_declared_port(rendered) -> None:
+    for name, dep in each(rendered, "Deployment"):
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        ports = {p["name"] for p in container["ports"]}
+        paths = {
+            probe: (container[probe]["httpGet"]["path"], container[probe]["httpGet"]["port"])
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe")
+        }
+        assert paths["livenessProbe"][0] == "/healthz"
+        assert paths["startupProbe"][0] == "/healthz"
+        assert paths["readinessProbe"][0] == "/readyz"
+        assert {port for _, port in paths.values()} <= ports, f"{name}: probe on an undeclared port"
+        assert container["resources"]["requests"]["memory"], name
+        assert container["command"][:2] == ["rtrl", "serve"]
+
+
+def test_singletons_run_one_pod_with_recreate(rendered) -> None:
+    for _, dep in each(rendered, "Deployment"):
+        if dep["metadata"]["labels"]["app.kubernetes.io/component"] in {"trainer", "deployer"}:
+            assert dep["spec"]["replicas"] == 1
+            assert dep["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_selectors_match_pod_labels(rendered) -> None:
+    for name, docs in rendered.items():
+        pods = pod_labels(docs)
+        for dep in by_kind(docs, "Deployment"):
+            template_labels = dep["spec"]["template"]["metadata"]["labels"]
+            assert selects(dep["spec"]["selector"]["matchLabels"], template_labels)
+        for kind, get in [
+            ("Service", lambda d: d["spec"]["selector"]),
+            ("PodDisruptionBudget", lambda d: d["spec"]["selector"]["matchLabels"]),
+            ("NetworkPolicy", lambda d: d["spec"]["podSelector"]["matchLabels"]),
+        ]:
+            for doc in by_kind(docs, kind):
+                matched = [pod for pod, labels in pods.items() if selects(get(doc), labels)]
+                own = doc["metadata"]["name"]
+                assert matched == [own], f"{name}: {kind} {own} selects {matched}"
+
+
+def test_service_target_ports_exist_on_the_selected_pods(rendered) -> None:
+    for name, docs in rendered.items():
+        deps = {d["metadata"]["name"]: d for d in by_kind(docs, "Deployment")}
+        for svc in by_kind(docs, "Service"):
+            (container,) = deps[svc["metadata"]["name"]]["spec"]["template"]["spec"]["containers"]
+            names = {p["name"] for p in container["ports"]}
+            assert {p["targetPort"] for p in svc["spec"]["ports"]} <= names, name
+            port_names = {p["name"] for p in svc["spec"]["ports"]}
+            assert "metrics" in port_names, "the ServiceMonitor scrapes 'metrics'"
+
+
+def test_servicemonitor_selects_every_service(rendered) -> None:
+    for name, sm in each(rendered, "ServiceMonitor"):
+        services = by_kind(rendered[name], "Service")
+        assert all(selects(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"]) for s in services)
+        assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_hpa_targets_a_deployment_without_fixed_replicas(rendered) -> None:
+    hpas = list(each(rendered, "HorizontalPodAutoscaler"))
+    assert {h["metadata"]["name"] for _, h in hpas} == {"rel-rtrl-ingest", "rel-rtrl-reward"}
+    for name, hpa in hpas:
+        deps = {d["metadata"]["name"]: d for d in by_kind(rendered[name], "Deployment")}
+        target = deps[hpa["spec"]["scaleTargetRef"]["name"]]
+        assert "replicas" not in target["spec"], "the HPA owns replicas"
+
+
+def test_every_pod_is_isolated_by_a_network_policy(rendered) -> None:
+    for name, docs in rendered.items():
+        policies = by_kind(docs, "NetworkPolicy")
+        for pod, labels in pod_labels(docs).items():
+            mine = [p for p in policies if selects(p["spec"]["podSelector"]["matchLabels"], labels)]
+            assert mine, f"{name}: {pod} has no NetworkPolicy"
+            assert set(mine[0]["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+
+
+def test_network_policies_allow_only_what_each_component_needs(rendered) -> None:
+    docs = rendered["small"]
+    policies = {component_of(p): p for p in by_kind(docs, "NetworkPolicy")}
+
+    def egress_ports(component: str) -> set[int]:
+        return {p["port"] for rule in policies[component]["spec"]["egress"] for p in rule["ports"]}
+
+    assert egress_ports("ingest") == {53, 9092, 6379}  # DNS, Kafka, Redis: no MLflow
+    assert egress_ports("gateway") == {53, 9092, 6379, 5000}
+    assert egress_ports("trainer") == {53, 9092, 6379, 5000}  # Ray runs inside the pod here
+    ingress = policies["ingest"]["spec"]["ingress"]
+    assert len(ingress) == 1 and ingress[0]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert ingress[0]["from"], "metrics only from Prometheus"
+    ray_rules = next(r for r in by_kind(rendered["everything"], "NetworkPolicy")
+                     if r["metadata"]["name"] == "rel-rtrl-trainer")["spec"]["egress"]
+    assert {"podSelector": {"matchLabels": {"ray.io/cluster": "rel-rtrl-ray"}}} in [
+        peer for rule in ray_rules for peer in rule.get("to", [])
+    ]
+
+
+# --- settings and secrets -----------------------------------------------------------------
+def _env_of(docs: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    """The environment a component's container sees: ConfigMap plus env entries."""
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-settings")]
+    dep = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith(f"-{component}"))
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    env: dict[str, Any] = dict(cm["data"])
+    env.update({e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]})
+    return env
+
+
+@pytest.mark.parametrize("name", sorted(ct.VALUES_SETS))
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_services_parse_the_rendered_settings(rendered, name: str, component: str, monkeypatch) -> None:
+    from services.settings import Settings
+
+    env = _env_of(rendered[name], component)
+    for key, value in env.items():
+        if isinstance(value, dict):  # from a Secret: any well-formed value
+            value = {"RTRL_REDIS__URL": "redis://r:6379/0", "RTRL_AUTH__KEYS": '{"k": "v"}'}.get(key, "x")
+        monkeypatch.setenv(key, value)
+    settings = Settings()
+    assert settings.http.host == "0.0.0.0"
+    assert settings.kafka.bootstrap_servers == env["RTRL_KAFKA__BOOTSTRAP_SERVERS"]
+    if component == "gateway":
+        assert settings.gateway.host == "0.0.0.0"
+        assert settings.gateway.port == 8080
+    if component == "trainer":
+        assert str(settings.trainer.data_dir) == "/var/lib/rtrl/trainer"
+
+
+def test_credentials_come_from_secrets_never_the_configmap(rendered) -> None:
+    docs = rendered["everything"]
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-settings")]
+    assert not any("s3cret" in v for v in cm["data"].values())
+    (secret,) = by_kind(docs, "Secret")
+    assert set(secret["stringData"]) == {"kafka-sasl-password", "redis-url", "auth-keys"}
+    assert secret["stringData"]["auth-keys"] == '{"gateway":"s3cret-auth"}'
+    assert _env_of(docs, "ingest")["RTRL_AUTH__KEYS"]["secretKeyRef"]["key"] == "auth-keys"
+    assert "RTRL_AUTH__KEYS" not in _env_of(docs, "reward"), "only gateway and ingest hold producer keys"
+
+
+def test_existing_secrets_replace_the_charts_secret(rendered) -> None:
+    docs = rendered["strimzi"]
+    assert by_kind(docs, "Secret") == []
+    env = _env_of(docs, "ingest")
+    assert env["RTRL_KAFKA__SASL_PASSWORD"] == {"secretKeyRef": {"name": "rtrl", "key": "password"}}
+    assert env["RTRL_REDIS__URL"] == {"secretKeyRef": {"name": "rtrl-redis", "key": "url"}}
+    assert env["RTRL_AUTH__KEYS"] == {"secretKeyRef": {"name": "rtrl-auth", "key": "keys"}}
+    assert env["RTRL_KAFKA__SSL_CAFILE"] == "/etc/rtrl/kafka-ca/ca.crt"
+    dep = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-ingest"))
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["kafka-ca"]["secret"]["secretName"] == "events-cluster-ca-cert"
+
+
+def test_config_changes_roll_the_pods(helm: str, env: dict[str, str], rendered) -> None:
+    def checksum(docs: list[dict[str, Any]]) -> str:
+        dep = by_kind(docs, "Deployment")[0]
+        return str(dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+
+    proc = ct.helm_template(helm, env, ["--set", "logLevel=DEBUG"])
+    assert checksum(ct.documents(proc.stdout)) != checksum(rendered["default"])
+
+
+# --- rejected values ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("setting", "why"),
+    [
+        ("securityContext.runAsUser=0", "runAsUser"),
+        ("kafka.securityProtocol=SASL", "securityProtocol"),
+        ("gateway.replicas=0", "replicas"),
+        ("metrics.port=80", "port"),
+        ("redis.url=http://redis:6379", "url"),
+        ("ingest.autoscaling.targetCpuUtilizationPercentage=150", "targetCpuUtilizationPercentage"),
+        ("trainer.resources.limits.memory=lots", "memory"),
+        ("config.LOG_LEVEL=debug", "config"),
+        ("ingest.replica=2", "replica"),
+        ("prometheusRule.runbookBaseUrl=wiki/runbooks/", "runbookBaseUrl"),
+    ],
+)
+def test_schema_rejects_bad_values(helm: str, env: dict[str, str], setting: str, why: str) -> None:
+    proc = ct.helm_template(helm, env, ["--set", setting])
+    assert proc.returncode != 0, f"--set {setting} was accepted"
+    assert "schema" in proc.stderr and why in proc.stderr, proc.stderr
+
+
+def test_template_refuses_an_install_without_redis(helm: str, env: dict[str, str]) -> None:
+    proc = ct.helm_template(helm, env, ["--set", "redis.url="])
+    assert proc.returncode != 0
+    assert "set redis.url or redis.existingSecret.name" in proc.stderr
+
+
+def test_template_refuses_min_replicas_above_max(helm: str, env: dict[str, str]) -> None:
+    proc = ct.helm_template(helm, env, ["--set", "reward.autoscaling.enabled=true",
+                                        "--set", "reward.autoscaling.minReplicas=5",
+                                        "--set", "reward.autoscaling.maxReplicas=2"])
+    assert proc.returncode != 0 and "minReplicas (5) is above maxReplicas (2)" in proc.stderr
+
+
+def test_dashboard_configmap_carries_the_sidecar_label_and_the_json(rendered) -> None:
+    maps = by_kind(rendered["everything"], "ConfigMap")
+    (cm,) = [d for d in maps if d["metadata"]["name"].endswith("-dashboards")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["data"]["rtrl.json"] == ct.DASHBOARD.read_text().rstrip("\n")
