@@ -145,6 +145,8 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_SIMULATOR__TIME_SCALE": f"{ts:g}",
         "RTRL_SIMULATOR__RATE_PER_S": f"{demo.sim_rate_per_s:g}",
         "RTRL_SIMULATOR__N_USERS": str(demo.sim_users),
+        "RTRL_SIMULATOR__CONCURRENCY": "8",
+        "RTRL_SIMULATOR__MAX_TOKENS": "16",
         "RTRL_SIMULATOR__SEED": str(demo.seed),
         "RTRL_HTTP__PORT": "0",
         "RAY_AUTH_MODE": "disabled",
@@ -205,6 +207,7 @@ class DemoRun:
         self.kinds: dict[str, str] = {}
         self.decided: dict[str, str] = {}
         self.primary_horizon = 600
+        self.champion: str | None = None
 
     # ------------------------------------------------------------ phases
     def execute(self) -> int:
@@ -320,11 +323,30 @@ class DemoRun:
                 self.unavailable.append(f"{name} ({module.replace('.', '/')}.py is not installed)")
                 say(f"UNAVAILABLE: rtrl serve {name} ({module} missing); the loop runs without it")
                 continue
+            if name == "simulator" and "gateway" in self.supervisor.procs:
+                self.wait_gateway()
             self.supervisor.start(ProcSpec(name, serve_argv(name)))
         running = [n for n in self.supervisor.procs]
         say(f"services started: {', '.join(running)}; gateway on http://127.0.0.1:{self.gateway_port}")
         if self.unavailable:
             self.notes.append("Unavailable in this run: " + "; ".join(self.unavailable))
+
+    def wait_gateway(self, timeout_s: float = 90.0) -> None:
+        """Until the gateway answers /readyz (it has loaded the champion), or the timeout."""
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.gateway_port}/readyz"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        say(f"the gateway is not ready after {timeout_s:.0f}s; starting the users anyway "
+            f"(see {self.data / 'logs' / 'gateway.log'})")
 
     # ------------------------------------------------------------ watching
     def routing(self) -> dict[str, str]:
@@ -368,7 +390,7 @@ class DemoRun:
         assert self.tracker is not None
         elapsed = time.time() - self.t0
         phase = status.get("phase", "?")
-        champion = routing.get("stable_version") or status.get("stable") or "?"
+        champion = self.champion or routing.get("stable_version") or "?"
         cand = status.get("candidate") or routing.get("canary_version")
         weight = float(routing.get("canary_weight") or status.get("weight") or 0.0)
         head = f"{int(elapsed // 60)}:{int(elapsed % 60):02d} phase={phase} champion=v{champion}"
@@ -436,6 +458,10 @@ class DemoRun:
                     f"{self.supervisor.log_tail(name)}")
                 self.notes.append(f"Service {name} exited during the run with code {rc}.")
             status, routing = self.deployer_status(), self.routing()
+            try:
+                self.champion = self._registry().alias_version("champion")
+            except Exception:
+                self.champion = None
             if time.time() - last_ledger > 10:
                 for d in self.decisions():
                     if d.candidate not in self.decided:
