@@ -165,8 +165,12 @@ def prepare_data_dir(data: Path) -> None:
         if not (data / MARKER).exists():
             raise SystemExit(f"rtrl demo: {data} exists and was not made by rtrl demo; "
                              "pass --data-dir pointing at a new or previous demo directory")
+        from services.demo_runtime import stop_recorded
         from services.stack import EmbeddedStack
 
+        leftovers = stop_recorded(data / "pids.json")
+        if leftovers:
+            say(f"stopped leftovers of a previous demo run: {', '.join(leftovers)}")
         EmbeddedStack(data_dir=data / "stack").down()
         shutil.rmtree(data)
     data.mkdir(parents=True, exist_ok=True)
@@ -276,7 +280,7 @@ class DemoRun:
             os.environ.clear()
             os.environ.update(saved)
         ensure_topics(self.settings)
-        self.supervisor = Supervisor(self.data / "logs", env)
+        self.supervisor = Supervisor(self.data / "logs", env, pid_file=self.data / "pids.json")
         self.redis = make_redis(self.settings.redis)
         self.world = make_world(self.demo.seed)
         self.tracker = RewardsTracker(self.settings, self.primary_horizon).start()

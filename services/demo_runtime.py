@@ -48,11 +48,20 @@ def module_available(module: str) -> bool:
 class Supervisor:
     """Starts, watches and stops the demo's processes."""
 
-    def __init__(self, log_dir: Path, base_env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, log_dir: Path, base_env: Mapping[str, str] | None = None,
+                 pid_file: Path | None = None) -> None:
         self.log_dir = log_dir
         self.base_env = dict(base_env or {})
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.reported_exit: set[str] = set()
+        self.pid_file = pid_file
+        """Where the process-group ids are recorded, so a later run can stop leftovers of a
+        run that was killed without a chance to clean up (see :func:`stop_recorded`)."""
+
+    def _record(self) -> None:
+        if self.pid_file is not None:
+            live = {n: p.pid for n, p in self.procs.items() if p.poll() is None}
+            self.pid_file.write_text(json.dumps(live))
 
     def start(self, spec: ProcSpec) -> subprocess.Popen[bytes]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -62,6 +71,7 @@ class Supervisor:
                 start_new_session=True, env={**os.environ, **self.base_env, **spec.env},
             )
         self.procs[spec.name] = proc
+        self._record()
         return proc
 
     def run(self, spec: ProcSpec, timeout_s: float) -> int:
@@ -95,7 +105,9 @@ class Supervisor:
         """SIGTERM every process group (in ``order``, else reverse start order); return codes."""
         names = list(order) if order is not None else list(reversed(self.procs))
         names += [n for n in reversed(self.procs) if n not in names]
-        return {n: self.stop(n, grace_s) for n in names}
+        codes = {n: self.stop(n, grace_s) for n in names}
+        self._record()
+        return codes
 
     def log_tail(self, name: str, lines: int = 15) -> str:
         path = self.log_dir / f"{name}.log"
@@ -117,6 +129,23 @@ def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> int | None:
     # children that outlived the leader (same group) go too
     _signal_group(proc.pid, signal.SIGKILL)
     return proc.returncode
+
+
+def stop_recorded(pid_file: Path) -> list[str]:
+    """SIGKILL the process groups a previous (killed) run recorded; return their names."""
+    try:
+        recorded = json.loads(pid_file.read_text())
+    except (OSError, ValueError):
+        return []
+    stopped = []
+    for name, pgid in recorded.items():
+        try:
+            os.killpg(int(pgid), signal.SIGKILL)
+            stopped.append(str(name))
+        except (ProcessLookupError, PermissionError, ValueError):
+            continue
+    pid_file.unlink(missing_ok=True)
+    return stopped
 
 
 def _signal_group(pid: int, sig: int) -> None:

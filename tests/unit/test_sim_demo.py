@@ -238,3 +238,15 @@ def test_markdown_without_promotion_says_so() -> None:
 def test_rows_keep_version_and_arm() -> None:
     row = row_from_record(_record("7", "canary", 1.0, False, None, 10, -0.25), 600)
     assert row == Row(1.0, "7", "canary", "edit", False, None, 10.0, -0.25, 0)
+
+
+def test_leftovers_of_a_killed_run_are_stopped_from_the_pid_file(tmp_path: Path) -> None:
+    from services.demo_runtime import stop_recorded
+
+    sup = Supervisor(tmp_path / "logs", pid_file=tmp_path / "pids.json")
+    proc = sup.start(ProcSpec("orphan", [sys.executable, "-c", "import time; time.sleep(60)"]))
+    assert json.loads((tmp_path / "pids.json").read_text()) == {"orphan": proc.pid}
+    assert stop_recorded(tmp_path / "pids.json") == ["orphan"]
+    proc.wait(timeout=5)
+    assert proc.returncode == -signal.SIGKILL and not (tmp_path / "pids.json").exists()
+    assert stop_recorded(tmp_path / "pids.json") == []
