@@ -78,21 +78,25 @@ class Arm:
     """Per-request draws of one arm, (canaries, users, MAX_REQUESTS); ``mask`` marks real requests."""
 
     mask: NDArray[np.bool_]
-    persistence: Arr
+    persistence: NDArray[np.bool_]
     latency: Arr
-    dissatisfied: Arr
-    error: Arr
-    edit: Arr
+    dissatisfied: NDArray[np.bool_]
+    error: NDArray[np.bool_]
+    edit: NDArray[np.bool_]
     sums: dict[str, Arr] = field(default_factory=dict)
 
     def user_sum(self, name: str) -> Arr:
         if name not in self.sums:
-            self.sums[name] = np.where(self.mask, getattr(self, name), 0.0).sum(axis=-1)
+            x = getattr(self, name)
+            masked = (x & self.mask) if x.dtype == np.bool_ else np.where(self.mask, x, 0.0)
+            self.sums[name] = masked.sum(axis=-1, dtype=np.float64)
         return self.sums[name]
 
     @property
     def requests(self) -> Arr:
-        return self.mask.sum(axis=-1).astype(np.float64)
+        if "requests" not in self.sums:
+            self.sums["requests"] = self.mask.sum(axis=-1, dtype=np.float64)
+        return self.sums["requests"]
 
 
 def simulate_arm(rng: np.random.Generator, cfg: SimConfig, canaries: int, *,
@@ -103,16 +107,14 @@ def simulate_arm(rng: np.random.Generator, cfg: SimConfig, canaries: int, *,
     mask = np.arange(MAX_REQUESTS) < k[..., None]
     mu = cfg.persistence + persistence_shift
     p_user = rng.beta(mu * cfg.concentration, (1 - mu) * cfg.concentration, size=(canaries, users))
-    u = rng.random(shape)
-    persistence = (u < p_user[..., None]).astype(np.float64)
+    persistence = rng.random(shape, dtype=np.float32) < p_user[..., None]
     log_lat = (np.log(LAT_MEDIAN_MS) + LAT_USER_SD * rng.standard_normal((canaries, users, 1))
                + LAT_REQ_SD * rng.standard_normal(shape))
     latency = np.exp(log_lat) * (1.0 + latency_shift_ms / LAT_MEAN_MS)
-    rand = rng.random((3, *shape))
     return Arm(mask, persistence, latency,
-               (rand[0] < cfg.dissatisfied).astype(np.float64),
-               (rand[1] < cfg.error_rate).astype(np.float64),
-               (rand[2] < cfg.edit_rate).astype(np.float64))
+               rng.random(shape, dtype=np.float32) < cfg.dissatisfied,
+               rng.random(shape, dtype=np.float32) < cfg.error_rate,
+               rng.random(shape, dtype=np.float32) < cfg.edit_rate)
 
 
 # --- our judge, vectorised over canaries and ticks ------------------------------------------
@@ -223,7 +225,7 @@ DIRECTIONS: dict[str, baselines.Direction] = {
 }
 
 
-def run_scenario(name: str, cfg: SimConfig, canaries: int, seed: int, chunk: int = 25) -> list[Row]:
+def run_scenario(name: str, cfg: SimConfig, canaries: int, seed: int, chunk: int = 100) -> list[Row]:
     policy = bench_policy(cfg.budget)
     mdes = {m.name: m.mde for m in policy.metrics}
     level = {"persistence": cfg.persistence, "latency_ms": LAT_MEAN_MS,

@@ -12,6 +12,7 @@ and the judge's sequential state (a ``dict[str, float]``) can be persisted by th
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Literal
@@ -284,9 +285,12 @@ class Verdict:
         return asdict(self)
 
     def stats(self) -> dict[str, float]:
-        """Flat metric_stat -> value map (for MLflow metrics and the JUDGE_STAT gauge)."""
+        """Flat ``<metric>.<stat>`` -> value map (for MLflow metrics and the JUDGE_STAT gauge).
+        Values not yet defined (an unbounded interval before ``min_users``) are left out."""
         out: dict[str, float] = {}
         for ev in (*self.metrics, *(d.evidence for d in self.detectors)):
             for stat in ("stable_mean", "canary_mean", "estimate", "ci_lower", "ci_upper", "p_value"):
-                out[f"{ev.metric}.{stat}"] = float(getattr(ev, stat))
+                value = float(getattr(ev, stat))
+                if math.isfinite(value):
+                    out[f"{ev.metric}.{stat}"] = value
         return out

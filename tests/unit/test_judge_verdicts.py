@@ -100,3 +100,21 @@ def test_outcome_from_reward_takes_longest_horizon() -> None:
     assert o.persistence == 0.5 and o.completion_tokens == 3 and o.accepted is True
     assert outcome_from_reward(rec, horizon_s=600).persistence == 0.9
     assert outcome_from_reward(rec, horizon_s=60).persistence is None
+
+
+def test_stats_are_flat_and_finite() -> None:
+    v = judge(_cohort("stable", 20, seed=1), _cohort("canary", 20, seed=2), POLICY)
+    stats = v.stats()
+    assert "persistence.canary_mean" in stats and "persistence.ci_lower" not in stats
+    v = judge(_cohort("stable", 300, seed=1), _cohort("canary", 300, seed=2), POLICY)
+    stats = v.stats()
+    assert stats["edit_rate.ci_lower"] < stats["edit_rate.estimate"] < stats["edit_rate.ci_upper"]
+    assert 0 < stats["persistence.p_value"] <= 1
+
+
+def test_state_carries_the_running_minimum_p_value() -> None:
+    stable, canary = _cohort("stable", 400, seed=1), _cohort("canary", 400, seed=2, persist=0.45)
+    v1 = judge(stable, canary, POLICY, {"p.persistence": 1e-9, "ticks": 4.0})
+    assert v1.state["ticks"] == 5.0
+    assert v1.state["p.persistence"] == 1e-9
+    assert all(isinstance(x, float) for x in v1.state.values())
