@@ -1,0 +1,163 @@
+"""The decision ledger on MLflow: one run per canary in the deployments experiment.
+
+The run is found by its tag ``rtrl.canary.id`` (= its run name), so every ledger event is
+idempotent: opening twice finds the run, a step re-logged with the same timestamp, step
+and value is deduplicated by MLflow, tags and artifacts are overwritten with the same
+content, and ending a finished run again changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+from deployer import ledger
+from deployer.actions import LedgerClose, LedgerEvent, LedgerNote, LedgerOpen, LedgerStep
+
+PLOT_ARTIFACT = "cohorts.png"
+SUMMARY_ARTIFACT = "decision.json"
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward (mean)", ("cohort.stable.reward_mean", "cohort.canary.reward_mean")),
+    ("acceptance", ("cohort.stable.acceptance", "cohort.canary.acceptance")),
+    ("persistence", ("cohort.stable.persistence", "cohort.canary.persistence")),
+    ("latency mean (ms)", ("cohort.stable.latency_mean_ms", "cohort.canary.latency_mean_ms")),
+    ("edit rate", ("cohort.stable.edit_rate", "cohort.canary.edit_rate")),
+    ("canary weight / verdict", ("canary.weight", "judge.verdict")),
+)
+
+
+class MlflowLedger:
+    """:class:`deployer.actions.LedgerPort` on an MLflow tracking server or sqlite URI."""
+
+    def __init__(self, tracking_uri: str, experiment: str = "rtrl-deployments") -> None:
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.experiment = experiment
+        self._exp_id: str | None = None
+        self._runs: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ lookup
+    def experiment_id(self) -> str:
+        if self._exp_id is None:
+            exp = self.client.get_experiment_by_name(self.experiment)
+            if exp is None:
+                try:
+                    self._exp_id = str(self.client.create_experiment(self.experiment))
+                except MlflowException:  # created concurrently
+                    found = self.client.get_experiment_by_name(self.experiment)
+                    if found is None:
+                        raise
+                    self._exp_id = str(found.experiment_id)
+            else:
+                self._exp_id = str(exp.experiment_id)
+        return self._exp_id
+
+    def run_id(self, canary_id: str) -> str | None:
+        if canary_id in self._runs:
+            return self._runs[canary_id]
+        found = self.client.search_runs(
+            [self.experiment_id()], filter_string=f"tags.`{ledger.TAG_CANARY_ID}` = '{canary_id}'",
+            max_results=1,
+        )
+        if not found:
+            return None
+        self._runs[canary_id] = found[0].info.run_id
+        return self._runs[canary_id]
+
+    def _need(self, canary_id: str) -> str:
+        run_id = self.run_id(canary_id)
+        if run_id is None:
+            raise LookupError(f"no ledger run for canary {canary_id} in experiment {self.experiment}")
+        return run_id
+
+    # ------------------------------------------------------------------ the port
+    def record(self, event: LedgerEvent) -> None:
+        match event:
+            case LedgerOpen():
+                self._open(event)
+            case LedgerStep():
+                ts_ms = int(event.ts * 1000)
+                metrics = [Metric(k, float(v), ts_ms, event.step) for k, v in event.metrics.items()]
+                self.client.log_batch(self._need(event.canary_id), metrics=metrics)
+            case LedgerNote():
+                self.client.set_tag(self._need(event.canary_id), event.key, ledger.clip(event.text))
+            case LedgerClose():
+                self._close(event)
+
+    def _open(self, event: LedgerOpen) -> None:
+        if self.run_id(event.canary_id) is not None:
+            return
+        tags = {**event.tags, "mlflow.runName": event.canary_id}
+        run = self.client.create_run(
+            self.experiment_id(), start_time=int(event.ts * 1000), tags=tags, run_name=event.canary_id
+        )
+        self._runs[event.canary_id] = run.info.run_id
+        self.client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in event.params.items()])
+
+    def _close(self, event: LedgerClose) -> None:
+        run_id = self._need(event.canary_id)
+        self.client.log_batch(run_id, tags=[RunTag(k, ledger.clip(v)) for k, v in event.tags.items()])
+        self.client.log_text(run_id, json.dumps(event.summary, indent=2, default=str), SUMMARY_ARTIFACT)
+        fig = self._plot(run_id, event)
+        try:
+            self.client.log_figure(run_id, fig, PLOT_ARTIFACT, save_kwargs={"dpi": 80})
+        finally:
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+        self.client.set_terminated(run_id, status="FINISHED", end_time=int(event.ts * 1000))
+
+    # ------------------------------------------------------------------ plot
+    def series(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        return sorted((m.step, m.value) for m in self.client.get_metric_history(run_id, key))
+
+    def _plot(self, run_id: str, event: LedgerClose) -> Any:
+        """A figure of both cohorts' metrics and the canary weight over the judged ticks."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(len(PANELS), 1, figsize=(8, 2.2 * len(PANELS)), sharex=True)
+        for ax, (title, keys) in zip(axes, PANELS, strict=True):
+            for key in keys:
+                points = self.series(run_id, key)
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=key)
+            ax.set_title(title, fontsize=9)
+            if ax.lines:
+                ax.legend(fontsize=7, loc="best")
+        decision = event.tags.get(ledger.TAG_DECISION, "?")
+        by = event.tags.get(ledger.TAG_DECIDED_BY, "?")
+        fig.suptitle(f"{event.canary_id}: {decision} (decided by {by})", fontsize=10)
+        axes[-1].set_xlabel("judged tick")
+        fig.tight_layout()
+        return fig
+
+    # ------------------------------------------------------------------ reading
+    def history(self, limit: int = 20) -> list[dict[str, Any]]:
+        """The latest ledger runs, newest first, as plain dicts for ``rtrl history``."""
+        runs = self.client.search_runs(
+            [self.experiment_id()], order_by=["attributes.start_time DESC"], max_results=limit
+        )
+        return [_row(r.info, r.data.tags, r.data.params) for r in runs]
+
+
+def _row(info: Any, tags: Mapping[str, str], params: Mapping[str, str]) -> dict[str, Any]:
+    return {
+        "run_id": info.run_id,
+        "canary_id": tags.get(ledger.TAG_CANARY_ID, info.run_name),
+        "kind": tags.get(ledger.TAG_KIND, ""),
+        "candidate": params.get("candidate_version", tags.get(ledger.TAG_CANDIDATE, "")),
+        "stable": params.get("stable_version", tags.get(ledger.TAG_STABLE, "")),
+        "outcome": tags.get(ledger.TAG_OUTCOME, ""),
+        "decision": tags.get(ledger.TAG_DECISION, ""),
+        "reason": tags.get(ledger.TAG_REASON, ""),
+        "decided_by": tags.get(ledger.TAG_DECIDED_BY, ""),
+        "decided_at": tags.get(ledger.TAG_DECIDED_AT, ""),
+        "started_ms": info.start_time,
+    }

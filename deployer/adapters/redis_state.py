@@ -1,0 +1,127 @@
+"""The controller's Redis state: routing keys the gateway reads, the persisted canary status,
+the controller lease and the operator command queue. Keys (``p`` = ``key_prefix``)::
+
+    {p}routing:canary_weight | salt | stable_version | canary_version   (gateway reads)
+    {p}deployer:status     JSON CanaryStatus, written after every tick
+    {p}deployer:lease      owner id of the one controller allowed to act (expires)
+    {p}deployer:commands   list of JSON operator commands, oldest first
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, cast
+
+import redis
+
+from deployer.canary import CanaryStatus, Command
+from deployer.routing import routing_keys
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1
+end
+return 0
+"""
+_SAVE_IF_OWNER = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] or not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+  redis.call('SET', KEYS[2], ARGV[2]) return 1
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class RedisRouting:
+    """:class:`deployer.actions.RoutingPort`: the routing table under ``{prefix}routing:``."""
+
+    def __init__(self, client: redis.Redis, prefix: str) -> None:
+        self.r, self.keys = client, routing_keys(prefix)
+
+    def set_routing(self, stable: str | None, canary: str | None, weight: float, salt: str) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        k = self.keys
+        # MULTI/EXEC: the gateway never reads a canary version with another canary's weight.
+        pipe.set(k["canary_weight"], repr(float(weight)))
+        pipe.set(k["salt"], salt)
+        for key, version in ((k["stable_version"], stable), (k["canary_version"], canary)):
+            if version:
+                pipe.set(key, version)
+            else:
+                pipe.delete(key)
+        pipe.execute()
+
+    def set_weight(self, weight: float) -> None:
+        self.r.set(self.keys["canary_weight"], repr(float(weight)))
+
+    def read(self) -> dict[str, str | None]:
+        values = self.r.mget(list(self.keys.values()))
+        return {name: (v.decode() if isinstance(v, bytes) else v)
+                for name, v in zip(self.keys, values, strict=True)}
+
+
+class ControllerState:
+    """Status, lease and command queue of the canary controller."""
+
+    def __init__(self, client: redis.Redis, prefix: str, owner: str | None = None) -> None:
+        self.r = client
+        self.status_key = f"{prefix}deployer:status"
+        self.lease_key = f"{prefix}deployer:lease"
+        self.commands_key = f"{prefix}deployer:commands"
+        self.owner = owner or f"controller-{uuid.uuid4().hex[:12]}"
+        self.ttl_ms = 60_000
+
+    # ---------------------------------------------------------------- status
+    def load(self) -> CanaryStatus:
+        raw = self.r.get(self.status_key)
+        if raw is None:
+            return CanaryStatus()
+        return CanaryStatus.from_json(json.loads(raw))
+
+    def save(self, status: CanaryStatus) -> None:
+        """Persist ``status`` and renew the lease, only while no other controller holds the
+        lease (fencing: a controller that lost its lease never overwrites its successor's
+        status; one whose lease lapsed during a slow tick, unclaimed, keeps it)."""
+        ok = self.r.eval(_SAVE_IF_OWNER, 2, self.lease_key, self.status_key, self.owner,
+                         json.dumps(status.to_json()), self.ttl_ms)
+        if not ok:
+            raise LeaseLostError(f"{self.owner} no longer holds {self.lease_key}; status not saved")
+
+    # ---------------------------------------------------------------- lease
+    def acquire(self, ttl_s: float) -> bool:
+        """Take the lease if free, or renew it if ours. At most one controller acts."""
+        self.ttl_ms = ttl_ms = max(1, int(ttl_s * 1000))
+        if self.r.set(self.lease_key, self.owner, nx=True, px=ttl_ms):
+            return True
+        return bool(self.r.eval(_RENEW, 1, self.lease_key, self.owner, ttl_ms))
+
+    def release(self) -> None:
+        self.r.eval(_RELEASE, 1, self.lease_key, self.owner)
+
+    def holder(self) -> str | None:
+        raw = self.r.get(self.lease_key)
+        return raw.decode() if isinstance(raw, bytes) else raw
+
+    # ---------------------------------------------------------------- commands
+    def push(self, command: Command) -> None:
+        self.r.rpush(self.commands_key, json.dumps(command.__dict__))
+
+    def pending(self) -> tuple[Command, ...]:
+        return tuple(Command(**json.loads(raw)) for raw in self.r.lrange(self.commands_key, 0, -1))
+
+    def trim(self, handled_ids: set[str]) -> None:
+        """Drop handled commands (called after the status recording them was saved)."""
+        for raw in self.r.lrange(self.commands_key, 0, -1):
+            data: dict[str, Any] = json.loads(raw)
+            if data.get("id") in handled_ids:
+                self.r.lrem(self.commands_key, 1, cast(str, raw))  # bytes work; stubs say str
+
+
+class LeaseLostError(RuntimeError):
+    """Another controller holds the lease."""

@@ -1,0 +1,110 @@
+"""Cohorts for the judge (pure): which reward records belong to a canary, and their summary.
+
+A record belongs to the canary's window when it was served at or after the canary started
+and by the exact version of its arm: ``arm == "stable"`` and ``model.version`` = the stable
+version, or ``arm == "canary"`` and the candidate version. Everything else (earlier canaries,
+a different stable during a manual change) is left out, so both arms cover the same window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from deployer.canary import Judgement
+from ingest.events import RewardRecord
+from rollback.stats import quantile
+from rollback.types import CohortData, RequestOutcome, Verdict, outcome_from_reward
+
+ARMS = ("stable", "canary")
+
+
+@dataclass
+class CohortWindow:
+    """Request outcomes of one canary's window, per arm, collected record by record."""
+
+    stable_version: str
+    canary_version: str
+    started_at: float
+    outcomes: dict[str, list[RequestOutcome]] = field(default_factory=lambda: {a: [] for a in ARMS})
+    seen: set[str] = field(default_factory=set)
+    """request ids already counted (a record read twice after a rebalance counts once)."""
+
+    def belongs(self, record: RewardRecord) -> bool:
+        version = self.stable_version if record.arm == "stable" else self.canary_version
+        return record.model.version == version and record.served_ts.timestamp() >= self.started_at
+
+    def add(self, record: RewardRecord) -> bool:
+        """Count ``record`` if it belongs to the window; True when it was counted."""
+        if record.request_id in self.seen or not self.belongs(record):
+            return False
+        self.seen.add(record.request_id)
+        self.outcomes[record.arm].append(outcome_from_reward(record))
+        return True
+
+    def add_all(self, records: Iterable[RewardRecord]) -> int:
+        return sum(self.add(r) for r in records)
+
+    def cohorts(
+        self, requests: Mapping[str, int] | None = None, errors: Mapping[str, int] | None = None
+    ) -> tuple[CohortData, CohortData]:
+        """(stable, canary) for ``rollback.judge.judge``; ``requests``/``errors`` are the
+        gateway's per-arm counts when known (failed requests never make a reward record)."""
+        req, err = requests or {}, errors or {}
+        stable, canary = (
+            CohortData(arm=arm, outcomes=tuple(self.outcomes[arm]), requests=req.get(arm, 0),  # type: ignore[arg-type]
+                       errors=err.get(arm, 0))
+            for arm in ARMS
+        )
+        return stable, canary
+
+
+def summary(cohort: CohortData) -> dict[str, float]:
+    """Readable per-arm figures for the ledger and ``rtrl status`` (not the judge's tests)."""
+    outs = cohort.outcomes
+    n = len(outs)
+    if n == 0:
+        return {"n": 0.0, "users": 0.0}
+    judged = [o.accepted for o in outs if o.accepted is not None]
+    persisted = [o.persistence for o in outs if o.persistence is not None]
+    latencies = [o.latency_ms for o in outs]
+    tool_calls = sum(o.tool_calls for o in outs)
+    out = {
+        "n": float(n),
+        "users": float(cohort.users()),
+        "reward_mean": sum(o.reward for o in outs) / n,
+        "latency_mean_ms": sum(latencies) / n,
+        "latency_p95_ms": quantile(latencies, 0.95),
+        "dissatisfied_rate": sum(1 for o in outs if o.dissatisfied) / n,
+        "edit_rate": sum(1 for o in outs if o.completion_kind == "edit") / n,
+        "error_rate": cohort.error_count() / max(1, cohort.request_count()),
+    }
+    if judged:
+        out["acceptance"] = sum(1 for a in judged if a) / len(judged)
+    if persisted:
+        out["persistence"] = sum(persisted) / len(persisted)
+    if tool_calls:
+        out["invalid_tool_rate"] = sum(o.invalid_tool_calls for o in outs) / tool_calls
+    return out
+
+
+def cohort_metrics(stable: CohortData, canary: CohortData) -> dict[str, float]:
+    """``<arm>.<figure>`` for both arms, e.g. ``canary.reward_mean``."""
+    return {f"{c.arm}.{k}": v for c in (stable, canary) for k, v in summary(c).items()}
+
+
+def judgement(verdict: Verdict) -> Judgement:
+    """The judge's verdict in the controller's terms, with flat statistics for the ledger."""
+    stats = dict(verdict.stats())
+    stats["users.stable"], stats["users.canary"] = float(verdict.users_stable), float(verdict.users_canary)
+    for g in verdict.guardrails:
+        stats[f"guardrail.{g.name}.canary"] = float(g.canary_value)
+        stats[f"guardrail.{g.name}.tripped"] = 1.0 if g.tripped else 0.0
+    for d in verdict.detectors:
+        stats[f"detector.{d.name}.fired"] = 1.0 if d.fired else 0.0
+    return Judgement(
+        decision=verdict.decision.value,
+        reasons=tuple(verdict.reasons),
+        stats=stats,
+        state=dict(verdict.state),
+    )

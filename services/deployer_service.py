@@ -1,0 +1,269 @@
+"""rtrl serve deployer: the canary controller.
+
+Every ``deployer.tick_s`` seconds, while it holds the controller lease in Redis (so at most
+one controller, hence one canary, acts at a time): load the persisted status, read the
+observations (registry aliases and gate tags, queued operator commands, and for a canary in
+progress the reward records of its window from the rewards topic, judged by the rollback
+judge), run the pure transition ``deployer.canary.next_state``, apply its actions (routing
+keys in Redis, aliases and tags in the MLflow registry, the decision ledger in MLflow) and
+persist the status. SIGTERM finishes the current tick, releases the lease and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from deployer import cohorts
+from deployer.actions import Action, AliasPort, LedgerPort, RoutingPort, apply_actions
+from deployer.canary import RESTING, CanaryPolicy, CanaryStatus, Command, Observations, Phase
+from deployer.controller import tick
+from deployer.ledger import CONTROLLER, TAG_GATE
+from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
+from ingest.events import RewardRecord
+from rollback.judge import judge
+from rollback.types import GuardrailPolicy, JudgePolicy
+from services import metrics as m
+from services.settings import DeployerSettings, Settings
+
+SERVICE = "deployer"
+log = logging.getLogger("rtrl.deployer")
+
+
+def canary_policy(d: DeployerSettings) -> CanaryPolicy:
+    return CanaryPolicy(steps=tuple(d.steps), bake_s=d.bake_s, max_duration_s=d.max_duration_s,
+                        max_errors=d.max_errors)
+
+
+def judge_policy(d: DeployerSettings) -> JudgePolicy:
+    return JudgePolicy(
+        alpha=d.judge_alpha, min_users=d.judge_min_users, max_users=d.judge_max_users,
+        max_duration_s=d.max_duration_s,
+        guardrails=GuardrailPolicy(max_error_rate=d.judge_max_error_rate,
+                                   max_p99_latency_ms=d.judge_max_p99_latency_ms,
+                                   min_requests=d.judge_min_requests),
+    )
+
+
+class RewardReader:
+    """Reward records of the current canary's window, re-read from the rewards topic from
+    the canary's start time whenever the canary changes (also after a restart)."""
+
+    def __init__(self, settings: Settings) -> None:
+        from services.kafka_io import make_consumer
+
+        self.topic = settings.topics.rewards
+        self.poll_ms = settings.deployer.poll_timeout_ms
+        self.consumer = make_consumer(settings.kafka, group_id=None)
+        self.window: cohorts.CohortWindow | None = None
+        self.canary_id: str | None = None
+        self.invalid = 0
+
+    def _reset(self, status: CanaryStatus) -> None:
+        from kafka import TopicPartition
+
+        assert status.stable is not None and status.candidate is not None
+        parts = self.consumer.partitions_for_topic(self.topic) or set()
+        if not parts:
+            raise RuntimeError(f"rewards topic {self.topic} has no partitions (does it exist?)")
+        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+        self.consumer.assign(tps)
+        found = self.consumer.offsets_for_times({tp: int(status.started_at * 1000) for tp in tps})
+        for tp in tps:
+            hit = found.get(tp)
+            if hit is None:
+                self.consumer.seek_to_end(tp)
+            else:
+                self.consumer.seek(tp, hit.offset)
+        self.window = cohorts.CohortWindow(status.stable, status.candidate, status.started_at)
+        self.canary_id = status.canary_id
+
+    def read(self, status: CanaryStatus) -> cohorts.CohortWindow:
+        if self.window is None or status.canary_id != self.canary_id:
+            self._reset(status)
+        assert self.window is not None
+        for _ in range(100):  # bounded: a tick never spins forever on a busy topic
+            batch = self.consumer.poll(timeout_ms=self.poll_ms, max_records=5000)
+            if not batch:
+                break
+            for records in batch.values():
+                for rec in records:
+                    try:
+                        self.window.add(RewardRecord.model_validate_json(rec.value))
+                    except ValidationError:
+                        self.invalid += 1
+        return self.window
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+@dataclass
+class Ports:
+    routing: RoutingPort
+    registry: Any
+    """deployer.registry.Registry (aliases, tags)."""
+    ledger: LedgerPort
+    state: Any
+    """deployer.adapters.redis_state.ControllerState (status, lease, commands)."""
+
+
+class Controller:
+    """One tick at a time; ``step`` is what the loop, the operator CLI and tests call."""
+
+    def __init__(self, settings: Settings, ports: Ports, rewards: RewardReader | None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings, self.ports, self.rewards, self.clock = settings, ports, rewards, clock
+        self.policy = canary_policy(settings.deployer)
+        self.judge_policy = judge_policy(settings.deployer)
+
+    def step(self) -> CanaryStatus | None:
+        """Run one tick if this controller holds (or takes) the lease; None otherwise."""
+        st = self.ports.state
+        if not st.acquire(self.settings.deployer.lease_ttl_s):
+            log.info("another controller (%s) holds the lease; waiting", st.holder())
+            return None
+        before = st.load()
+        obs = self.observe(before, st.pending())
+
+        def apply(actions: list[Action]) -> None:
+            registry: AliasPort = self.ports.registry
+            apply_actions(actions, self.ports.routing, registry, self.ports.ledger)
+
+        after = tick(before, obs, self.policy, apply, st.save)
+        st.trim({cid for cid, _ in after.handled})
+        export_metrics(before, after, obs)
+        if after.phase != before.phase:
+            log.info("canary %s: %s -> %s %s", after.canary_id, before.phase, after.phase, after.reason)
+        return after
+
+    def observe(self, status: CanaryStatus, commands: tuple[Command, ...]) -> Observations:
+        reg = self.ports.registry
+        champion, candidate, previous = (reg.alias_version(a) for a in (CHAMPION, CANDIDATE, PREVIOUS))
+        wanted = {candidate, previous, *(c.version for c in commands)} - {None}
+        obs = Observations(now=self.clock(), champion=champion, candidate=candidate, previous=previous,
+                           gate={v: self._gate(v) for v in wanted if v}, commands=commands)
+        if status.phase != Phase.PROGRESSING or self.rewards is None:
+            return obs
+        try:
+            window = self.rewards.read(status)
+            stable, canary = window.cohorts()
+            verdict = judge(stable, canary, self.judge_policy, dict(status.judge_state),
+                            elapsed_s=obs.now - status.started_at)
+        except Exception as exc:  # any failure to observe is counted by the state machine
+            log.exception("observing canary %s failed", status.canary_id)
+            return Observations(**{**obs.__dict__, "error": f"{type(exc).__name__}: {exc}"})
+        return Observations(**{**obs.__dict__, "judgement": cohorts.judgement(verdict),
+                               "cohorts": cohorts.cohort_metrics(stable, canary)})
+
+    def _gate(self, version: str) -> str:
+        try:
+            return str(self.ports.registry.get_tags(version).get(TAG_GATE, ""))
+        except KeyError:
+            return ""
+
+
+def reason_kind(status: CanaryStatus) -> str:
+    """A low-cardinality label for why a canary ended."""
+    if status.decided_by not in (None, CONTROLLER):
+        return "operator"
+    text = status.reason.lower()
+    for kind in ("guardrail", "budget", "errors", "outside the controller", "inconclusive"):
+        if kind in text:
+            return kind.replace("outside the controller", "alias_moved")
+    return "judge"
+
+
+def export_metrics(before: CanaryStatus, after: CanaryStatus, obs: Observations) -> None:
+    for phase in Phase:
+        m.CANARY_PHASE.labels(phase.value).set(1.0 if phase == after.phase else 0.0)
+    m.CANARY_WEIGHT.set(after.weight)
+    m.CANARY_PHASE_AGE.set(max(0.0, obs.now - after.phase_since) if after.phase_since else 0.0)
+    j = obs.judgement
+    if j is not None:
+        m.CANARY_VERDICTS.labels(j.decision).inc()
+        for key, value in j.stats.items():
+            metric, _, stat = key.rpartition(".")
+            m.JUDGE_STAT.labels(metric, stat).set(value)
+    ended = after.phase in RESTING and after.phase != Phase.IDLE
+    if not ended or (after.phase, after.canary_id) == (before.phase, before.canary_id):
+        return
+    by = "controller" if after.decided_by in (None, CONTROLLER) else "operator"
+    if after.phase == Phase.SUCCEEDED:
+        m.CANARY_PROMOTIONS.labels(by).inc()
+    elif after.phase == Phase.ROLLED_BACK:
+        m.CANARY_ROLLBACKS.labels(reason_kind(after), by).inc()
+    elif after.phase == Phase.ABORTED:
+        m.CANARY_ABORTS.labels(reason_kind(after)).inc()
+    if j is not None and after.outcome == "rolled_back":
+        for key, value in j.stats.items():
+            if key.startswith("detector.") and key.endswith(".fired") and value:
+                m.HACKING_DETECTIONS.labels(key.split(".")[1]).inc()
+
+
+def build_ports(settings: Settings, owner: str | None = None) -> Ports:
+    from deployer.adapters.ledger_mlflow import MlflowLedger
+    from deployer.adapters.mlflow_registry import MlflowRegistry
+    from deployer.adapters.redis_state import ControllerState, RedisRouting
+    from services.redis_io import make_redis
+
+    r = make_redis(settings.redis)
+    prefix = settings.redis.key_prefix
+    ml = settings.mlflow
+    return Ports(
+        routing=RedisRouting(r, prefix),
+        registry=MlflowRegistry(ml.tracking_uri, ml.registered_model, ml.training_experiment),
+        ledger=MlflowLedger(ml.tracking_uri, ml.deployments_experiment),
+        state=ControllerState(r, prefix, owner),
+    )
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rtrl serve deployer", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--once", action="store_true", help="run one tick and exit")
+    ap.add_argument("--tick-s", type=float, default=None, help="seconds between ticks (default: settings)")
+    ap.add_argument("--metrics-port", type=int, default=None, help="port for /metrics /healthz /readyz")
+    args = ap.parse_args(argv)
+    from services.kafka_io import ensure_topics, wait_for_broker
+    from services.observability import Health, HttpEndpoints
+    from services.runtime import Stopper, setup_logging
+    from services.settings import get_settings
+
+    settings = get_settings()
+    setup_logging(settings.log_level, SERVICE)
+    tick_s = args.tick_s or settings.deployer.tick_s
+    m.BUILD_INFO.info({"service": SERVICE})
+    stopper = Stopper().install()
+    wait_for_broker(settings.kafka)
+    ensure_topics(settings, [settings.topics.rewards])
+    ports = build_ports(settings)
+    rewards = RewardReader(settings)
+    controller = Controller(settings, ports, rewards)
+    health = Health(liveness_timeout_s=max(60.0, 3 * tick_s))
+    health.add_check("redis", lambda: bool(ports.state.r.ping()))
+    port = args.metrics_port if args.metrics_port is not None else settings.http.port
+    http = HttpEndpoints(health, settings.http.host, port).start()
+    log.info("deployer %s: tick every %.1fs, steps %s, bake %.0fs", ports.state.owner, tick_s,
+             settings.deployer.steps, settings.deployer.bake_s)
+    try:
+        while not stopper.stopping:
+            try:
+                controller.step()
+            except Exception:  # a failed tick changes nothing persisted; the next one retries
+                log.exception("tick failed; retrying in %.1fs", tick_s)
+            health.beat()
+            if args.once:
+                break
+            stopper.wait(tick_s)
+    finally:
+        ports.state.release()
+        rewards.close()
+        http.stop()
+    log.info("deployer stopped")
+    return 0

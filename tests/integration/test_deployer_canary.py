@@ -1,0 +1,134 @@
+"""The canary controller on real Redis, Kafka and MLflow (sqlite store): a worse candidate
+is rolled back by itself, a better one promoted, each with a complete ledger run and tags."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deployer.adapters.ledger_mlflow import PLOT_ARTIFACT, SUMMARY_ARTIFACT, MlflowLedger
+from deployer.adapters.redis_state import RedisRouting
+from deployer.canary import CanaryStatus, Phase
+from deployer.ledger import TAG_CANARY_ID, TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
+from services.deployer_service import Controller, RewardReader, build_ports
+from services.settings import Settings
+from deployer_helpers import deployer_settings, feed_rewards, register_versions
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One sqlite store per module (creating its tables takes seconds); every test gets its
+    own registered model and deployments experiment (deployer_settings)."""
+    root = tmp_path_factory.mktemp("mlflow")
+    cwd = os.getcwd()
+    os.chdir(root)  # the sqlite store puts artifacts under ./mlruns
+    try:
+        yield f"sqlite:///{root / 'mlflow.db'}"
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.fixture
+def deploy(settings: Settings, mlflow_uri: str) -> Iterator[Settings]:
+    yield deployer_settings(settings, mlflow_uri)
+
+
+def run_until(controller: Controller, done: set[Phase], timeout_s: float = 60) -> list[str]:
+    phases: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = controller.step()
+        assert status is not None, "the controller lost its lease"
+        if not phases or phases[-1] != status.phase.value:
+            phases.append(status.phase.value)
+        if status.phase in done:
+            return phases
+        time.sleep(controller.settings.deployer.tick_s)
+    raise AssertionError(f"no {done} within {timeout_s}s; phases so far {phases}")
+
+
+def start_canary(deploy: Settings, tmp_path: Path) -> tuple[Controller, CanaryStatus]:
+    register_versions(deploy, tmp_path)
+    ports = build_ports(deploy)
+    controller = Controller(deploy, ports, RewardReader(deploy))
+    status = controller.step()
+    assert status is not None and status.phase == Phase.PENDING
+    assert RedisRouting(ports.state.r, deploy.redis.key_prefix).read() == {
+        "canary_weight": "0.0", "salt": status.canary_id, "stable_version": "1", "canary_version": "2"}
+    return controller, status
+
+
+def assert_ledger(deploy: Settings, canary_id: str, decision: str, outcome: str) -> None:
+    ledger = MlflowLedger(deploy.mlflow.tracking_uri, deploy.mlflow.deployments_experiment)
+    run_id = ledger.run_id(canary_id)
+    assert run_id is not None
+    run = ledger.client.get_run(run_id)
+    tags = run.data.tags
+    assert run.info.run_name == canary_id and run.info.status == "FINISHED"
+    assert tags[TAG_DECISION] == decision and tags[TAG_OUTCOME] == outcome
+    assert tags[TAG_DECIDED_BY] == "controller" and tags[TAG_REASON]
+    assert run.data.params["candidate_version"] == "2" and run.data.params["stable_version"] == "1"
+    metrics = run.data.metrics
+    for key in ("canary.weight", "judge.verdict", "cohort.stable.reward_mean", "cohort.canary.reward_mean",
+                "judge.reward.p_value", "judge.reward.estimate", "judge.users.canary"):
+        assert key in metrics, f"{key} missing from the ledger run"
+    assert len(ledger.series(run_id, "judge.reward.p_value")) >= 1
+    files = {a.path for a in ledger.client.list_artifacts(run_id)}
+    assert {PLOT_ARTIFACT, SUMMARY_ARTIFACT} <= files
+    png = Path(ledger.client.download_artifacts(run_id, PLOT_ARTIFACT))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000
+    assert [r["canary_id"] for r in ledger.history()] == [canary_id]
+
+
+def test_worse_candidate_is_rolled_back_automatically(deploy: Settings, tmp_path: Path) -> None:
+    controller, status = start_canary(deploy, tmp_path)
+    feed_rewards(deploy, "1", "2", "worse", n=100)
+    phases = run_until(controller, {Phase.ROLLED_BACK, Phase.SUCCEEDED, Phase.ABORTED})
+    assert phases[-1] == "rolled_back", phases
+    assert "promoting" not in phases and "succeeded" not in phases
+    reg = controller.ports.registry
+    assert reg.alias_version("champion") == "1" and reg.alias_version("candidate") is None
+    tags = reg.get_tags("2")
+    assert tags[TAG_OUTCOME] == "rolled_back" and tags[TAG_DECISION] == "rollback"
+    assert tags[TAG_DECIDED_BY] == "controller" and "worse" in tags[TAG_REASON]
+    assert tags[TAG_CANARY_ID] == status.canary_id
+    routing = RedisRouting(controller.ports.state.r, deploy.redis.key_prefix).read()
+    assert routing["canary_weight"] == "0.0" and routing["canary_version"] is None
+    assert routing["stable_version"] == "1"
+    assert status.canary_id is not None
+    assert_ledger(deploy, status.canary_id, "rollback", "rolled_back")
+
+
+def test_better_candidate_is_promoted_automatically(deploy: Settings, tmp_path: Path) -> None:
+    controller, status = start_canary(deploy, tmp_path)
+    feed_rewards(deploy, "1", "2", "better", n=400)
+    phases = run_until(controller, {Phase.ROLLED_BACK, Phase.SUCCEEDED, Phase.ABORTED})
+    assert phases == ["progressing", "succeeded"], phases
+    reg = controller.ports.registry
+    assert reg.alias_version("champion") == "2" and reg.alias_version("previous") == "1"
+    assert reg.alias_version("candidate") is None
+    tags = reg.get_tags("2")
+    assert tags[TAG_OUTCOME] == "promoted" and tags[TAG_DECISION] == "promote"
+    assert tags[TAG_DECIDED_BY] == "controller"
+    routing = RedisRouting(controller.ports.state.r, deploy.redis.key_prefix).read()
+    assert routing["stable_version"] == "2" and routing["canary_version"] is None
+    assert status.canary_id is not None
+    assert_ledger(deploy, status.canary_id, "promote", "promoted")
+    # the controller stepped through every weight before promoting
+    ledger = MlflowLedger(deploy.mlflow.tracking_uri, deploy.mlflow.deployments_experiment)
+    run_id = ledger.run_id(status.canary_id)
+    assert run_id is not None
+    assert {w for _, w in ledger.series(run_id, "canary.weight")} == {0.1, 0.5}
+
+
+def test_second_controller_waits_for_the_lease(deploy: Settings, tmp_path: Path) -> None:
+    controller, status = start_canary(deploy, tmp_path)
+    other = Controller(deploy, build_ports(deploy), None)
+    assert other.step() is None
+    assert controller.ports.state.load() == status
+    controller.ports.state.release()
+    assert other.step() is not None
