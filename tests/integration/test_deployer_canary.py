@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from deployer_helpers import deployer_settings, feed_rewards, register_versions
 
 from deployer.adapters.ledger_mlflow import PLOT_ARTIFACT, SUMMARY_ARTIFACT, MlflowLedger
 from deployer.adapters.redis_state import RedisRouting
@@ -16,7 +17,6 @@ from deployer.canary import CanaryStatus, Phase
 from deployer.ledger import TAG_CANARY_ID, TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
 from services.deployer_service import Controller, RewardReader, build_ports
 from services.settings import Settings
-from deployer_helpers import deployer_settings, feed_rewards, register_versions
 
 
 @pytest.fixture(scope="module")
