@@ -1,0 +1,262 @@
+"""The training loop and one increment over in-memory ports: RL moves the policy toward
+rewarded completions, a resumed run equals an uninterrupted one, windows are consumed once,
+small windows are skipped, and the registry gets lineage, gate tags and the candidate alias."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from deployer.registry import CANDIDATE, CHAMPION, InMemoryRegistry, Tag
+from ingest.events import ModelRef, RewardRecord
+from trainer.gate import GateConfig
+from trainer.increment import (
+    IncrementConfig,
+    LocalTrainJob,
+    TrainRequest,
+    build_samples,
+    run_increment,
+    summarize,
+)
+from trainer.loop import LoopConfig, Sample, load_training_state, plan_batches, rl_train, save_training_state
+from trainer.policy import TinyConfig, TinyTransformer, load_policy
+from trainer.tokens import BOS, EOS
+from trainer.window import InMemoryRewardLog, PendingWindow
+
+SMALL = TinyConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=32)
+GOOD = 20
+GOOD_SET = frozenset(range(20, 36))  # completions starting with one of these are rewarded
+
+
+class ListRuns:
+    """A run tracker that remembers everything (unit tests only)."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, dict[str, object]] = {}
+
+    def start(self, name: str, params: dict[str, str], tags: dict[str, str]) -> str:
+        run_id = f"run{len(self.runs)}"
+        self.runs[run_id] = {"name": name, "params": params, "tags": dict(tags), "steps": []}
+        return run_id
+
+    def log_steps(self, run_id: str, history: Sequence[dict[str, float]]) -> None:
+        self.runs[run_id]["steps"] = list(history)
+
+    def finish(self, run_id: str, status: str, metrics: dict[str, float], tags: dict[str, str]) -> None:
+        self.runs[run_id].update(status=status, metrics=metrics)
+        self.runs[run_id]["tags"].update(tags)  # type: ignore[attr-defined]
+
+
+def served(policy: TinyTransformer, n: int, seed: int, start: int = 0) -> list[bytes]:
+    """Completions sampled from ``policy`` with their behavior log-probs, rewarded by GOOD."""
+    rng = random.Random(seed)
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    out = []
+    for i in range(start, start + n):
+        prompt = [BOS, 3 + rng.randrange(3)]
+        tokens, logps = policy.sample(prompt, 4, seed=seed * 100_000 + i)
+        reward = 1.0 if tokens[0] in GOOD_SET else 0.0
+        out.append(RewardRecord(
+            request_id=f"req-{i}", served_event_id=f"ev-{i}", session_id="s", user_key=f"u{i % 17}",
+            served_ts=now, closed_ts=now, model=ModelRef(name="rtrl-policy", version="1"),
+            arm="stable" if i % 4 else "canary", prompt_tokens=prompt, completion_tokens=tokens,
+            behavior_logprobs=logps, latency_ms=5.0, reward=reward, components={"accept": reward},
+            reward_spec_version="v1",
+        ).model_dump_json().encode())
+    return out
+
+
+def good_prob(policy: TinyTransformer) -> float:
+    probs = [policy.score([BOS, 3 + k], [g])[0] for k in range(3) for g in GOOD_SET]
+    return float(torch.tensor(probs).exp().sum()) / 3
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest single-threaded, and the test machine is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def champion() -> TinyTransformer:
+    torch.manual_seed(0)
+    return TinyTransformer(SMALL)
+
+
+def test_plan_batches_is_deterministic_and_covers_every_sample_each_epoch() -> None:
+    b = plan_batches(10, 4, 2, seed=1)
+    assert b == plan_batches(10, 4, 2, seed=1)
+    assert [len(x) for x in b] == [4, 4, 2, 4, 4, 2]
+    assert sorted(i for batch in b[:3] for i in batch) == list(range(10))
+
+
+def test_rl_moves_probability_toward_rewarded_completions(champion: TinyTransformer) -> None:
+    from trainer.window import parse_records
+
+    parsed = parse_records(served(champion, 160, seed=1), 0.0)
+    samples = build_samples(parsed.train, group_size=8, normalize_std=False)
+    assert any(s.advantage > 0 for s in samples)
+    policy = champion.clone()
+    before = good_prob(policy)
+    history = rl_train(policy, champion.clone(), samples, LoopConfig(batch_size=32, epochs=3, lr=3e-3))
+    assert good_prob(policy) > before + 0.1, (before, good_prob(policy))
+    stats = summarize(history)
+    assert stats["steps"] == 15 and stats["tokens_per_s"] > 0
+    assert 0 < stats["ess"] <= 1 and 0 <= stats["clip_fraction"] <= 1
+
+
+def test_resumed_training_equals_uninterrupted(champion: TinyTransformer, tmp_path: Path) -> None:
+    samples = [Sample([BOS, 4], [GOOD, EOS], [-4.0, -4.0], 1.0),
+               Sample([BOS, 5], [9, EOS], [-4.0, -4.0], -1.0)] * 8
+    cfg = LoopConfig(batch_size=4, epochs=2, lr=1e-2)
+    full = champion.clone()
+    rl_train(full, champion.clone(), samples, cfg)
+
+    part = champion.clone()
+
+    def stop_at_3(step: int, _s: dict[str, float], pol: object, opt: torch.optim.Optimizer) -> None:
+        if step == 3:
+            save_training_state(tmp_path / "ck", part, opt, step)
+            raise KeyboardInterrupt  # "killed"
+
+    with pytest.raises(KeyboardInterrupt):
+        rl_train(part, champion.clone(), samples, cfg, on_step=stop_at_3)
+    resumed, opt_state, step = load_training_state(tmp_path / "ck")
+    assert step == 3
+    history = rl_train(resumed, champion.clone(), samples, cfg, start_step=step, optimizer_state=opt_state)
+    assert history[0]["step"] == 4 and len(history) == 5
+    for a, b in zip(full.state_dict().values(), resumed.module.state_dict().values(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def setup(champion: TinyTransformer, tmp_path: Path) -> tuple[InMemoryRegistry, InMemoryRewardLog, ListRuns]:
+    registry = InMemoryRegistry(tmp_path / "registry")
+    v = registry.register(None, champion.save(tmp_path / "champ"), {Tag.KIND: "bootstrap"})
+    registry.set_alias(CHAMPION, v)
+    return registry, InMemoryRewardLog("rewards", partitions=2), ListRuns()
+
+
+def config(**kw: object) -> IncrementConfig:
+    base: dict[str, object] = dict(topic="rewards", min_records=32, heldout_fraction=0.2,
+                                   loop=LoopConfig(batch_size=16, lr=1e-3), gate=GateConfig(min_heldout=5))
+    base.update(kw)
+    return IncrementConfig(**base)  # type: ignore[arg-type]
+
+
+def test_increment_registers_candidate_with_lineage_and_consumes_window_once(
+    champion: TinyTransformer, tmp_path: Path
+) -> None:
+    registry, log, runs = setup(champion, tmp_path)
+    for i, v in enumerate(served(champion, 120, seed=2)):
+        log.append(i % 2, v)
+    pending = PendingWindow(tmp_path / "pending.json")
+    out = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert out.status == "success", out.reason
+    assert out.version is not None and registry.alias_version(CANDIDATE) == out.version
+    tags = registry.get_tags(out.version)
+    assert tags[Tag.PARENT_VERSION] == "1" and tags[Tag.KIND] == "increment"
+    assert tags[Tag.REWARD_SPEC_VERSION] == "v1" and tags[Tag.GATE_RESULT] == "pass"
+    window = json.loads(tags[Tag.WINDOW])
+    assert window["topic"] == "rewards" and window["records"] == 120 and window["heldout"] > 0
+    assert [(r["start"], r["end"]) for r in window["ranges"]] == [(0, 60), (0, 60)]
+    assert log.cut == {0: 60, 1: 60} and pending.load() is None
+    run = runs.runs[out.run_id or ""]
+    assert run["status"] == "FINISHED" and run["steps"]
+    assert "reward_mean_canary" in out.stats and "clip_fraction" in out.stats
+
+    # nothing new: skipped, recorded, cut unchanged
+    again = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert again.status == "skipped" and "no new reward records" in again.reason
+    assert registry.versions() == ["1", "2"]
+
+    # a few new records: too few -> skipped, and they stay for later
+    for i, v in enumerate(served(champion, 10, seed=3, start=1000)):
+        log.append(i % 2, v)
+    small = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert small.status == "skipped" and "too few records" in small.reason
+    assert log.cut == {0: 60, 1: 60}
+    for i, v in enumerate(served(champion, 60, seed=4, start=2000)):
+        log.append(i % 2, v)
+    second = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert second.status == "success"
+    assert second.window is not None and second.window.records == 70  # the 10 waited, then came along
+    assert second.window.starts() == {0: 60, 1: 60}
+
+
+def test_failed_increment_retries_the_same_window_and_resumes(
+    champion: TinyTransformer, tmp_path: Path
+) -> None:
+    registry, log, runs = setup(champion, tmp_path)
+    for i, v in enumerate(served(champion, 100, seed=5)):
+        log.append(i % 2, v)
+    pending = PendingWindow(tmp_path / "pending.json")
+
+    class Crashing(LocalTrainJob):
+        def run(self, request: TrainRequest) -> object:  # type: ignore[override]
+            from dataclasses import replace
+
+            short = replace(request, samples=request.samples[:32])  # 2 steps, checkpoint at 2
+            super().run(replace(short, loop=replace(request.loop, checkpoint_every=2)))
+            raise RuntimeError("worker died")
+
+    cfg = config(loop=LoopConfig(batch_size=16, lr=1e-3, checkpoint_every=2))
+    with pytest.raises(RuntimeError):
+        run_increment(cfg, log, registry, Crashing(), runs, pending, tmp_path / "work")
+    first = pending.load()
+    assert first is not None and log.cut == {0: None, 1: None}
+    assert [r["status"] for r in runs.runs.values()] == ["FAILED"]
+    for i, v in enumerate(served(champion, 40, seed=6, start=500)):  # arrive meanwhile
+        log.append(i % 2, v)
+    out = run_increment(cfg, log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert out.status == "success" and out.window is not None
+    assert out.window.id == first.id and out.resumed_from_step == 2
+    assert log.cut == first.ends()
+    nxt = run_increment(cfg, log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert nxt.window is not None and nxt.window.records == 40  # only the new ones
+
+
+def test_crash_after_registration_is_repaired_without_retraining(
+    champion: TinyTransformer, tmp_path: Path
+) -> None:
+    registry, log, runs = setup(champion, tmp_path)
+    for i, v in enumerate(served(champion, 80, seed=7)):
+        log.append(i % 2, v)
+    pending = PendingWindow(tmp_path / "pending.json")
+    real_commit = log.commit
+    log.commit = lambda w: (_ for _ in ()).throw(ConnectionError("broker gone"))  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert registry.versions() == ["1", "2"] and pending.load() is not None
+    log.commit = real_commit  # type: ignore[method-assign]
+    out = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert out.status == "skipped" and "no new reward records" in out.reason
+    assert registry.versions() == ["1", "2"] and log.cut == {0: 40, 1: 40}
+
+
+def test_no_champion_is_a_clear_failure(tmp_path: Path) -> None:
+    out = run_increment(config(), InMemoryRewardLog("rewards"), InMemoryRegistry(tmp_path / "r"),
+                        LocalTrainJob(), ListRuns(), PendingWindow(tmp_path / "p.json"), tmp_path)
+    assert out.status == "failed" and "rtrl bootstrap" in out.reason
+
+
+def test_failed_gate_gets_no_candidate_alias(champion: TinyTransformer, tmp_path: Path) -> None:
+    registry, log, runs = setup(champion, tmp_path)
+    for i, v in enumerate(served(champion, 100, seed=8)):
+        log.append(i % 2, v)
+    cfg = config(gate=GateConfig(max_kl=1e-12, min_heldout=5), loop=LoopConfig(batch_size=16, lr=1e-2))
+    out = run_increment(cfg, log, registry, LocalTrainJob(), runs, PendingWindow(tmp_path / "p.json"),
+                        tmp_path / "w")
+    assert out.status == "success" and out.version is not None
+    assert registry.get_tags(out.version)[Tag.GATE_RESULT] == "fail"
+    assert "KL to parent" in json.loads(registry.get_tags(out.version)[Tag.GATE_REASONS])["reasons"][0]
+    assert registry.alias_version(CANDIDATE) is None
+    assert load_policy(registry.download(out.version, tmp_path / "dl")) is not None

@@ -1,0 +1,157 @@
+"""The training loops, plain torch: the RL increment and the supervised bootstrap.
+
+The same :func:`rl_train` runs inside the Ray Train worker (``trainer/adapters/ray_train.py``)
+and directly in-process (``bench/trainer.py`` compares the two). It reads top to bottom:
+fixed batch plan from the seed, parent log-probabilities, the objective, Adam on all
+parameters, gradient clipping, and a callback after every step that the caller uses for
+progress logs and checkpoints. A resumed run skips the steps it already took.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.objective import ObjectiveConfig, grpo_loss, next_token_loss
+from trainer.policy import TrainablePolicy, load_policy
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One logged completion with its advantage (computed over the whole window)."""
+
+    prompt: list[int]
+    completion: list[int]
+    behavior_logprobs: list[float]
+    advantage: float
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    batch_size: int = 32
+    epochs: int = 1
+    lr: float = 3e-4
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 10
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+
+
+StepCallback = Callable[[int, dict[str, float], TrainablePolicy, torch.optim.Optimizer], None]
+"""Called after each step with (steps done so far, stats, policy, optimizer)."""
+
+
+def plan_batches(n: int, batch_size: int, epochs: int, seed: int) -> list[list[int]]:
+    """Indices of every batch of every epoch; the same for the same arguments (so a resumed
+    run skips exactly the batches it already trained on)."""
+    rng = random.Random(seed)
+    batches = []
+    for _ in range(epochs):
+        order = list(range(n))
+        rng.shuffle(order)
+        batches += [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    return batches
+
+
+def make_optimizer(policy: TrainablePolicy, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adam(policy.module.parameters(), lr=lr)
+
+
+def rl_train(
+    policy: TrainablePolicy,
+    parent: TrainablePolicy,
+    samples: Sequence[Sample],
+    cfg: LoopConfig,
+    start_step: int = 0,
+    optimizer_state: dict[str, Any] | None = None,
+    on_step: StepCallback | None = None,
+) -> list[dict[str, float]]:
+    """Train ``policy`` on ``samples`` against the frozen ``parent``; return per-step stats."""
+    torch.manual_seed(cfg.seed + start_step)
+    optimizer = make_optimizer(policy, cfg.lr)
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    parent.module.eval()
+    policy.module.train()
+    history: list[dict[str, float]] = []
+    batches = plan_batches(len(samples), cfg.batch_size, cfg.epochs, cfg.seed)
+    for step, idx in enumerate(batches[start_step:], start=start_step + 1):
+        t0 = time.perf_counter()
+        batch = [samples[i] for i in idx]
+        prompts = [s.prompt for s in batch]
+        completions = [s.completion for s in batch]
+        logp, mask = policy.batch_logprobs(prompts, completions)
+        with torch.no_grad():
+            parent_logp, _ = parent.batch_logprobs(prompts, completions)
+        behavior = torch.zeros_like(mask)
+        for i, s in enumerate(batch):
+            behavior[i, : len(s.behavior_logprobs)] = torch.tensor(s.behavior_logprobs)
+        adv = torch.tensor([s.advantage for s in batch])
+        loss, stats = grpo_loss(logp, parent_logp, behavior, mask, adv, cfg.objective)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.module.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        stats["grad_norm"] = float(grad_norm)
+        stats["seq_tokens"] = float(sum(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)))
+        stats["step_seconds"] = time.perf_counter() - t0
+        stats["step"] = float(step)
+        stats["total_steps"] = float(len(batches))
+        history.append(stats)
+        if on_step is not None:
+            on_step(step, stats, policy, optimizer)
+    return history
+
+
+def sft_train(
+    policy: TrainablePolicy,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    cfg: LoopConfig,
+    on_step: StepCallback | None = None,
+) -> list[dict[str, float]]:
+    """Supervised next-token training on the completions given their prompts (bootstrap)."""
+    torch.manual_seed(cfg.seed)
+    optimizer = make_optimizer(policy, cfg.lr)
+    policy.module.train()
+    history: list[dict[str, float]] = []
+    batches = plan_batches(len(pairs), cfg.batch_size, cfg.epochs, cfg.seed)
+    for step, idx in enumerate(batches, start=1):
+        t0 = time.perf_counter()
+        logp, mask = policy.batch_logprobs([pairs[i][0] for i in idx], [pairs[i][1] for i in idx])
+        loss = next_token_loss(logp, mask)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.module.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        stats = {"loss": float(loss), "tokens": float(mask.sum()), "step": float(step),
+                 "total_steps": float(len(batches)), "step_seconds": time.perf_counter() - t0}
+        history.append(stats)
+        if on_step is not None:
+            on_step(step, stats, policy, optimizer)
+    policy.module.eval()
+    return history
+
+
+# ------------------------------------------------------------------ checkpoints
+
+STATE_FILE = "train_state.pt"
+
+
+def save_training_state(
+    directory: Path, policy: TrainablePolicy, optimizer: torch.optim.Optimizer, step: int
+) -> Path:
+    """A checkpoint: the policy (loadable on its own) plus optimizer state and step."""
+    policy.save(directory / "policy")
+    torch.save({"optimizer": optimizer.state_dict(), "step": step}, directory / STATE_FILE)
+    return directory
+
+
+def load_training_state(directory: Path) -> tuple[TrainablePolicy, dict[str, Any], int]:
+    state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
+    return load_policy(directory / "policy"), state["optimizer"], int(state["step"])
