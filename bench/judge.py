@@ -100,7 +100,8 @@ class Arm:
 
 
 def simulate_arm(rng: np.random.Generator, cfg: SimConfig, canaries: int, *,
-                 persistence_shift: float = 0.0, latency_shift_ms: float = 0.0) -> Arm:
+                 persistence_shift: float = 0.0, latency_shift_ms: float = 0.0,
+                 edit_shift: float = 0.0) -> Arm:
     users = cfg.budget
     shape = (canaries, users, MAX_REQUESTS)
     k = 1 + np.minimum(rng.poisson(2.0, size=(canaries, users)), MAX_REQUESTS - 1)
@@ -114,7 +115,7 @@ def simulate_arm(rng: np.random.Generator, cfg: SimConfig, canaries: int, *,
     return Arm(mask, persistence, latency,
                rng.random(shape, dtype=np.float32) < cfg.dissatisfied,
                rng.random(shape, dtype=np.float32) < cfg.error_rate,
-               rng.random(shape, dtype=np.float32) < cfg.edit_rate)
+               rng.random(shape, dtype=np.float32) < cfg.edit_rate + edit_shift)
 
 
 # --- our judge, vectorised over canaries and ticks ------------------------------------------
@@ -218,7 +219,10 @@ SCENARIOS = {
     "persistence -2xMDE": {"persistence_shift": -0.06},
     "latency +MDE": {"latency_shift_ms": 50.0},
     "latency +2xMDE": {"latency_shift_ms": 100.0},
+    "edit rate -10 pts": {"edit_shift": -0.10},
 }
+"""Shifts of the canary. The last is reward hacking (fewer edits, same persistence): only our
+judge watches behaviour rates, the baselines judge the four product metrics."""
 DIRECTIONS: dict[str, baselines.Direction] = {
     "persistence": "higher_is_better", "latency_ms": "lower_is_better",
     "dissatisfied": "lower_is_better", "error_rate": "lower_is_better",
@@ -301,6 +305,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--users-per-tick", type=int, default=SimConfig.users_per_tick)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args(argv)
+    if args.canaries < 1 or args.ticks < 1 or args.users_per_tick < 1:
+        ap.error("--canaries, --ticks and --users-per-tick must be at least 1")
     cfg = SimConfig(ticks=args.ticks, users_per_tick=args.users_per_tick)
     t0 = time.perf_counter()
     rows: list[Row] = []
@@ -317,13 +323,25 @@ def main(argv: list[str]) -> int:
         "half_the_samples_of_fixed_at_2x_mde": all(
             ours[s].median_users <= 0.5 * cfg.budget for s in ("persistence -2xMDE", "latency +2xMDE")),
     }
+    kayenta_aa = next(r.rollback_rate for r in rows if r.scenario == "A/A" and r.judge == "kayenta")
+    ratios: dict[str, float] = {
+        "false_rollback_ours_over_kayenta_every_interval": ours["A/A"].rollback_rate / max(kayenta_aa, 1e-9),
+        **{f"users_ours_over_fixed_{s}": ours[s].median_users / fixed[s].median_users
+           for s in ("persistence -2xMDE", "latency +2xMDE")},
+    }
     if args.json:
         print(json.dumps({"config": asdict(cfg), "canaries": args.canaries, "seed": args.seed,
                           "seconds": elapsed, "rows": [asdict(r) for r in rows], "targets": targets,
+                          "ratios": ratios,
                           "fixed_horizon_users": {k: v.median_users for k, v in fixed.items()}}, indent=2))
     else:
         print(table(rows, cfg))
-        print(f"\n{args.canaries} canaries per scenario, seed {args.seed}, {elapsed:.1f} s")
+        print(f"\nA/A false rollbacks: ours {ours['A/A'].rollback_rate:.1%} vs Kayenta-style "
+              f"every interval {kayenta_aa:.1%}")
+        for s in ("persistence -2xMDE", "latency +2xMDE"):
+            print(f"{s}: ours needs {ratios[f'users_ours_over_fixed_{s}']:.2f}x the users of the "
+                  "fixed-horizon judge (median)")
+        print(f"{args.canaries} canaries per scenario, seed {args.seed}, {elapsed:.1f} s")
         for k, v in targets.items():
             print(f"target {k}: {'met' if v else 'MISSED'}")
     return 0

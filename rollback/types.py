@@ -212,6 +212,20 @@ class JudgePolicy:
     detectors: DetectorPolicy = field(default_factory=DetectorPolicy)
     """Reward-hacking drift detectors."""
 
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+        if self.mixture_scale <= 0:
+            raise ValueError(f"mixture_scale must be > 0, got {self.mixture_scale}")
+        if not 1 <= self.min_users <= self.max_users:
+            raise ValueError(f"need 1 <= min_users <= max_users, got {self.min_users}, {self.max_users}")
+        bad = [m.name for m in self.metrics if not m.mde > 0]
+        if bad:
+            raise ValueError(f"every metric needs a positive mde; check {bad}")
+        names = [m.name for m in self.metrics]
+        if len(set(names)) != len(names):
+            raise ValueError(f"metrics listed twice: {names}")
+
     def n_tests(self) -> int:
         """Number of sequential tests sharing alpha."""
         return len(self.metrics) + len(self.detectors.enabled)

@@ -6,6 +6,8 @@ import json
 import random
 from datetime import UTC, datetime
 
+import pytest
+
 from ingest.events import ModelRef, RewardRecord
 from rollback.judge import judge
 from rollback.types import (
@@ -118,3 +120,30 @@ def test_state_carries_the_running_minimum_p_value() -> None:
     assert v1.state["ticks"] == 5.0
     assert v1.state["p.persistence"] == 1e-9
     assert all(isinstance(x, float) for x in v1.state.values())
+
+
+def test_empty_cohorts_wait_without_error() -> None:
+    v = judge(CohortData("stable"), CohortData("canary"), POLICY)
+    assert v.decision == Decision.CONTINUE
+    assert not any(g.tripped for g in v.guardrails)
+
+
+def test_time_budget_is_inconclusive() -> None:
+    policy = JudgePolicy(min_users=100, metrics=(MetricSpec("persistence", 0.001),))
+    v = judge(_cohort("stable", 150, seed=1), _cohort("canary", 150, seed=2), policy,
+              elapsed_s=policy.max_duration_s)
+    assert v.decision == Decision.INCONCLUSIVE
+    assert "time budget of 6.0 h" in v.reasons[0]
+    assert judge(_cohort("stable", 150, seed=1), _cohort("canary", 150, seed=2), policy,
+                 elapsed_s=60.0).decision == Decision.CONTINUE
+
+
+def test_policy_rejects_nonsense_with_clear_errors() -> None:
+    with pytest.raises(ValueError, match="alpha must be in"):
+        JudgePolicy(alpha=0)
+    with pytest.raises(ValueError, match="positive mde"):
+        JudgePolicy(metrics=(MetricSpec("reward", 0.0),))
+    with pytest.raises(ValueError, match="min_users <= max_users"):
+        JudgePolicy(min_users=10, max_users=5)
+    with pytest.raises(ValueError, match="unknown metric 'vibes'"):
+        judge(CohortData("stable"), CohortData("canary"), JudgePolicy(metrics=(MetricSpec("vibes", 1.0),)))
