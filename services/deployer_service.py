@@ -149,8 +149,10 @@ class Controller:
         wanted = {candidate, previous, *(c.version for c in commands)} - {None}
         obs = Observations(now=self.clock(), champion=champion, candidate=candidate, previous=previous,
                            gate={v: self._gate(v) for v in wanted if v}, commands=commands)
-        if status.phase != Phase.PROGRESSING or self.rewards is None:
+        if status.phase != Phase.PROGRESSING:
             return obs
+        if self.rewards is None:
+            return Observations(**{**obs.__dict__, "error": "no rewards reader in this process"})
         try:
             window = self.rewards.read(status)
             stable, canary = window.cohorts()

@@ -1,0 +1,45 @@
+"""The operator's views (pure renderers of rtrl status / rtrl history)."""
+
+from __future__ import annotations
+
+from deployer.canary import CanaryStatus, Phase
+from services.operator_cli import render_history, render_status
+
+
+def test_status_table_shows_versions_phase_weight_verdict_and_cohorts() -> None:
+    status = CanaryStatus(
+        phase=Phase.PROGRESSING, paused=True, canary_id="canary-v2-x", candidate="2", stable="1", step=1,
+        weight=0.05, phase_since=1000.0, ticks=7, verdict="continue",
+        reasons=("Waiting for 200 users per arm (stable 150, canary 12).",),
+        cohorts={"stable.n": 150.0, "canary.n": 12.0, "stable.reward_mean": 0.5, "canary.reward_mean": 0.61},
+    )
+    out = render_status(status, {"champion": "1", "candidate": "2", "previous": None}, {"2": "pass"},
+                        {"canary_weight": "0.05", "stable_version": "1", "canary_version": "2"},
+                        "controller-abc", now=1090.0)
+    lines = out.splitlines()
+    assert "champion     v1" in lines[0] and "candidate    v2 (gate pass)" == lines[1]
+    assert "previous     -" == lines[2]
+    assert "progressing for 1m30s  [PAUSED]" in lines[3]
+    assert "5.0% of users on the canary" in out and "step 2" in out
+    assert "continue after 7 judged ticks" in out and "controller-abc" in out
+    assert "  - Waiting for 200 users" in out
+    assert any(line.split() == ["reward_mean", "0.500", "0.610"] for line in lines)
+    assert any(line.split() == ["n", "150", "12"] for line in lines)
+
+
+def test_status_of_a_fresh_install_and_empty_history() -> None:
+    out = render_status(CanaryStatus(), {}, {}, {}, None, now=0.0)
+    assert "idle" in out and "none running" in out and "0.0% of users" in out
+    assert render_history([]) == "no canaries recorded yet"
+
+
+def test_history_rows() -> None:
+    rows = [{"started_ms": 1_800_000_000_000, "canary_id": "canary-v2-20270115T080000Z",
+             "decision": "rollback", "decided_by": "controller", "reason": "judge: canary worse",
+             "outcome": "rolled_back"},
+            {"started_ms": 1_799_000_000_000, "canary_id": "canary-v1-x", "decision": "", "decided_by": "",
+             "reason": "", "outcome": "running"}]
+    lines = render_history(rows).splitlines()
+    assert lines[1].startswith("2027-01-15 08:00") and "rollback" in lines[1]
+    assert "judge: canary worse" in lines[1]
+    assert lines[2].split()[-1] == "running"
