@@ -64,3 +64,12 @@ def test_example_values_are_valid(path: Path) -> None:
 def test_model_rejects_bad_values(bad: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
         Values.model_validate(bad)
+
+
+def test_a_missing_tool_fails_in_ci_and_skips_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="run scripts/tools"):
+        ct.tool("rtrl-no-such-tool")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="run scripts/tools"):
+        ct.tool("rtrl-no-such-tool")
