@@ -63,7 +63,7 @@ class CanaryPolicy:
     """Canary weights in order. Promotion is the final 100%: the candidate becomes stable."""
     bake_s: float = 600.0
     """Least time on each step before moving on (and before promoting from the last)."""
-    max_duration_s: float = 4 * 3600.0
+    max_duration_s: float = 6 * 3600.0
     """Budget: a canary still undecided after this long is aborted (inconclusive)."""
     max_errors: int = 5
     """Consecutive ticks whose observations failed before the canary is aborted."""
