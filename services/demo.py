@@ -49,6 +49,7 @@ SERVICES: tuple[tuple[str, str], ...] = (
     ("simulator", "services.simulator"),
 )
 """(service, module) in start order; stopped in reverse (users first, stack last)."""
+MAX_BAD_TRIES = 3
 STOP_ORDER = ("simulator", "gateway", "deployer", "trainer", "reward", "ingest")
 
 
@@ -129,6 +130,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_TRAINER__DATA_DIR": str(data / "trainer"),
         "RTRL_TRAINER__MISFIRE_GRACE_S": "30",
         "RTRL_TRAINER__MIN_RECORDS": "200",
+        "RTRL_TRAINER__LR": "1e-3",
         "RTRL_GATEWAY__PORT": str(gateway_port),
         "RTRL_GATEWAY__SIMULATED_MS_PER_TOKEN": f"{demo.simulated_ms_per_token:g}",
         "RTRL_GATEWAY__MODEL_CACHE_DIR": str(data / "gateway-cache"),
@@ -208,6 +210,9 @@ class DemoRun:
         self.notes: list[str] = []
         self.bootstrap_version: str | None = None
         self.bad_version: str | None = None
+        self.bad_tries: list[str] = []
+        """Every bad candidate injected; a canary aborted because a trainer candidate moved the
+        alias mid-canary is retried with a new version (up to MAX_BAD_TRIES)."""
         self.kinds: dict[str, str] = {}
         self.decided: dict[str, str] = {}
         self.primary_horizon = 600
@@ -414,8 +419,15 @@ class DemoRun:
 
     def maybe_inject_bad(self, status: dict[str, Any]) -> None:
         demo = self.demo
-        if demo.bad_candidate == "none" or self.bad_version is not None:
+        if demo.bad_candidate == "none" or len(self.bad_tries) >= MAX_BAD_TRIES:
             return
+        if self.bad_version is not None:
+            outcome = self.decided.get(self.bad_version)
+            if outcome != "aborted":
+                return
+            say(f"bad candidate v{self.bad_version} was aborted before a verdict (see its reason); "
+                "injecting another one")
+            self.bad_version = None
         if len(self.decided) < demo.bad_candidate_after_decisions:
             return
         if status and status.get("phase") not in {"idle", "succeeded", "rolled_back", "aborted", None}:
@@ -442,6 +454,7 @@ class DemoRun:
         }))
         reg.set_alias("candidate", version)
         self.bad_version = version
+        self.bad_tries.append(version)
         self.kinds[version] = demo.bad_candidate
         say(f"bad candidate v{version} registered (rtrl.kind={demo.bad_candidate}) with alias candidate")
 
@@ -474,9 +487,10 @@ class DemoRun:
                 last_ledger = time.time()
             say(self.progress_line(status, routing))
             self.maybe_inject_bad(status)
-            increments = [v for v in self.decided if v != self.bad_version]
+            increments = [v for v in self.decided if v not in self.bad_tries]
             bad_done = self.demo.bad_candidate == "none" or (
-                self.bad_version is not None and self.bad_version in self.decided)
+                self.bad_version is not None and self.decided.get(self.bad_version) not in {None, "aborted"}
+            ) or (len(self.bad_tries) >= MAX_BAD_TRIES and self.bad_tries[-1] in self.decided)
             if len(increments) >= self.demo.increments and bad_done:
                 say("enough canaries decided; finishing")
                 return
