@@ -50,6 +50,11 @@ SERVICES: tuple[tuple[str, str], ...] = (
 )
 """(service, module) in start order; stopped in reverse (users first, stack last)."""
 MAX_BAD_TRIES = 3
+BASELINE_REWARDS = 150
+"""Reward records to collect before the bad candidate goes in (the stable cohort's baseline)."""
+BAD_CANARY_S = 75.0
+"""Time a bad canary needs to be rolled back; it is injected only when the trainer's next
+candidate is at least this far away (a new candidate alias aborts the canary in flight)."""
 STOP_ORDER = ("simulator", "gateway", "deployer", "trainer", "reward", "ingest")
 
 
@@ -139,7 +144,8 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_DEPLOYER__TICK_S": "3",
         "RTRL_DEPLOYER__STEPS": "[0.1,0.25,0.5]",
         "RTRL_DEPLOYER__BAKE_S": "15",
-        "RTRL_DEPLOYER__MAX_DURATION_S": "240",
+        "RTRL_DEPLOYER__MAX_DURATION_S": "210",
+        "RTRL_DEPLOYER__JUDGE_ALPHA": "0.05",
         "RTRL_DEPLOYER__LEASE_TTL_S": "10",
         "RTRL_DEPLOYER__JUDGE_MIN_USERS": "60",
         "RTRL_DEPLOYER__JUDGE_MIN_REQUESTS": "60",
@@ -158,7 +164,22 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "PYTHONUNBUFFERED": "1",
     }
-    return env
+    return {**env, **judge_tolerance_env()}
+
+
+DEMO_JUDGE_MDE = {"persistence": 0.1, "acceptance": 0.1, "reward": 0.2, "dissatisfied": 0.08}
+"""The judge's tolerances for the demo's small canaries (hundreds of requests per arm, not
+thousands): a canary must be shown no worse than these before it is promoted."""
+
+
+def judge_tolerance_env() -> dict[str, str]:
+    """``RTRL_DEPLOYER__JUDGE_MDE`` when the deployer has that setting (else nothing: an
+    unknown nested setting would be rejected)."""
+    from services.settings import DeployerSettings
+
+    if "judge_mde" in DeployerSettings.model_fields:
+        return {"RTRL_DEPLOYER__JUDGE_MDE": json.dumps(DEMO_JUDGE_MDE)}
+    return {}
 
 
 def prepare_data_dir(data: Path) -> None:
@@ -210,6 +231,9 @@ class DemoRun:
         self.notes: list[str] = []
         self.bootstrap_version: str | None = None
         self.bad_version: str | None = None
+        self.trainer_candidate_at = 0.0
+        """When a trainer-made candidate was last seen (0: never)."""
+        self.seen_candidates: set[str] = set()
         self.bad_tries: list[str] = []
         """Every bad candidate injected; a canary aborted because a trainer candidate moved the
         alias mid-canary is retried with a new version (up to MAX_BAD_TRIES)."""
@@ -432,6 +456,12 @@ class DemoRun:
             return
         if status and status.get("phase") not in {"idle", "succeeded", "rolled_back", "aborted", None}:
             return
+        if self.tracker is not None and self.tracker.count() < BASELINE_REWARDS:
+            return  # let the champion build a baseline first
+        since = time.time() - self.trainer_candidate_at
+        if self.trainer_candidate_at and since > self.demo.trainer_cadence_s - BAD_CANARY_S:
+            return  # the trainer's next candidate would move the alias mid-canary and abort it
+
         from deployer.registry import Tag
         from services.demo_candidates import make_bad_candidate
 
@@ -485,6 +515,11 @@ class DemoRun:
                         self.decided[d.candidate] = d.outcome
                         say(f"DECISION: v{d.candidate} {d.outcome} by {d.decided_by}: {d.reason}")
                 last_ledger = time.time()
+            cand = status.get("candidate")
+            if cand and cand not in self.seen_candidates:
+                self.seen_candidates.add(str(cand))
+                if str(cand) not in self.bad_tries:
+                    self.trainer_candidate_at = time.time()
             say(self.progress_line(status, routing))
             self.maybe_inject_bad(status)
             increments = [v for v in self.decided if v not in self.bad_tries]

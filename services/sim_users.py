@@ -108,11 +108,11 @@ class WorldConfig:
     """Same for a token the user does not want."""
     survive_extra: tuple[float, ...] = (0.4, 0.2, 0.05)
     """Same for a preferred token beyond the ideal length."""
-    rejected_dissatisfied: float = 0.35
+    rejected_dissatisfied: float = 0.05
     """Chance of a dissatisfied follow-up after a rejected edit."""
-    ambiguous_rejected_dissatisfied: float = 0.6
+    ambiguous_rejected_dissatisfied: float = 0.4
     """Same on an ambiguous task: a wrong guess where a question was due annoys more."""
-    accepted_dissatisfied: float = 0.1
+    accepted_dissatisfied: float = 0.02
     """Chance (times 1 - match) of a dissatisfied follow-up after an accepted edit."""
     ambiguous_question_annoyance: float = 0.15
     """Chance a question on an ambiguous task annoys the user (it is a fair question)."""
