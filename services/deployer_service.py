@@ -15,22 +15,25 @@ import argparse
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from deployer import cohorts
-from deployer.actions import Action, AliasPort, LedgerPort, RoutingPort, apply_actions
+from deployer.actions import Action, LedgerPort, RoutingPort, apply_actions
 from deployer.canary import RESTING, CanaryPolicy, CanaryStatus, Command, Observations, Phase
 from deployer.controller import tick
 from deployer.ledger import CONTROLLER, TAG_GATE
-from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
+from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
 from ingest.events import RewardRecord
 from rollback.judge import judge
 from rollback.types import GuardrailPolicy, JudgePolicy
 from services import metrics as m
 from services.settings import DeployerSettings, Settings
+
+if TYPE_CHECKING:
+    from deployer.adapters.redis_state import ControllerState
 
 SERVICE = "deployer"
 log = logging.getLogger("rtrl.deployer")
@@ -107,11 +110,11 @@ class RewardReader:
 @dataclass
 class Ports:
     routing: RoutingPort
-    registry: Any
-    """deployer.registry.Registry (aliases, tags)."""
+    registry: Registry
+    """Aliases and version tags."""
     ledger: LedgerPort
-    state: Any
-    """deployer.adapters.redis_state.ControllerState (status, lease, commands)."""
+    state: ControllerState
+    """Status, lease and operator commands."""
 
 
 class Controller:
@@ -133,8 +136,7 @@ class Controller:
         obs = self.observe(before, st.pending())
 
         def apply(actions: list[Action]) -> None:
-            registry: AliasPort = self.ports.registry
-            apply_actions(actions, self.ports.routing, registry, self.ports.ledger)
+            apply_actions(actions, self.ports.routing, self.ports.registry, self.ports.ledger)
 
         after = tick(before, obs, self.policy, apply, st.save)
         st.trim({cid for cid, _ in after.handled})
@@ -152,7 +154,7 @@ class Controller:
         if status.phase != Phase.PROGRESSING:
             return obs
         if self.rewards is None:
-            return Observations(**{**obs.__dict__, "error": "no rewards reader in this process"})
+            return replace(obs, error="no rewards reader in this process")
         try:
             window = self.rewards.read(status)
             stable, canary = window.cohorts()
@@ -160,9 +162,9 @@ class Controller:
                             elapsed_s=obs.now - status.started_at)
         except Exception as exc:  # any failure to observe is counted by the state machine
             log.exception("observing canary %s failed", status.canary_id)
-            return Observations(**{**obs.__dict__, "error": f"{type(exc).__name__}: {exc}"})
-        return Observations(**{**obs.__dict__, "judgement": cohorts.judgement(verdict),
-                               "cohorts": cohorts.cohort_metrics(stable, canary)})
+            return replace(obs, error=f"{type(exc).__name__}: {exc}")
+        return replace(obs, judgement=cohorts.judgement(verdict),
+                       cohorts=cohorts.cohort_metrics(stable, canary))
 
     def _gate(self, version: str) -> str:
         try:
