@@ -295,8 +295,10 @@ class Verdict:
     """Pass this back on the next tick (and persist it)."""
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-ready form for the ledger."""
-        return asdict(self)
+        """JSON-ready form for the ledger (strict JSON: undefined bounds become None)."""
+        out = _finite(asdict(self))
+        assert isinstance(out, dict)
+        return out
 
     def stats(self) -> dict[str, float]:
         """Flat ``<metric>.<stat>`` -> value map (for MLflow metrics and the JUDGE_STAT gauge).
@@ -308,3 +310,13 @@ class Verdict:
                 if math.isfinite(value):
                     out[f"{ev.metric}.{stat}"] = value
         return out
+
+
+def _finite(x: object) -> object:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x

@@ -47,7 +47,10 @@ def test_identical_cohorts_continue_or_promote_never_rollback() -> None:
     v = judge(_cohort("stable", 300, seed=1), _cohort("canary", 300, seed=2), POLICY)
     assert v.decision in (Decision.CONTINUE, Decision.PROMOTE)
     assert v.state["ticks"] == 1.0
-    json.dumps(v.to_dict())  # the ledger stores it as JSON
+    json.dumps(v.to_dict(), allow_nan=False)  # the ledger stores it as strict JSON
+    early = judge(_cohort("stable", 20, seed=1), _cohort("canary", 20, seed=2), POLICY).to_dict()
+    json.dumps(early, allow_nan=False)
+    assert early["metrics"][0]["ci_lower"] is None  # type: ignore[index]
 
 
 def test_too_few_users_waits() -> None:
