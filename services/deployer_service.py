@@ -28,7 +28,7 @@ from deployer.ledger import CONTROLLER, TAG_GATE
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
 from ingest.events import RewardRecord
 from rollback.judge import judge
-from rollback.types import GuardrailPolicy, JudgePolicy
+from rollback.types import GuardrailPolicy, JudgePolicy, default_metrics
 from services import metrics as m
 from services.settings import DeployerSettings, Settings
 
@@ -45,7 +45,13 @@ def canary_policy(d: DeployerSettings) -> CanaryPolicy:
 
 
 def judge_policy(d: DeployerSettings) -> JudgePolicy:
+    specs = default_metrics()
+    unknown = set(d.judge_mde) - {s.name for s in specs}
+    if unknown:
+        raise ValueError(f"deployer.judge_mde names unknown metrics {sorted(unknown)}; "
+                         f"known: {[s.name for s in specs]}")
     return JudgePolicy(
+        metrics=tuple(replace(s, mde=d.judge_mde.get(s.name, s.mde)) for s in specs),
         alpha=d.judge_alpha, min_users=d.judge_min_users, max_users=d.judge_max_users,
         max_duration_s=d.max_duration_s,
         guardrails=GuardrailPolicy(max_error_rate=d.judge_max_error_rate,

@@ -242,6 +242,9 @@ class TrainerSettings(_Frozen):
     """Weight of the k1 KL term to the parent checkpoint."""
     checkpoint_every: Annotated[int, Field(ge=1)] = 10
     """Steps between Ray Train checkpoints (a killed increment resumes from the last one)."""
+    stop_grace_s: Annotated[float, Field(ge=0.0)] = 60.0
+    """On SIGTERM, wait this long for a running increment to finish; after that the process
+    exits and the next run resumes the same window from its last checkpoint."""
     seed: int = 0
     policy_kind: str = "tiny-transformer"
     """Kind of a policy made from scratch by ``rtrl bootstrap`` (hf: pass --hf-model)."""
@@ -410,6 +413,9 @@ class DeployerSettings(_Frozen):
     """Guardrail: the canary's p99 latency ceiling in ms (rolls back at once)."""
     judge_min_requests: Annotated[int, Field(ge=1)] = 200
     """Guardrails look only once the canary served this many requests."""
+    judge_mde: dict[str, float] = Field(default_factory=dict)
+    """Minimum detectable effect per judged metric, overriding the judge's defaults (see
+    docs/judge.md), e.g. RTRL_DEPLOYER__JUDGE_MDE='{"reward": 0.1, "persistence": 0.05}'."""
     poll_timeout_ms: Annotated[int, Field(ge=1)] = 500
     """Longest wait for new reward records in one tick."""
 

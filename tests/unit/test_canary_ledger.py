@@ -119,3 +119,14 @@ def test_end_of_canary_metrics_count_once_with_low_cardinality_labels() -> None:
     assert m.CANARY_PHASE.labels("progressing")._value.get() == 0.0
     assert reason_kind(CanaryStatus(decided_by="alice", reason="guardrail")) == "operator"
     assert reason_kind(CanaryStatus(reason="inconclusive: no decision within the 60s budget")) == "budget"
+
+
+def test_judge_mde_overrides_and_rejects_unknown_metrics() -> None:
+    from services.deployer_service import judge_policy
+    from services.settings import DeployerSettings
+
+    policy = judge_policy(DeployerSettings(judge_mde={"reward": 0.2}, judge_alpha=0.05))
+    mde = {s.name: s.mde for s in policy.metrics}
+    assert mde["reward"] == 0.2 and mde["persistence"] == 0.03 and policy.alpha == 0.05
+    with pytest.raises(ValueError, match="unknown metrics"):
+        judge_policy(DeployerSettings(judge_mde={"happiness": 1.0}))
