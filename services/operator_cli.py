@@ -189,6 +189,18 @@ def main(argv: list[str]) -> int:
         return 2
     name, args = argv[0], _parser(argv[0]).parse_args(argv[1:])
     settings = get_settings()
+    import redis
+
+    try:
+        return _run(name, args, settings)
+    except (redis.RedisError, ConnectionError, TimeoutError) as exc:
+        where = settings.redis.url.get_secret_value().split("@")[-1]
+        print(f"rtrl {name}: cannot reach Redis at {where} or MLflow at {settings.mlflow.tracking_uri}: "
+              f"{exc}", file=sys.stderr)
+        return 2
+
+
+def _run(name: str, args: argparse.Namespace, settings: Settings) -> int:
     if name == "status":
         return _status(settings, args.json)
     if name == "history":
