@@ -319,7 +319,7 @@ def _handler(server: GatewayServer) -> type[BaseHTTPRequestHandler]:
 
 def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
     """Wire the gateway from settings; returns it and its background parts (started)."""
-    from services.gateway_exposure import ExposureLogger
+    from services.gateway_exposure import ExposureLogger, ExposureProcess
     from services.gateway_models import policy_loader
     from services.gateway_routing import ChampionCache, RedisRoutingSource, RoutingPoller
     from services.redis_io import make_redis
@@ -359,7 +359,11 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
         else:
             slots.want(stable, table.canary_version)
 
-    exposures = ExposureLogger(lambda: make_event_producer(settings), gw.exposure_queue)
+    exposures: ExposureLogger | ExposureProcess
+    if gw.exposure_process:
+        exposures = ExposureProcess(settings, gw.exposure_queue)
+    else:
+        exposures = ExposureLogger(lambda: make_event_producer(settings), gw.exposure_queue)
     poller = RoutingPoller(
         RedisRoutingSource(make_redis(settings.redis), settings.redis.key_prefix),
         on_table, champion, gw.routing_poll_s, beat=health.beat,
@@ -388,7 +392,8 @@ def make_event_producer(settings: Any) -> Any:
                 f"RTRL_AUTH__KEYS, or RTRL_GATEWAY__KEY_ID=null to send unsigned (development)"
             )
     # bounded waits: a down broker costs the background thread seconds, never the requests
-    producer = make_producer(settings.kafka, max_block_ms=5000, bootstrap_timeout_ms=5000)
+    producer = make_producer(settings.kafka, max_block_ms=5000, bootstrap_timeout_ms=5000,
+                             linger_ms=gw.exposure_linger_ms)
     return EventProducer(settings, gw.key_id, secret, producer=producer)
 
 

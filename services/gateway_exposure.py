@@ -42,11 +42,21 @@ class _Sender(Protocol):
     def close(self, timeout: float | None = None) -> None: ...
 
 
+def _count_metric(result: str, n: int) -> None:
+    GATEWAY_EXPOSURES.labels(result).inc(n)
+
+
 class ExposureLogger:
     def __init__(
-        self, make_sender: Callable[[], _Sender], maxsize: int = 10_000, retry_s: float = 2.0
+        self,
+        make_sender: Callable[[], _Sender],
+        maxsize: int = 10_000,
+        retry_s: float = 2.0,
+        count: Callable[[str, int], None] | None = None,
     ) -> None:
         self._make_sender = make_sender
+        self._count = count or _count_metric
+        """Called with (result, n) for every outcome; the metric by default."""
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=maxsize)
         self._retry_s = retry_s
         self._sender: _Sender | None = None
@@ -62,7 +72,7 @@ class ExposureLogger:
             self._queue.put_nowait(fields)
             return True
         except queue.Full:
-            GATEWAY_EXPOSURES.labels("dropped").inc()
+            self._count("dropped", 1)
             return False
 
     @property
@@ -105,14 +115,14 @@ class ExposureLogger:
         try:
             event = CompletionServed(**fields)
         except ValueError as exc:
-            GATEWAY_EXPOSURES.labels("invalid").inc()
+            self._count("invalid", 1)
             log.error("served event does not fit the contract, not sent: %s", exc)
             return
         try:
             future = self._sender.send(event)
         except Exception as exc:  # e.g. metadata timeout while the broker is down
             self._healthy = False
-            GATEWAY_EXPOSURES.labels("failed").inc()
+            self._count("failed", 1)
             log.warning("could not hand a served event to the producer: %s", exc)
             return
         if future is not None and hasattr(future, "add_callback"):
@@ -123,11 +133,11 @@ class ExposureLogger:
 
     def _on_sent(self, _meta: object) -> None:
         self._healthy = True
-        GATEWAY_EXPOSURES.labels("sent").inc()
+        self._count("sent", 1)
 
     def _on_failed(self, exc: BaseException) -> None:
         self._healthy = False
-        GATEWAY_EXPOSURES.labels("failed").inc()
+        self._count("failed", 1)
         log.warning("served event not delivered: %s", exc)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -149,5 +159,119 @@ class ExposureLogger:
                 log.warning("flushing served events at stop failed: %s", exc)
         left = self._queue.qsize()
         if left:
-            GATEWAY_EXPOSURES.labels("dropped").inc(left)
+            self._count("dropped", left)
             log.warning("%d served events dropped at stop (broker unreachable)", left)
+
+
+# --------------------------------------------------------------------- in a child process
+
+RESULTS = ("sent", "failed", "dropped", "invalid")
+
+
+class ExposureProcess:
+    """The same logger run in a child process, so the Kafka client's CPU work (about
+    0.5-1.3 ms per event in kafka-python) never holds the gateway's GIL.
+
+    The request thread pickles the fields onto a multiprocessing queue (tens of
+    microseconds, done by the queue's feeder thread). The child runs an
+    :class:`ExposureLogger` and reports its outcome counts and health through shared
+    memory; a parent thread turns them into the ``rtrl_gateway_exposures_total`` metric.
+    The child ignores SIGINT/SIGTERM (the parent stops it with a sentinel after draining)
+    and exits by itself if the parent dies.
+    """
+
+    def __init__(self, settings: Any, maxsize: int = 10_000) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # never fork a process that runs torch and threads
+        self._queue: Any = ctx.Queue(maxsize=maxsize)
+        self._counts: Any = ctx.Array("q", len(RESULTS))
+        self._healthy: Any = ctx.Value("b", 0)
+        self._proc = ctx.Process(
+            target=_child_main, args=(settings, maxsize, self._queue, self._counts, self._healthy),
+            name="rtrl-exposures", daemon=True,
+        )
+        self._seen = [0] * len(RESULTS)
+        self._stop = threading.Event()
+        self._sync_thread = threading.Thread(target=self._sync_loop, name="exposure-sync", daemon=True)
+
+    def start(self) -> ExposureProcess:
+        self._proc.start()
+        self._sync_thread.start()
+        return self
+
+    def log(self, fields: dict[str, Any]) -> bool:
+        try:
+            self._queue.put_nowait(fields)
+            return True
+        except queue.Full:
+            GATEWAY_EXPOSURES.labels("dropped").inc()
+            return False
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self._healthy.value) and self._proc.is_alive()
+
+    def _sync(self) -> None:
+        for i, result in enumerate(RESULTS):
+            now = int(self._counts[i])
+            if now > self._seen[i]:
+                GATEWAY_EXPOSURES.labels(result).inc(now - self._seen[i])
+                self._seen[i] = now
+
+    def _sync_loop(self) -> None:
+        while not self._stop.wait(0.5):
+            self._sync()
+            if not self._proc.is_alive():
+                log.error("exposure process exited (code %s); served events are dropped",
+                          self._proc.exitcode)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Let the child drain, flush and exit; then account for its last counts."""
+        self._stop.set()
+        if self._proc.is_alive():
+            try:
+                self._queue.put(None, timeout=timeout_s)
+            except queue.Full:
+                pass
+            self._proc.join(timeout_s + 2.0)
+            if self._proc.is_alive():
+                log.warning("exposure process did not stop in time; terminating it")
+                self._proc.terminate()
+                self._proc.join(2.0)
+        self._sync()
+        self._queue.close()
+        self._queue.join_thread()
+
+
+def _child_main(settings: Any, maxsize: int, q: Any, counts: Any, healthy: Any) -> None:
+    import os
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from services.gateway import make_event_producer
+    from services.runtime import setup_logging
+
+    setup_logging(settings.log_level, "gateway-exposures")
+    parent = os.getppid()
+    index = {r: i for i, r in enumerate(RESULTS)}
+
+    def count(result: str, n: int) -> None:
+        with counts.get_lock():
+            counts[index[result]] += n
+
+    logger = ExposureLogger(lambda: make_event_producer(settings), maxsize, count=count).start()
+    while True:
+        healthy.value = int(logger.healthy)
+        try:
+            item = q.get(timeout=0.5)
+        except queue.Empty:
+            if os.getppid() != parent:  # orphaned: the gateway died without stopping us
+                break
+            continue
+        if item is None:
+            break
+        logger.log(item)
+    logger.stop()
+    healthy.value = 0

@@ -1,0 +1,280 @@
+"""``rtrl bench gateway``: latency the gateway adds over calling the model directly.
+
+In one run, on loopback, with a private broker and Redis (EmbeddedStack on free ports) and
+a sqlite MLflow registry in a temporary folder:
+
+* **policy mode** — the default policy (registered in MLflow, loaded by the gateway as in
+  production) sampled in-process (``direct``) vs ``POST /v1/completions`` through the
+  gateway (``gateway``: HTTP, validation, routing from Redis, a canary arm at 50% so both
+  arms serve, signed exposure logging to the broker);
+* **upstream mode** — a fake OpenAI-compatible server called directly (same body the
+  gateway would send) vs through the gateway in upstream mode.
+
+Requests alternate direct/gateway (order flipped every pair) so both paths see the same
+background load. The load generator uses one persistent ``http.client`` connection.
+Reported: p50/p99 of each path, the difference (the target: at most 2 ms added at p99),
+and the paired per-request overhead ``round trip - generation time reported by the
+gateway``, which does not depend on how long generation took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import SecretStr
+
+TARGET_ADDED_P99_MS = 2.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]): the smallest value with at least q% of the
+    values at or below it."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
+    return ordered[rank - 1]
+
+
+class Client:
+    """One persistent HTTP/1.1 connection, as a real client library keeps."""
+
+    def __init__(self, port: int, path: str) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        self.path = path
+        self.headers = {"Content-Type": "application/json"}
+
+    def post(self, body: bytes) -> dict[str, Any]:
+        self.conn.request("POST", self.path, body=body, headers=self.headers)
+        resp = self.conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{self.path} answered {resp.status}: {data[:200]!r}")
+        out: dict[str, Any] = json.loads(data)
+        return out
+
+
+def measure(
+    n: int, warmup: int, direct: Callable[[int], None], via_gateway: Callable[[int], float]
+) -> dict[str, list[float]]:
+    """Alternate the two paths; returns ms lists for direct, gateway and paired overhead."""
+    out: dict[str, list[float]] = {"direct": [], "gateway": [], "overhead": []}
+    for i in range(warmup + n):
+        order = ("d", "g") if i % 2 == 0 else ("g", "d")
+        for which in order:
+            t0 = time.perf_counter()
+            if which == "d":
+                direct(i)
+                ms = (time.perf_counter() - t0) * 1000
+                if i >= warmup:
+                    out["direct"].append(ms)
+            else:
+                gen_ms = via_gateway(i)
+                ms = (time.perf_counter() - t0) * 1000
+                if i >= warmup:
+                    out["gateway"].append(ms)
+                    out["overhead"].append(ms - gen_ms)
+    return out
+
+
+def summarise(mode: str, res: dict[str, list[float]]) -> dict[str, float]:
+    d50, d99 = percentile(res["direct"], 50), percentile(res["direct"], 99)
+    g50, g99 = percentile(res["gateway"], 50), percentile(res["gateway"], 99)
+    return {
+        "direct_p50_ms": d50, "direct_p99_ms": d99, "gateway_p50_ms": g50, "gateway_p99_ms": g99,
+        "added_p50_ms": g50 - d50, "added_p99_ms": g99 - d99,
+        "overhead_p50_ms": percentile(res["overhead"], 50),
+        "overhead_p99_ms": percentile(res["overhead"], 99),
+        "ratio_p99": g99 / d99, "direct_mean_ms": statistics.fmean(res["direct"]),
+    }
+
+
+def _settings(stack: Any, root: Path, tag: str, **gateway: Any) -> Any:
+    from services.settings import (
+        GatewaySettings,
+        KafkaSettings,
+        MlflowSettings,
+        RedisSettings,
+        Settings,
+        TopicSettings,
+    )
+
+    return Settings(
+        kafka=KafkaSettings(bootstrap_servers=stack.kafka_bootstrap),
+        redis=RedisSettings(url=SecretStr(stack.redis_url), key_prefix=f"bench-{tag}:"),
+        topics=TopicSettings(raw=f"bench-{tag}.raw", partitions=1),
+        mlflow=MlflowSettings(tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
+                              registered_model="bench-policy"),
+        gateway=GatewaySettings(**{"port": 0, "key_id": "gateway", "secret": SecretStr("bench"), **gateway}),
+    )
+
+
+def _start_gateway(settings: Any) -> tuple[Any, Any, list[Any]]:
+    from services.gateway import GatewayServer, build
+    from services.kafka_io import ensure_topics
+    from services.observability import Health
+
+    ensure_topics(settings, [settings.topics.raw])
+    gateway, parts = build(settings, Health())
+    server = GatewayServer(gateway, "127.0.0.1", 0).start()
+    deadline = time.monotonic() + 60
+    while gateway.slots.get("stable") is None or (
+        gateway.slots.wanted("canary") and gateway.slots.get("canary") is None
+    ):
+        if time.monotonic() > deadline:
+            raise RuntimeError("gateway did not load its models in 60 s")
+        time.sleep(0.05)
+    return gateway, server, parts
+
+
+def _stop(server: Any, parts: list[Any]) -> None:
+    server.stop()
+    for part in parts:
+        part.stop()
+
+
+def _set_routing(settings: Any, **values: str) -> None:
+    from deployer.routing import routing_keys
+    from services.redis_io import make_redis
+
+    keys = routing_keys(settings.redis.key_prefix)
+    make_redis(settings.redis).mset({keys[k]: v for k, v in values.items()})
+
+
+def bench_policy(stack: Any, root: Path, n: int, warmup: int, max_tokens: int) -> dict[str, float]:
+    import torch
+
+    from deployer.adapters.mlflow_registry import MlflowRegistry
+    from trainer.policy import TinyTransformer, load_policy
+
+    settings = _settings(stack, root, f"p{uuid.uuid4().hex[:6]}")
+    reg = MlflowRegistry(settings.mlflow.tracking_uri, settings.mlflow.registered_model)
+    torch.manual_seed(0)
+    v1 = reg.register(None, TinyTransformer().save(root / "v1"))
+    v2 = reg.register(None, TinyTransformer().save(root / "v2"))
+    reg.set_alias("champion", v1)
+    _set_routing(settings, stable_version=v1, canary_version=v2, canary_weight="0.5", salt="bench")
+    _gateway, server, parts = _start_gateway(settings)
+    direct_policy = load_policy(reg.download(v1, root / "direct"))
+    torch.set_num_threads(settings.gateway.torch_threads)
+    prompt = [0, 5, 9, 13, 17, 21, 25, 29]
+    client = Client(server.port, "/v1/completions")
+    bodies = [json.dumps({"user_key": f"user-{i % 500}", "session_id": "bench", "prompt_tokens": prompt,
+                          "max_tokens": max_tokens}).encode() for i in range(n + warmup)]
+
+    def direct(i: int) -> None:
+        direct_policy.sample(prompt, max_tokens, 1.0)
+
+    def via_gateway(i: int) -> float:
+        return float(client.post(bodies[i])["latency_ms"])
+
+    try:
+        res = measure(n, warmup, direct, via_gateway)
+    finally:
+        client.conn.close()
+        _stop(server, parts)
+    return summarise("policy", res)
+
+
+def bench_upstream(stack: Any, root: Path, n: int, warmup: int, max_tokens: int) -> dict[str, float]:
+    from bench.fake_upstream import FakeCompletionsServer
+    from services.settings import UpstreamSettings
+
+    fake = FakeCompletionsServer().start()
+    settings = _settings(
+        stack, root, f"u{uuid.uuid4().hex[:6]}",
+        stable_upstream=UpstreamSettings(base_url=fake.url, model="team-model"),
+    )
+    _gateway, server, parts = _start_gateway(settings)
+    prompt = [0, 5, 9, 13, 17, 21, 25, 29]
+    upstream = Client(int(fake.url.rsplit(":", 1)[1]), "/v1/completions")
+    upstream_body = json.dumps({
+        "model": "team-model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+        "logprobs": 1, "return_tokens_as_token_ids": True,
+    }).encode()
+    client = Client(server.port, "/v1/completions")
+    bodies = [json.dumps({"user_key": f"user-{i % 500}", "session_id": "bench", "prompt_tokens": prompt,
+                          "max_tokens": max_tokens}).encode() for i in range(n + warmup)]
+
+    def direct(i: int) -> None:
+        upstream.post(upstream_body)
+
+    def via_gateway(i: int) -> float:
+        return float(client.post(bodies[i])["latency_ms"])
+
+    try:
+        res = measure(n, warmup, direct, via_gateway)
+    finally:
+        client.conn.close()
+        upstream.conn.close()
+        _stop(server, parts)
+        fake.stop()
+    return summarise("upstream", res)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rtrl bench gateway", description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000, help="measured requests per path and mode")
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--mode", choices=["policy", "upstream", "both"], default="both")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    args = parser.parse_args(argv)
+
+    import logging
+
+    from services.metrics import GATEWAY_EXPOSURES
+    from services.runtime import setup_logging
+    from services.stack import EmbeddedStack, free_port
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    setup_logging("WARNING", "bench")
+    logging.getLogger("mlflow").setLevel(logging.ERROR)
+    root = Path(tempfile.mkdtemp(prefix="rtrl-bench-gateway-"))
+    stack = EmbeddedStack(data_dir=root / "stack", kafka_port=free_port(), redis_port=free_port(),
+                          reuse_redis_url=None, with_mlflow=False)
+    print(f"starting a private broker and Redis in {root} ...", file=sys.stderr, flush=True)
+    stack.up(timeout_s=90)
+    results: dict[str, dict[str, float]] = {}
+    load_before = os.getloadavg()[0]
+    try:
+        if args.mode in {"policy", "both"}:
+            results["policy"] = bench_policy(stack, root, args.requests, args.warmup, args.max_tokens)
+        if args.mode in {"upstream", "both"}:
+            results["upstream"] = bench_upstream(stack, root, args.requests, args.warmup, args.max_tokens)
+    finally:
+        stack.down()
+    sent = GATEWAY_EXPOSURES.labels("sent")._value.get()
+    dropped = GATEWAY_EXPOSURES.labels("dropped")._value.get()
+    failed = GATEWAY_EXPOSURES.labels("failed")._value.get()
+
+    cores = os.cpu_count()
+    print(f"\nrtrl bench gateway: {args.requests} requests per path (+{args.warmup} warm-up), "
+          f"max_tokens {args.max_tokens}, loopback, one persistent connection; "
+          f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {cores} cores")
+    print(f"{'mode':9s} {'direct p50':>10s} {'p99':>7s} {'gateway p50':>12s} {'p99':>7s} "
+          f"{'added p50':>10s} {'p99':>7s} {'p99 ratio':>9s} {'overhead p50':>13s} {'p99':>6s}")
+    ok = True
+    for mode, r in results.items():
+        print(f"{mode:9s} {r['direct_p50_ms']:10.2f} {r['direct_p99_ms']:7.2f} {r['gateway_p50_ms']:12.2f} "
+              f"{r['gateway_p99_ms']:7.2f} {r['added_p50_ms']:+10.2f} {r['added_p99_ms']:+7.2f} "
+              f"{r['ratio_p99']:9.3f} {r['overhead_p50_ms']:13.2f} {r['overhead_p99_ms']:6.2f}")
+        ok = ok and r["added_p99_ms"] <= TARGET_ADDED_P99_MS
+    print("(ms; added = gateway - direct percentile; overhead = per-request round trip minus the "
+          "generation time the gateway measured)")
+    print(f"exposures: {sent:.0f} sent, {dropped:.0f} dropped, {failed:.0f} failed")
+    print(f"target added p99 <= {TARGET_ADDED_P99_MS} ms: {'met' if ok else 'MISSED'}")
+    if args.json:
+        print(json.dumps({"results": results, "exposures": {"sent": sent, "dropped": dropped,
+                                                            "failed": failed}}, indent=2))
+    return 0 if ok else 1

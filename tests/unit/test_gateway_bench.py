@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import pytest
+
+from bench.gateway import measure, percentile, summarise
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 100) == 100.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_measure_alternates_and_pairs_overhead() -> None:
+    order: list[str] = []
+
+    def direct(i: int) -> None:
+        order.append("d")
+
+    def gateway(i: int) -> float:
+        order.append("g")
+        return 0.0
+
+    res = measure(4, 2, direct, gateway)
+    assert order == ["d", "g", "g", "d"] * 3
+    assert [len(v) for v in res.values()] == [4, 4, 4]
+    assert all(o == pytest.approx(g) for o, g in zip(res["overhead"], res["gateway"], strict=True))
+
+
+def test_summarise_differences() -> None:
+    res = {"direct": [1.0] * 99 + [3.0], "gateway": [1.5] * 99 + [4.0], "overhead": [0.5] * 100}
+    s = summarise("x", res)
+    assert s["added_p50_ms"] == pytest.approx(0.5) and s["added_p99_ms"] == pytest.approx(0.5)
+    assert s["overhead_p99_ms"] == pytest.approx(0.5) and s["ratio_p99"] == pytest.approx(1.5)
