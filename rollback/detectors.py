@@ -21,7 +21,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from rollback.metrics import LABELS, METRICS, arm_stats, compare, fmt_delta, fmt_value, ratio_sums, sums_for
+from rollback.metrics import (
+    LABELS,
+    METRICS,
+    IndexedArm,
+    arm_stats,
+    compare,
+    fmt_delta,
+    fmt_value,
+    index_arm,
+    ratio_sums,
+    sums_for,
+)
 from rollback.types import DetectorResult, JudgePolicy, JudgeState, MetricEvidence, RequestOutcome
 
 Suspicious = Literal["down", "up", "either"]
@@ -76,13 +87,14 @@ def tolerance(name: str, policy: JudgePolicy, stable_mean: float) -> float:
 
 
 def run_detectors(
-    stable: tuple[RequestOutcome, ...],
-    canary: tuple[RequestOutcome, ...],
+    stable_outcomes: tuple[RequestOutcome, ...] | IndexedArm,
+    canary_outcomes: tuple[RequestOutcome, ...] | IndexedArm,
     policy: JudgePolicy,
     alpha: float,
     state: JudgeState,
 ) -> tuple[DetectorResult, ...]:
     """Run every enabled detector; ``alpha`` is each detector's share of the error budget."""
+    stable, canary = index_arm(stable_outcomes), index_arm(canary_outcomes)
     results = []
     for name in policy.detectors.enabled:
         if name not in DETECTORS:

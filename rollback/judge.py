@@ -17,7 +17,18 @@ from __future__ import annotations
 import math
 
 from rollback.detectors import run_detectors
-from rollback.metrics import LABELS, METRICS, Sums, arm_stats, compare, fmt_delta, fmt_value, sums_for
+from rollback.metrics import (
+    LABELS,
+    METRICS,
+    IndexedArm,
+    Sums,
+    arm_stats,
+    compare,
+    fmt_delta,
+    fmt_value,
+    index_arm,
+    sums_for,
+)
 from rollback.stats import proportion_var, quantile
 from rollback.types import (
     CohortData,
@@ -27,7 +38,6 @@ from rollback.types import (
     JudgeState,
     MetricEvidence,
     MetricSpec,
-    RequestOutcome,
     Verdict,
 )
 
@@ -52,8 +62,9 @@ def judge(
 
     guards = guardrails(stable, canary, policy)
     alpha_t = policy.alpha_per_test()
-    evidence = tuple(_metric(spec, stable, canary, policy, alpha_t, st) for spec in policy.metrics)
-    detectors = run_detectors(stable.outcomes, canary.outcomes, policy, alpha_t, st)
+    arms = index_arm(stable.outcomes), index_arm(canary.outcomes)
+    evidence = tuple(_metric(spec, stable, canary, arms, policy, alpha_t, st) for spec in policy.metrics)
+    detectors = run_detectors(*arms, policy, alpha_t, st)
 
     reasons: list[str] = []
     level = 1.0 - 2.0 * alpha_t
@@ -114,8 +125,9 @@ def guardrails(stable: CohortData, canary: CohortData, policy: JudgePolicy) -> t
     )
 
 
-def _metric(spec: MetricSpec, stable: CohortData, canary: CohortData, policy: JudgePolicy,
-            alpha_t: float, st: JudgeState) -> MetricEvidence:
+def _metric(spec: MetricSpec, stable: CohortData, canary: CohortData,
+            arms: tuple[IndexedArm, IndexedArm], policy: JudgePolicy, alpha_t: float,
+            st: JudgeState) -> MetricEvidence:
     tau = policy.mixture_scale * spec.mde
     if spec.name == "error_rate":
         r_s, v_s = proportion_var(stable.error_count(), stable.request_count())
@@ -124,15 +136,14 @@ def _metric(spec: MetricSpec, stable: CohortData, canary: CohortData, policy: Ju
                        (float(r_c), float(v_c), canary.request_count(), 0),
                        direction=spec.direction, mde=spec.mde, tau=tau, alpha=alpha_t,
                        min_n=policy.min_users, state=st)
-    s_sums, c_sums = _sums(spec.name, stable.outcomes, canary.outcomes)
+    s_sums, c_sums = _sums(spec.name, *arms)
     return compare(spec.name, arm_stats(s_sums), arm_stats(c_sums), direction=spec.direction,
                    mde=spec.mde, tau=tau, alpha=alpha_t, min_n=policy.min_users, state=st)
 
 
-def _sums(name: str, stable: tuple[RequestOutcome, ...],
-          canary: tuple[RequestOutcome, ...]) -> tuple[Sums, Sums]:
+def _sums(name: str, stable: IndexedArm, canary: IndexedArm) -> tuple[Sums, Sums]:
     if name == "latency_tail":
-        threshold = quantile((o.latency_ms for o in (*stable, *canary)), 0.95)
+        threshold = quantile((o.latency_ms for o in (*stable.outcomes, *canary.outcomes)), 0.95)
         fn = lambda o: float(o.latency_ms > threshold)  # noqa: E731
         return sums_for(stable, fn), sums_for(canary, fn)
     if name not in METRICS:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
-from rollback.stats import mixture_radius, msprt_p_value, ratio_mean_var, user_sums
+from rollback.stats import grouped_sums, mixture_radius, msprt_p_value, ratio_mean_var
 from rollback.types import Direction, JudgeState, MetricEvidence, RequestOutcome, Status
 
 ValueFn = Callable[[RequestOutcome], float | None]
@@ -72,25 +74,37 @@ def fmt_delta(metric: str, x: float, sign: bool = True) -> str:
 Sums = tuple[float, float, float, float, float, int]
 
 
-def sums_for(outcomes: tuple[RequestOutcome, ...], fn: ValueFn) -> Sums:
-    pairs = ((o.user_key, v) for o in outcomes if (v := fn(o)) is not None)
-    return user_sums(pairs)
+@dataclass(frozen=True)
+class IndexedArm:
+    """An arm's outcomes with each request's user as an integer index, built once per tick."""
+
+    outcomes: tuple[RequestOutcome, ...]
+    user: NDArray[np.int64]
+    users: int
 
 
-def ratio_sums(outcomes: tuple[RequestOutcome, ...], num: ValueFn, den: ValueFn) -> Sums:
+def index_arm(outcomes: tuple[RequestOutcome, ...] | IndexedArm) -> IndexedArm:
+    if isinstance(outcomes, IndexedArm):
+        return outcomes
+    ids: dict[str, int] = {}
+    user = np.fromiter((ids.setdefault(o.user_key, len(ids)) for o in outcomes), dtype=np.int64,
+                       count=len(outcomes))
+    return IndexedArm(outcomes, user, len(ids))
+
+
+def sums_for(arm: IndexedArm, fn: ValueFn) -> Sums:
+    """Per-user sums of a per-request metric (requests where ``fn`` is None do not count)."""
+    raw = [fn(o) for o in arm.outcomes]
+    counted = np.fromiter((v is not None for v in raw), dtype=bool, count=len(raw))
+    values = np.fromiter((0.0 if v is None else v for v in raw), dtype=np.float64, count=len(raw))
+    return grouped_sums(arm.user[counted], values[counted], np.ones(int(counted.sum())), arm.users)
+
+
+def ratio_sums(arm: IndexedArm, num: ValueFn, den: ValueFn) -> Sums:
     """Sums for a ratio of two per-request quantities (e.g. invalid tool calls / tool calls)."""
-    per_user: dict[str, list[float]] = {}
-    for o in outcomes:
-        d = den(o) or 0.0
-        if d <= 0:
-            continue
-        acc = per_user.setdefault(o.user_key, [0.0, 0.0])
-        acc[0] += num(o) or 0.0
-        acc[1] += d
-    s = np.array([a[0] for a in per_user.values()], dtype=np.float64)
-    n = np.array([a[1] for a in per_user.values()], dtype=np.float64)
-    return (float(s.sum()), float(n.sum()), float((s * s).sum()), float((s * n).sum()),
-            float((n * n).sum()), len(per_user))
+    n = np.fromiter((den(o) or 0.0 for o in arm.outcomes), dtype=np.float64, count=len(arm.outcomes))
+    s = np.fromiter((num(o) or 0.0 for o in arm.outcomes), dtype=np.float64, count=len(arm.outcomes))
+    return grouped_sums(arm.user, s, n, arm.users)
 
 
 def classify(

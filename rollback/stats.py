@@ -82,6 +82,20 @@ def user_sums(pairs: Iterable[tuple[str, float]]) -> tuple[float, float, float, 
             float((n * n).sum()), len(per_user))
 
 
+def grouped_sums(user: ArrayLike, num: ArrayLike, den: ArrayLike, users: int
+                 ) -> tuple[float, float, float, float, float, int]:
+    """Vectorised ``user_sums``: request i belongs to user index ``user[i]`` and adds ``num[i]``
+    to S_u and ``den[i]`` to N_u (1 for a plain mean, the denominator for a ratio metric).
+    Users whose N_u is 0 do not count."""
+    u = np.asarray(user, dtype=np.int64)
+    s = np.bincount(u, weights=np.asarray(num, dtype=np.float64), minlength=users)
+    n = np.bincount(u, weights=np.asarray(den, dtype=np.float64), minlength=users)
+    keep = n > 0
+    s, n = s[keep], n[keep]
+    return (float(s.sum()), float(n.sum()), float((s * s).sum()), float((s * n).sum()),
+            float((n * n).sum()), int(keep.sum()))
+
+
 def proportion_var(successes: ArrayLike, trials: ArrayLike) -> tuple[Arr, Arr]:
     """Rate and binomial variance of the rate (for counts without a user breakdown, e.g. the
     gateway's error counts). A Jeffreys-style ½ pseudo-count keeps zero-count arms from

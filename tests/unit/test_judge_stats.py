@@ -137,3 +137,17 @@ def test_confidence_sequence_covers_zero_at_every_look() -> None:
     z_miss = (np.abs(means) > 1.96 * np.sqrt(var)).any(axis=1).mean()
     assert cs_miss <= 0.05
     assert z_miss > 0.2
+
+
+def test_grouped_sums_matches_the_plain_loop() -> None:
+    from rollback.stats import grouped_sums
+
+    rng = np.random.default_rng(5)
+    users = rng.integers(0, 40, 500)
+    values = rng.normal(size=500)
+    want = user_sums((f"u{u}", v) for u, v in zip(users, values, strict=True))
+    got = grouped_sums(users, values, np.ones(500), 40)
+    assert got[5] == want[5] and got[:5] == pytest.approx(want[:5])
+    # A ratio: users whose denominator is zero are left out.
+    got = grouped_sums([0, 0, 1, 2], [1.0, 0.0, 0.0, 2.0], [2.0, 1.0, 0.0, 4.0], 3)
+    assert got == (3.0, 7.0, 5.0, 11.0, 25.0, 2)
