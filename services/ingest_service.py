@@ -326,8 +326,11 @@ def _fmt(tps: Sequence[TopicPartition]) -> str:
     return ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(tps)) or "nothing"
 
 
-def default_transactional_id(group_id: str) -> str:
-    return f"rtrl-ingest-{group_id}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+def transactional_id(group_id: str, instance_id: str | None) -> str:
+    """Stable per replica when it has an instance id, else unique to this process."""
+    if instance_id:
+        return f"rtrl-ingest.{group_id}.{instance_id}"
+    return f"rtrl-ingest.{group_id}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 # ---------------------------------------------------------------------- entry point
@@ -353,12 +356,14 @@ def run_worker(
     try:
         wait_for_broker(settings.kafka, timeout_s=60)
         ensure_topics(settings, [settings.topics.raw, settings.topics.events, settings.topics.dlq])
-        txn_id = s.transactional_id or default_transactional_id(group)
+        txn_id = transactional_id(group, s.instance_id)
         producer = make_producer(
             settings.kafka, transactional_id=txn_id, transaction_timeout_ms=s.transaction_timeout_ms,
         )
         producer.init_transactions()
-        consumer = make_consumer(settings.kafka, group, max_poll_records=batch)
+        consumer = make_consumer(settings.kafka, group, max_poll_records=batch,
+                                 max_poll_interval_ms=s.max_poll_interval_ms,
+                                 group_instance_id=s.instance_id)
         redis_client = make_redis(settings.redis)
         dedup = RedisDedupStore(redis_client, settings.redis.key_prefix, s.dedup_ttl_s)
         worker = IngestWorker(settings, consumer, producer, dedup, health, group, batch)
@@ -385,8 +390,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--group-id", default=None, help="consumer group (default: RTRL_INGEST__GROUP_ID)")
     parser.add_argument("--max-batch", type=int, default=None,
                         help="records per poll and per transaction (default: RTRL_INGEST__MAX_BATCH)")
+    parser.add_argument("--instance-id", default=None,
+                        help="stable replica identity, e.g. the pod name (default: RTRL_INGEST__INSTANCE_ID)")
     args = parser.parse_args(argv)
     settings = get_settings()
+    if args.instance_id:
+        ingest = settings.ingest.model_copy(update={"instance_id": args.instance_id})
+        settings = settings.model_copy(update={"ingest": ingest})
     setup_logging(settings.log_level, SERVICE)
     m.BUILD_INFO.info({"service": SERVICE})
     stopper = Stopper().install()
