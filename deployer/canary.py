@@ -253,7 +253,7 @@ def _progressing(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) 
         return _decide(status, now, "aborted", _alias_moved(status, obs), ledger.CONTROLLER)
     if obs.error is not None:
         return _on_error(status, obs, policy)
-    status, actions = _record(replace(status, errors=0), obs)
+    status, actions = _record(replace(status, errors=0, note=""), obs)
     verdict = obs.judgement.decision if obs.judgement else "continue"
     if verdict == "rollback":
         return _decide(status, now, "rolled_back", _why(status, "judge: canary worse"), ledger.CONTROLLER,

@@ -118,7 +118,7 @@ def test_repeated_observation_errors_abort_but_one_error_only_holds() -> None:
     w.tick(error="rewards topic unreachable")
     assert w.status.phase == Phase.PROGRESSING and w.status.errors == 1 and w.status.step == 0
     w.tick("continue")
-    assert w.status.errors == 0
+    assert w.status.errors == 0 and w.status.note == ""
     for _ in range(3):
         w.tick(error="rewards topic unreachable")
     assert w.status.phase == Phase.ABORTED and "3 consecutive" in w.status.reason
