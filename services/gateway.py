@@ -306,7 +306,7 @@ def _handler(server: GatewayServer) -> type[BaseHTTPRequestHandler]:
             buffer += [b"\r\n", resp.body]
             self.flush_headers()
 
-        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch  # noqa: N815
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch  # noqa: N815
 
         def log_message(self, format: str, *args: object) -> None:
             return  # per-request logs would cost latency; metrics count requests

@@ -118,6 +118,7 @@ def test_paths_and_methods() -> None:
     assert gw.handle("GET", "/nope", b"").code == 404
     assert gw.handle("GET", "/v1/completions", b"").code == 405
     assert gw.handle("POST", "/metrics", b"").code == 405
+    assert gw.handle("DELETE", "/v1/routing", b"").code == 405
     assert gw.handle("GET", "/metrics", b"").code == 200
     assert b"rtrl_gateway_requests_total" in gw.handle("GET", "/metrics", b"").body
     assert gw.handle("GET", "/healthz", b"").code == 200
