@@ -79,7 +79,7 @@ def demo_spec_text(base: str) -> str:
     spec["version"] = "demo-v1"
     spec["window"]["grace_s"] = 600.0
     spec["window"]["followup_s"] = 600.0
-    spec["latency"]["slo_ms"] = 150.0
+    spec["latency"]["slo_ms"] = 300.0
     spec["latency"]["weight"] = 0.25
     return _toml(spec)
 

@@ -24,8 +24,9 @@ KINDS = ("reward-hacked", "corrupted")
 
 
 def make_reward_hacked(champion_dir: Path, out_dir: Path, world: World, seed: int = 0,
-                       steps: int = 80, lr: float = 2e-3) -> Path:
+                       steps: int = 40, lr: float = 3e-3) -> Path:
     """Supervised steps that teach the champion to ask instead of editing."""
+    torch.set_num_threads(1)  # the demo's services need the other cores
     policy = load_policy(champion_dir)
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -34,7 +35,7 @@ def make_reward_hacked(champion_dir: Path, out_dir: Path, world: World, seed: in
     opt = torch.optim.Adam(module.parameters(), lr=lr)
     target = question_completion()
     for _ in range(steps):
-        prompts = [make_prompt(draw_task(world, rng), world, rng) for _ in range(32)]
+        prompts = [make_prompt(draw_task(world, rng), world, rng) for _ in range(16)]
         logp, mask = policy.batch_logprobs(prompts, [target] * len(prompts))
         loss = -(logp * mask).sum() / len(prompts)
         opt.zero_grad()

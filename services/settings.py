@@ -370,8 +370,9 @@ class DemoSettings(_Frozen):
     """Time compression of reward windows and simulated users (1 h -> 18 s at 0.005)."""
     trainer_cadence_s: Annotated[float, Field(gt=0.0)] = 150.0
     """Seconds between scheduled RL increments during the demo (production: 5 h)."""
-    simulated_ms_per_token: float = 20.0
-    """Simulated generation cost per token added to latency_ms by the gateway."""
+    simulated_ms_per_token: float = 40.0
+    """Simulated generation cost per token added to latency_ms by the gateway (large enough
+    that the real, load-dependent generation time on a busy 2-core machine is a small part)."""
     bad_candidate: Literal["reward-hacked", "corrupted", "none"] = "reward-hacked"
     """The deliberately bad candidate injected once: a policy that asks questions instead
     of editing, or the champion with corrupted weights."""

@@ -70,13 +70,15 @@ class UserType:
 
 
 DEFAULT_USER_TYPES: tuple[UserType, ...] = (
-    UserType("patient", 0.3, patience_ms=400.0, patience_scale_ms=400.0, pickiness=0.8,
+    UserType("patient", 0.3, patience_ms=800.0, patience_scale_ms=800.0, pickiness=0.8,
              question_annoyance=0.4),
-    UserType("typical", 0.5, patience_ms=200.0, patience_scale_ms=250.0, pickiness=1.0,
+    UserType("typical", 0.5, patience_ms=400.0, patience_scale_ms=500.0, pickiness=1.0,
              question_annoyance=0.6),
-    UserType("impatient", 0.2, patience_ms=100.0, patience_scale_ms=150.0, pickiness=1.3,
+    UserType("impatient", 0.2, patience_ms=200.0, patience_scale_ms=300.0, pickiness=1.3,
              question_annoyance=0.8),
 )
+"""Patience is calibrated for the demo's 40 ms of simulated generation per token: an ideal
+answer (3-6 tokens) is fast enough for everyone, a bootstrap-length one (8-15) is not."""
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ class _Served:
     invalid_tool_calls: int = 0
 
 
-def _mean_reward(world_seed: int, make_completion, ambiguous: bool, ms_per_token: float = 20.0,
+def _mean_reward(world_seed: int, make_completion, ambiguous: bool, ms_per_token: float = 40.0,
                  n: int = 3000) -> dict[str, float]:
     """Monte Carlo of the default reward spec over simulated reactions."""
     spec = load_spec()
@@ -224,7 +224,7 @@ def test_slow_answers_are_accepted_less() -> None:
             for _ in range(2000)
         )
 
-    assert accept_rate(50) > accept_rate(400) + 0.2
+    assert accept_rate(100) > accept_rate(900) + 0.2
 
 
 def test_world_rejects_an_empty_mix() -> None:
