@@ -103,8 +103,8 @@ def _toml(data: dict[str, Any]) -> str:
 
 
 def write_corpus(path: Path, seed: int, n: int = 4000) -> Path:
-    """A bootstrap corpus of mediocre completions: JSON lines with ``prompt_tokens`` and
-    ``completion_tokens`` (ids of trainer/tokens.py)."""
+    """A bootstrap corpus of mediocre completions in ``rtrl bootstrap``'s format: JSON lines
+    ``{"prompt": [ids], "completion": [ids]}`` (ids of trainer/tokens.py)."""
     import random
 
     from services.sim_users import draw_task, make_prompt, make_world, mediocre_completion
@@ -115,8 +115,8 @@ def write_corpus(path: Path, seed: int, n: int = 4000) -> Path:
         for _ in range(n):
             task = draw_task(world, rng)
             prompt = make_prompt(task, world, rng)
-            out.write(json.dumps({"prompt_tokens": prompt,
-                                  "completion_tokens": mediocre_completion(task, world, rng)}) + "\n")
+            out.write(json.dumps({"prompt": prompt,
+                                  "completion": mediocre_completion(task, world, rng)}) + "\n")
     return path
 
 
@@ -337,7 +337,7 @@ class DemoRun:
         say("bootstrapping the first champion (supervised run on the corpus) ...")
         t = time.monotonic()
         spec = ProcSpec("bootstrap", [sys.executable, "-m", "services.cli", "bootstrap",
-                                      "--corpus", str(self.corpus)])
+                                      "--corpus", str(self.corpus), "--epochs", "2"])
         rc = self.supervisor.run(spec, timeout_s=420)
         if rc != 0:
             say(f"bootstrap failed (exit {rc}):\n{self.supervisor.log_tail('bootstrap')}")

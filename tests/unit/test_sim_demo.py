@@ -46,8 +46,8 @@ def test_corpus_lines_are_prompt_and_mediocre_completion(tmp_path: Path) -> None
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 50
     for r in rows:
-        assert r["prompt_tokens"][0] == 0 and r["completion_tokens"][-1] == EOS
-        assert len(r["completion_tokens"]) >= 8  # long-ish: ideal length plus 5..9 extra
+        assert r["prompt"][0] == 0 and r["completion"][-1] == EOS
+        assert len(r["completion"]) >= 8  # long-ish: ideal length plus 5..9 extra
 
 
 def test_service_env_is_read_back_by_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
