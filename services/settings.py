@@ -467,5 +467,5 @@ def get_settings() -> Settings:
     """The process-wide settings: environment first, then the embedded stack's env file."""
     env_file = stack_env_file()
     if env_file.exists():
-        return Settings(_env_file=env_file)  # type: ignore[call-arg]
+        return Settings(_env_file=env_file)
     return Settings()
