@@ -19,6 +19,7 @@ from deployer.actions import (
 from deployer.canary import CanaryPolicy, CanaryStatus, Command, Judgement, Observations
 from deployer.controller import tick
 from deployer.ledger import TAG_GATE
+from deployer.routing import ROUTING_FIELDS
 
 
 @dataclass
@@ -29,13 +30,20 @@ class FakeRouting:
     writes: int = 0
 
     def set_routing(self, stable: str | None, canary: str | None, weight: float, salt: str) -> None:
-        self.keys.update(stable_version=stable or "", canary_version=canary or "",
-                         canary_weight=repr(float(weight)), salt=salt)
+        self.keys.update(canary_weight=repr(float(weight)), salt=salt)
+        for name, version in (("stable_version", stable), ("canary_version", canary)):
+            if version:
+                self.keys[name] = version
+            else:
+                self.keys.pop(name, None)
         self.writes += 1
 
     def set_weight(self, weight: float) -> None:
         self.keys["canary_weight"] = repr(float(weight))
         self.writes += 1
+
+    def read(self) -> dict[str, str | None]:
+        return {name: self.keys.get(name) for name in ROUTING_FIELDS}
 
     @property
     def weight(self) -> float:

@@ -41,7 +41,7 @@ def test_better_candidate_steps_through_every_weight_then_is_promoted() -> None:
                       "promoting", "succeeded"]
     assert weights == [0.0, 0.01, 0.05, 0.25, 0.5, 0.0]
     assert w.registry.aliases == {"champion": "2", "previous": "1"}
-    assert w.routing.keys["stable_version"] == "2" and w.routing.keys["canary_version"] == ""
+    assert w.routing.keys["stable_version"] == "2" and "canary_version" not in w.routing.keys
     tags = w.registry.tags["2"]
     assert tags[TAG_OUTCOME] == "promoted" and tags[TAG_DECISION] == "promote"
     assert tags[TAG_DECIDED_BY] == "controller" and "judge said promote" in tags[TAG_REASON]
@@ -71,7 +71,7 @@ def test_worse_candidate_is_rolled_back_at_once_with_weight_zero() -> None:
     w = world()
     assert run(w, None, None, "continue", "rollback") == [
         "pending", "progressing", "progressing", "rolling_back", "rolled_back"]
-    assert w.routing.weight == 0.0 and w.routing.keys["canary_version"] == ""
+    assert w.routing.weight == 0.0 and "canary_version" not in w.routing.keys
     assert w.routing.keys["stable_version"] == "1"
     assert w.registry.aliases == {"champion": "1"}
     tags = w.registry.tags["2"]
