@@ -37,7 +37,7 @@ def deploy(settings: Settings, mlflow_uri: str) -> Iterator[Settings]:
     yield deployer_settings(settings, mlflow_uri)
 
 
-def run_until(controller: Controller, done: set[Phase], timeout_s: float = 60) -> list[str]:
+def run_until(controller: Controller, done: set[Phase], timeout_s: float = 120) -> list[str]:
     phases: list[str] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -48,7 +48,7 @@ def start(env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def wait_for(what: str, fn: Any, timeout_s: float = 60.0) -> Any:
+def wait_for(what: str, fn: Any, timeout_s: float = 120.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = fn()
@@ -107,7 +107,7 @@ def _scenario(settings: Settings, tmp_path: Path) -> None:
                 seen.append(st)
             return bool(st["phase"] == "succeeded")
 
-        wait_for("the promotion", finished, timeout_s=90)
+        wait_for("the promotion", finished)
         assert {st["canary_id"] for st in seen} == {at_kill["canary_id"]}
         phases = [st["phase"] for st in seen]
         assert phases[0] == "progressing" and "pending" not in phases and "idle" not in phases, phases
