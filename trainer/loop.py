@@ -71,8 +71,13 @@ def rl_train(
     start_step: int = 0,
     optimizer_state: dict[str, Any] | None = None,
     on_step: StepCallback | None = None,
+    shard: tuple[int, int] = (0, 1),
+    after_backward: Callable[[TrainablePolicy], None] | None = None,
 ) -> list[dict[str, float]]:
-    """Train ``policy`` on ``samples`` against the frozen ``parent``; return per-step stats."""
+    """Train ``policy`` on ``samples`` against the frozen ``parent``; return per-step stats.
+
+    With several data-parallel workers, worker ``rank`` of ``world`` (``shard``) trains on
+    ``batch[rank::world]`` of every batch and ``after_backward`` averages the gradients."""
     torch.manual_seed(cfg.seed + start_step)
     optimizer = make_optimizer(policy, cfg.lr)
     if optimizer_state is not None:
@@ -83,7 +88,7 @@ def rl_train(
     batches = plan_batches(len(samples), cfg.batch_size, cfg.epochs, cfg.seed)
     for step, idx in enumerate(batches[start_step:], start=start_step + 1):
         t0 = time.perf_counter()
-        batch = [samples[i] for i in idx]
+        batch = [samples[i] for i in idx[shard[0] :: shard[1]]] or [samples[idx[0]]]
         prompts = [s.prompt for s in batch]
         completions = [s.completion for s in batch]
         logp, mask = policy.batch_logprobs(prompts, completions)
@@ -96,6 +101,8 @@ def rl_train(
         loss, stats = grpo_loss(logp, parent_logp, behavior, mask, adv, cfg.objective)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if after_backward is not None:
+            after_backward(policy)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.module.parameters(), cfg.max_grad_norm)
         optimizer.step()
         stats["grad_norm"] = float(grad_norm)
@@ -129,7 +136,7 @@ def sft_train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.module.parameters(), cfg.max_grad_norm)
         optimizer.step()
-        stats = {"loss": float(loss), "tokens": float(mask.sum()), "step": float(step),
+        stats = {"loss": float(loss.detach()), "tokens": float(mask.sum()), "step": float(step),
                  "total_steps": float(len(batches)), "step_seconds": time.perf_counter() - t0}
         history.append(stats)
         if on_step is not None:

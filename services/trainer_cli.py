@@ -1,0 +1,324 @@
+"""``rtrl train --now`` (one RL increment by hand) and ``rtrl bootstrap`` (the first champion).
+
+Both wire the trainer's ports to the real components named in settings: the rewards topic
+on Kafka, Ray Train, and MLflow (tracking + registry). ``run_once`` is also what the
+scheduled service (``rtrl serve trainer``) calls. A file lock in ``trainer.data_dir`` keeps
+two increments from running at once, whichever process starts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import random
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from deployer.adapters.mlflow_registry import MlflowRegistry
+from deployer.registry import CHAMPION, PREVIOUS, Tag
+from services import metrics
+from services.settings import Settings, get_settings
+from trainer.corpus import read_corpus, write_corpus
+from trainer.gate import GateConfig
+from trainer.increment import IncrementConfig, Outcome, TrainJob, run_increment
+from trainer.loop import LoopConfig, sft_train
+from trainer.objective import ObjectiveConfig
+from trainer.policy import TinyConfig, TinyTransformer, TrainablePolicy, n_parameters
+from trainer.window import PendingWindow
+
+log = logging.getLogger("rtrl.trainer")
+
+
+# ------------------------------------------------------------------ wiring
+
+
+def increment_config(settings: Settings) -> IncrementConfig:
+    t = settings.trainer
+    return IncrementConfig(
+        topic=settings.topics.rewards,
+        min_records=t.min_records,
+        max_records=t.max_records,
+        heldout_fraction=t.heldout_fraction,
+        group_size=t.group_size,
+        normalize_std=t.normalize_std,
+        loop=LoopConfig(
+            batch_size=t.batch_size, epochs=t.epochs, lr=t.lr, max_grad_norm=t.max_grad_norm,
+            seed=t.seed, checkpoint_every=t.checkpoint_every,
+            objective=ObjectiveConfig(clip_low=t.clip_low, clip_high=t.clip_high,
+                                      truncate_is=t.truncate_is, kl_coef=t.kl_coef),
+        ),
+        gate=GateConfig(**t.gate.model_dump()),
+    )
+
+
+def registry_from(settings: Settings) -> MlflowRegistry:
+    m = settings.mlflow
+    return MlflowRegistry(m.tracking_uri, m.registered_model, m.training_experiment)
+
+
+def ray_storage(settings: Settings) -> str:
+    t = settings.trainer
+    return t.ray_storage or str((t.data_dir / "ray").resolve())
+
+
+def ray_job(settings: Settings) -> TrainJob:
+    from trainer.adapters.ray_train import RayTrainJob
+
+    r = settings.ray
+    return RayTrainJob(ray_storage(settings), num_workers=r.num_workers, use_gpu=r.use_gpu,
+                       address=r.address, num_cpus=r.num_cpus, object_store_mb=r.object_store_mb)
+
+
+class BusyError(RuntimeError):
+    """Another increment holds the lock."""
+
+
+@contextlib.contextmanager
+def increment_lock(data_dir: Path) -> Iterator[None]:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with (data_dir / "increment.lock").open("w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise BusyError("another increment is running (lock held in the trainer data dir)") from exc
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def run_once(settings: Settings, job: TrainJob | None = None) -> Outcome:
+    """One increment against the configured stack, with metrics. Raises on failure."""
+    from services.kafka_io import ensure_topics
+    from trainer.adapters.kafka_rewards import KafkaRewardLog
+    from trainer.adapters.mlflow_runs import MlflowRunTracker
+
+    t = settings.trainer
+    with increment_lock(t.data_dir):
+        metrics.TRAIN_RUNNING.set(1)
+        t0 = time.monotonic()
+        ensure_topics(settings, [settings.topics.rewards])
+        rewards = KafkaRewardLog(settings.kafka, settings.topics.rewards, t.consumer_group)
+        try:
+            outcome = run_increment(
+                increment_config(settings), rewards, registry_from(settings), job or ray_job(settings),
+                MlflowRunTracker(settings.mlflow.tracking_uri, settings.mlflow.training_experiment),
+                PendingWindow(t.data_dir / "pending_window.json"), t.data_dir / "work",
+            )
+        except BaseException:
+            metrics.TRAIN_INCREMENTS.labels(outcome="failed").inc()
+            raise
+        finally:
+            rewards.close()
+            metrics.TRAIN_RUNNING.set(0)
+        metrics.TRAIN_INCREMENTS.labels(outcome=outcome.status).inc()
+        if outcome.status == "success":
+            metrics.TRAIN_DURATION.observe(time.monotonic() - t0)
+            metrics.TRAIN_LAST_SUCCESS.set(time.time())
+            for key, value in outcome.stats.items():
+                metrics.TRAIN_STAT.labels(stat=key).set(value)
+            if outcome.gate is not None:
+                metrics.GATE_RESULTS.labels(result=outcome.gate.result).inc()
+            _cleanup(settings, outcome)
+        return outcome
+
+
+def _cleanup(settings: Settings, outcome: Outcome) -> None:
+    """Checkpoints of a registered increment are no longer needed."""
+    if outcome.window is None:
+        return
+    name = f"increment-{outcome.window.id}"
+    shutil.rmtree(settings.trainer.data_dir / "work", ignore_errors=True)
+    storage = ray_storage(settings)
+    if "://" not in storage:
+        shutil.rmtree(Path(storage) / name, ignore_errors=True)
+
+
+def describe(outcome: Outcome) -> dict[str, object]:
+    return {
+        "status": outcome.status,
+        "reason": outcome.reason,
+        "version": outcome.version,
+        "parent": outcome.parent,
+        "gate": outcome.gate.result if outcome.gate else None,
+        "window": json.loads(outcome.window.to_json()) if outcome.window else None,
+        "resumed_from_step": outcome.resumed_from_step,
+        "timings": {k: round(v, 2) for k, v in outcome.timings.items()},
+        "stats": {k: round(v, 5) for k, v in outcome.stats.items()},
+        "run_id": outcome.run_id,
+    }
+
+
+# ------------------------------------------------------------------ bootstrap
+
+
+def default_corpus(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """Prompts of the simulated world with bootstrap-quality completions (partly on the
+    task's preference, too long): a champion worth improving, so the demo starts from nothing."""
+    from services.sim_users import draw_task, make_prompt, make_world, mediocre_completion
+
+    world = make_world(seed)
+    rng = random.Random(f"corpus-{seed}")
+    pairs = []
+    for _ in range(n):
+        task = draw_task(world, rng)
+        pairs.append((make_prompt(task, world, rng), mediocre_completion(task, world, rng)))
+    return pairs
+
+
+def bootstrap(
+    settings: Settings, corpus: Path, epochs: int, lr: float, batch_size: int,
+    hf_model: str | None = None, force: bool = False,
+) -> str:
+    """Train on the corpus, register, set ``champion``; return the version."""
+    from trainer.adapters.mlflow_runs import MlflowRunTracker
+
+    registry = registry_from(settings)
+    old = registry.alias_version(CHAMPION)
+    if old is not None and not force:
+        raise RuntimeError(f"version {old} is already champion; pass --force to replace it")
+    policy: TrainablePolicy
+    if hf_model:
+        from trainer.hf_policy import HFPolicy
+
+        policy = HFPolicy.from_pretrained(hf_model)
+    else:
+        policy = TinyTransformer(TinyConfig())
+    pairs = read_corpus(corpus)
+    digest = hashlib.sha256(corpus.read_bytes()).hexdigest()[:16]
+    runs = MlflowRunTracker(settings.mlflow.tracking_uri, settings.mlflow.training_experiment)
+    cfg = LoopConfig(batch_size=batch_size, epochs=epochs, lr=lr, seed=settings.trainer.seed)
+    params = {"corpus": str(corpus), "corpus_sha256": digest, "records": str(len(pairs)),
+              "epochs": str(epochs), "lr": str(lr), "batch_size": str(batch_size),
+              "parameters": str(n_parameters(policy.module))}
+    run_id = runs.start("bootstrap", params, {Tag.KIND: "bootstrap"})
+    t0 = time.monotonic()
+    last = [t0]
+
+    def progress(step: int, stats: dict[str, float], *_: object) -> None:
+        if time.monotonic() - last[0] > 5 or step == stats["total_steps"]:
+            last[0] = time.monotonic()
+            log.info("bootstrap step %d/%d loss %.4f", step, int(stats["total_steps"]), stats["loss"])
+
+    try:
+        history = sft_train(policy, pairs, cfg, on_step=progress)
+        runs.log_steps(run_id, history)
+        out = settings.trainer.data_dir / "bootstrap" / run_id
+        policy.save(out)
+        notes = json.dumps({"reasons": [], "notes": ["bootstrap: supervised, not gated"]})
+        tags = {Tag.KIND: "bootstrap", Tag.PARENT_VERSION: "", "rtrl.corpus_sha256": digest,
+                Tag.GATE_RESULT: "pass", Tag.GATE_REASONS: notes}
+        version = registry.register(run_id, out, tags)
+        if old is not None:
+            registry.set_alias(PREVIOUS, old)
+        registry.set_alias(CHAMPION, version)
+    except BaseException:
+        runs.finish(run_id, "FAILED", {}, {})
+        raise
+    runs.finish(run_id, "FINISHED", {"final_loss": history[-1]["loss"], "seconds": time.monotonic() - t0},
+                {"rtrl.version": version})
+    shutil.rmtree(out, ignore_errors=True)
+    return version
+
+
+# ------------------------------------------------------------------ commands
+
+
+def _train_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rtrl train", description="Run one RL increment now.")
+    ap.add_argument("--now", action="store_true", required=True, help="run one increment now")
+    ap.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    args = ap.parse_args(argv)
+    settings = get_settings()
+    ray_was_up = _ray_up()
+    try:
+        outcome = run_once(settings)
+    except BusyError as exc:
+        print(f"rtrl train: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        if not ray_was_up:  # stop the local Ray this command started, not the caller's
+            _shutdown_ray()
+    body = describe(outcome)
+    if args.json:
+        print(json.dumps(body, indent=2))
+    else:
+        line = f"{outcome.status}"
+        if outcome.version:
+            line += f": version {outcome.version} (parent {outcome.parent}, gate {body['gate']})"
+        if outcome.reason:
+            line += f" — {outcome.reason}"
+        print(line)
+    return 1 if outcome.status == "failed" else 0
+
+
+def _bootstrap_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="rtrl bootstrap",
+        description="Train the first champion on a corpus (JSON lines of {prompt, completion}).",
+    )
+    ap.add_argument("--corpus", type=Path, help="corpus file; default: generate the demo corpus")
+    ap.add_argument("--write-corpus", type=Path, help="only write the default corpus to this file")
+    ap.add_argument("--records", type=int, default=3000, help="size of the generated corpus")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--hf-model", help="a local Hugging Face model directory to start from")
+    ap.add_argument("--force", action="store_true", help="replace an existing champion")
+    args = ap.parse_args(argv)
+    settings = get_settings()
+    seed = settings.simulator.seed
+    if args.write_corpus:
+        n = write_corpus(args.write_corpus, default_corpus(args.records, seed))
+        print(f"wrote {n} records to {args.write_corpus}")
+        return 0
+    corpus = args.corpus
+    if corpus is None:
+        corpus = settings.trainer.data_dir / "bootstrap_corpus.jsonl"
+        write_corpus(corpus, default_corpus(args.records, seed))
+        print(f"generated the default corpus: {corpus} ({args.records} records)")
+    try:
+        version = bootstrap(settings, corpus, args.epochs, args.lr, args.batch_size,
+                            args.hf_model, args.force)
+    except (RuntimeError, ValueError, FileNotFoundError) as exc:
+        print(f"rtrl bootstrap: {exc}", file=sys.stderr)
+        return 1
+    print(f"version {version} registered as {settings.mlflow.registered_model}@champion")
+    return 0
+
+
+def _ray_up() -> bool:
+    if "ray" not in sys.modules:
+        return False
+    import ray
+
+    return bool(ray.is_initialized())
+
+
+def _shutdown_ray() -> None:
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def main(argv: list[str]) -> int:
+    from services.runtime import setup_logging
+
+    settings = get_settings()
+    setup_logging(settings.log_level, "trainer")
+    cmd, rest = (argv[0], argv[1:]) if argv else ("train", [])
+    if cmd == "bootstrap":
+        return _bootstrap_main(rest)
+    if cmd == "train":
+        return _train_main(rest)
+    print(f"unknown trainer command {cmd!r}: use train --now or bootstrap", file=sys.stderr)
+    return 2

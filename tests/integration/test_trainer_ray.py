@@ -1,0 +1,206 @@
+"""The trainer on real components: rewards on the real broker -> ``rtrl train --now`` on real
+Ray -> a registered version with lineage in real MLflow (sqlite) and the candidate alias ->
+gate result recorded; a second increment trains only the new records; and an increment whose
+Ray worker is killed mid-training resumes from its checkpoint and consumes its window once.
+
+One local Ray (2 CPUs, loopback) serves the whole module and is shut down at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from deployer.adapters.mlflow_registry import MlflowRegistry
+from deployer.registry import CANDIDATE, CHAMPION, Tag
+from ingest.events import ModelRef, RewardRecord
+from services import trainer_cli
+from services.kafka_io import ensure_topics, make_producer
+from services.settings import Settings, TrainerSettings
+from trainer.corpus import write_corpus
+from trainer.policy import load_policy
+from trainer.tokens import BOS
+from trainer.window import PendingWindow
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    from trainer.adapters.ray_train import ensure_ray
+
+    ensure_ray(None, num_cpus=2, object_store_mb=200)
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+@pytest.fixture
+def trainer_settings(settings: Settings, tmp_path: Path) -> Settings:
+    ensure_topics(settings, [settings.topics.rewards])
+    return settings.model_copy(update={
+        "mlflow": settings.mlflow.model_copy(update={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}),
+        "trainer": TrainerSettings(data_dir=tmp_path / "trainer", min_records=40, batch_size=16,
+                                   checkpoint_every=4, heldout_fraction=0.15),
+    })
+
+
+def use_env(monkeypatch: pytest.MonkeyPatch, s: Settings, tmp_path: Path) -> None:
+    """Point `rtrl train --now` (which reads settings from the environment) at this test."""
+    monkeypatch.setenv("RTRL_STACK__DATA_DIR", str(tmp_path / "no-stack"))
+    monkeypatch.setenv("RTRL_KAFKA__BOOTSTRAP_SERVERS", s.kafka.bootstrap_servers)
+    monkeypatch.setenv("RTRL_TOPICS__REWARDS", s.topics.rewards)
+    monkeypatch.setenv("RTRL_MLFLOW__TRACKING_URI", s.mlflow.tracking_uri)
+    monkeypatch.setenv("RTRL_TRAINER", s.trainer.model_dump_json())
+    trainer_cli.get_settings.cache_clear()
+
+
+def bootstrap_champion(s: Settings, tmp_path: Path) -> str:
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, trainer_cli.default_corpus(200, seed=0))
+    return trainer_cli.bootstrap(s, corpus, epochs=1, lr=1e-3, batch_size=32)
+
+
+def produce_rewards(s: Settings, policy_dir: Path, n: int, start: int) -> None:
+    """Completions sampled from the champion, rewarded when they start with a low token id."""
+    policy = load_policy(policy_dir)
+    rng = random.Random(start)
+    now = datetime.now(UTC)
+    producer = make_producer(s.kafka)
+    for i in range(start, start + n):
+        prompt = [BOS, 3 + rng.randrange(4), *(rng.randrange(10, 64) for _ in range(4))]
+        tokens, logps = policy.sample(prompt, 8, seed=i)
+        reward = 1.0 if tokens[0] < 30 else -0.25
+        rec = RewardRecord(
+            request_id=f"req-{i}", served_event_id=f"ev-{i}", session_id=f"s{i % 9}", user_key=f"u{i % 23}",
+            served_ts=now, closed_ts=now, model=ModelRef(name="rtrl-policy", version="1"),
+            arm="canary" if i % 5 == 0 else "stable", prompt_tokens=prompt, completion_tokens=tokens,
+            behavior_logprobs=logps, latency_ms=12.0, reward=reward, components={"accept": reward},
+            reward_spec_version="default-v1",
+        )
+        producer.send(s.topics.rewards, key=rec.request_id.encode(), value=rec.model_dump_json().encode())
+    producer.flush()
+    producer.close()
+
+
+def train_now(capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    code = trainer_cli.main(["train", "--now", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    body: dict[str, object] = json.loads(out[out.index("{"):])
+    return body
+
+
+def test_rewards_to_registered_candidate_then_only_new_records(
+    ray_local: None, trainer_settings: Settings, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    s = trainer_settings
+    champion = bootstrap_champion(s, tmp_path)
+    registry = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
+    assert registry.alias_version(CHAMPION) == champion
+    champ_dir = registry.download(champion, tmp_path / "champ")
+    produce_rewards(s, champ_dir, 120, start=0)
+    use_env(monkeypatch, s, tmp_path)
+
+    first = train_now(capsys)
+    assert first["status"] == "success", first
+    version = str(first["version"])
+    tags = registry.get_tags(version)
+    assert tags[Tag.PARENT_VERSION] == champion and tags[Tag.KIND] == "increment"
+    assert tags[Tag.REWARD_SPEC_VERSION] == "default-v1"
+    window = json.loads(tags[Tag.WINDOW])
+    assert window["topic"] == s.topics.rewards and window["records"] == 120
+    assert len(window["ranges"]) == 4 and sum(r["end"] - r["start"] for r in window["ranges"]) >= 120
+    assert tags[Tag.GATE_RESULT] == "pass", tags[Tag.GATE_REASONS]
+    assert "figures" in json.loads(tags[Tag.GATE_REASONS])
+    assert registry.alias_version(CANDIDATE) == version
+    run = registry.client.get_run(registry.run_id(version) or "")
+    assert run.data.tags[Tag.PARENT_VERSION] == champion and run.info.status == "FINISHED"
+    assert {"clip_fraction", "ess", "kl", "reward_mean_canary", "reward_mean_stable"} <= set(run.data.metrics)
+    assert len(registry.client.get_metric_history(run.info.run_id, "loss")) >= 2
+    assert load_policy(registry.download(version, tmp_path / "cand")).sample([BOS, 4], 4, seed=0)
+
+    produce_rewards(s, champ_dir, 60, start=1000)
+    second = train_now(capsys)
+    assert second["status"] == "success", second
+    w2 = second["window"]
+    assert isinstance(w2, dict) and w2["records"] == 60
+    ends = {r["partition"]: r["end"] for r in window["ranges"]}
+    assert {r["partition"]: r["start"] for r in w2["ranges"]} == ends
+    assert registry.get_tags(str(second["version"]))[Tag.PARENT_VERSION] == champion
+
+    third = train_now(capsys)
+    assert third["status"] == "skipped" and "no new reward records" in str(third["reason"])
+
+
+def ray_train_workers() -> list[int]:
+    """PIDs of Ray Train worker processes (Ray names them in their command line)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if b"RayTrainWorker" in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_killed_increment_resumes_from_checkpoint_and_consumes_window_once(
+    ray_local: None, trainer_settings: Settings, tmp_path: Path,
+) -> None:
+    s = trainer_settings.model_copy(update={"trainer": trainer_settings.trainer.model_copy(
+        update={"batch_size": 4, "checkpoint_every": 5})})
+    champion = bootstrap_champion(s, tmp_path)
+    registry = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
+    produce_rewards(s, registry.download(champion, tmp_path / "champ"), 400, start=0)
+
+    errors: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            trainer_cli.run_once(s)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    pending = PendingWindow(s.trainer.data_dir / "pending_window.json")
+    storage = Path(trainer_cli.ray_storage(s))
+    killed = False
+    deadline = time.monotonic() + 240
+    while thread.is_alive() and time.monotonic() < deadline:
+        window = pending.load()
+        if window is not None and list((storage / f"increment-{window.id}").glob("checkpoint_*")):
+            for pid in ray_train_workers():
+                os.kill(pid, 9)
+                killed = True
+            if killed:
+                break
+        time.sleep(0.1)
+    thread.join(timeout=240)
+    assert killed, "never saw a checkpoint to kill the worker after"
+    assert errors, "the killed increment should have failed"
+    first = pending.load()
+    assert first is not None, "the pending window must survive the failure"
+    assert registry.versions() == [champion]
+
+    outcome = trainer_cli.run_once(s)
+    assert outcome.status == "success" and outcome.window is not None
+    assert outcome.window.id == first.id
+    assert outcome.resumed_from_step >= 5, "the retry must start from the checkpoint"
+    assert outcome.window.records == 400
+    assert pending.load() is None
+    again = trainer_cli.run_once(s)
+    assert again.status == "skipped" and "no new reward records" in again.reason

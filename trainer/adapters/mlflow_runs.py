@@ -1,0 +1,64 @@
+"""Experiment tracking on MLflow: one run per increment (or bootstrap) in the training
+experiment, with parameters, metrics over steps, lineage tags and final figures."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+STEP_KEYS = ("loss", "pg_loss", "kl", "kl_per_token", "clip_fraction", "ess", "truncated_fraction",
+             "ratio_mean", "ratio_max", "behavior_ratio_mean", "grad_norm", "step_seconds", "tokens")
+
+
+class MlflowRunTracker:
+    """:class:`trainer.increment.RunTracker` on MLflow."""
+
+    def __init__(self, tracking_uri: str, experiment: str) -> None:
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.experiment = experiment
+        self._experiment_id: str | None = None
+
+    def experiment_id(self) -> str:
+        if self._experiment_id is None:
+            exp = self.client.get_experiment_by_name(self.experiment)
+            if exp is None:
+                try:
+                    self._experiment_id = str(self.client.create_experiment(self.experiment))
+                except MlflowException:
+                    exp = self.client.get_experiment_by_name(self.experiment)
+                    if exp is None:
+                        raise
+                    self._experiment_id = str(exp.experiment_id)
+            else:
+                self._experiment_id = str(exp.experiment_id)
+        return self._experiment_id
+
+    def start(self, name: str, params: dict[str, str], tags: dict[str, str]) -> str:
+        run = self.client.create_run(self.experiment_id(), run_name=name, tags=tags)
+        run_id = str(run.info.run_id)
+        if params:
+            self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        return run_id
+
+    def log_steps(self, run_id: str, history: Sequence[dict[str, float]]) -> None:
+        now = int(time.time() * 1000)
+        metrics = [
+            Metric(k, float(h[k]), now, int(h.get("step", i + 1)))
+            for i, h in enumerate(history) for k in STEP_KEYS if k in h
+        ]
+        for i in range(0, len(metrics), 900):  # MLflow accepts at most 1000 metrics per batch
+            self.client.log_batch(run_id, metrics=metrics[i : i + 900])
+
+    def finish(self, run_id: str, status: str, metrics: dict[str, float], tags: dict[str, str]) -> None:
+        now = int(time.time() * 1000)
+        finite = {k: v for k, v in metrics.items() if v == v and abs(v) != float("inf")}
+        self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in finite.items()],
+                              tags=[RunTag(k, v) for k, v in tags.items()])
+        self.client.set_terminated(run_id, status=status)
+
+    def log_artifact_text(self, run_id: str, text: str, name: str) -> None:
+        self.client.log_text(run_id, text, name)
