@@ -27,6 +27,7 @@ does it apply or close anything on that partition. Hence exactly one reward per 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import random
@@ -125,16 +126,14 @@ class RewardWorker:
         wait_for_broker(s.kafka)
         ensure_topics(s, [s.topics.events, s.topics.rewards])
         self.state.r.ping()
-        self.consumer = make_consumer(s.kafka, self.cfg.group_id, max_poll_records=self.cfg.max_batch)
+        member: dict[str, Any] = {}
+        if self.cfg.group_instance_id:
+            member["group_instance_id"] = self.cfg.group_instance_id
+        self.consumer = make_consumer(s.kafka, self.cfg.group_id, max_poll_records=self.cfg.max_batch,
+                                      **member)
         self.consumer.subscribe([s.topics.events], listener=_Listener(self))
         self._check_partitions()
-        txid = self.cfg.transactional_id or (
-            f"rtrl-reward-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-        self.producer = make_producer(
-            s.kafka, transactional_id=txid, transaction_timeout_ms=self.cfg.transaction_timeout_ms,
-            linger_ms=2, batch_size=256 * 1024, max_request_size=8 * 1024 * 1024,
-        )
-        self.producer.init_transactions()
+        txid = self._open_producer()
         self._committed_reader = make_consumer(s.kafka, None)
         self._uncommitted_reader = make_consumer(s.kafka, None, isolation_level="read_uncommitted")
         self.health.add_check("kafka", lambda: self._ok["kafka"])
@@ -143,6 +142,41 @@ class RewardWorker:
         log.info("reward worker up: spec %s, group %s, transactional id %s, time scale %g",
                  self.spec.version, self.cfg.group_id, txid, self.cfg.time_scale)
         return self
+
+    def _open_producer(self) -> str:
+        """A transactional producer under a fresh transactional id, after fencing the last one.
+
+        With a stable base id (``transactional_id`` or ``group_instance_id``) every producer
+        this replica opens gets the next generation ``<base>-<n>`` (a counter in Redis), and
+        first fences ``<base>-<n-1>``: that aborts a transaction a killed predecessor left
+        open at once. A fresh id per producer also means a fresh producer id, so an aborted
+        transaction is never followed by committed data of the same producer id (some
+        Kafka-protocol brokers, noida-db among them, list stale aborted transactions in fetch
+        responses, which makes read_committed clients skip such data).
+        """
+        base = self.cfg.transactional_id or self.cfg.group_instance_id
+        if base:
+            key = f"{self.s.redis.key_prefix}reward:txgen:{base}"
+            previous = self.state.r.get(key)
+            gen = int(self.state.r.incr(key))
+            if previous is not None:
+                fence = self._make_producer(f"{base}-{int(previous)}")
+                fence.close(timeout=5)
+            txid = f"{base}-{gen}"
+        else:
+            txid = f"rtrl-reward-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        if self.producer is not None:
+            self.producer.close(timeout=5)
+        self.producer = self._make_producer(txid)
+        return txid
+
+    def _make_producer(self, txid: str) -> KafkaProducer:
+        prod = make_producer(
+            self.s.kafka, transactional_id=txid, transaction_timeout_ms=self.cfg.transaction_timeout_ms,
+            linger_ms=2, batch_size=256 * 1024, max_request_size=8 * 1024 * 1024,
+        )
+        prod.init_transactions()  # fences older producers of txid, aborting their open transaction
+        return prod
 
     def _check_partitions(self) -> None:
         assert self.consumer is not None
@@ -269,7 +303,8 @@ class RewardWorker:
                                         partition=o.partition))
                 for o in out
             ]
-            self._maybe_crash("mid_txn")
+            if out:
+                self._maybe_crash("mid_txn")
             if offsets:
                 prod.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
             prod.commit_transaction()
@@ -277,11 +312,13 @@ class RewardWorker:
             log.warning("transaction failed (%s): aborting and rewinding to the committed offsets", exc)
             self._abort_and_rewind()
             raise _RetryError from exc
-        self._maybe_crash("after_commit")
+        if out:
+            self._maybe_crash("after_commit")
 
     def _abort_and_rewind(self) -> None:
         assert self.consumer is not None and self.producer is not None
         self.producer.abort_transaction()  # a fatal error (fenced) raises here: exit, restart
+        self._open_producer()  # never commit again under the producer id that aborted
         for tp in self.consumer.assignment():
             committed = self.consumer.committed(tp)
             if committed is None:
@@ -382,6 +419,7 @@ def main(argv: list[str]) -> int:
                     help="multiply the spec's window durations (e.g. 0.01 for demos)")
     ap.add_argument("--spec", default=None, help="reward spec TOML (default: settings, else packaged)")
     args = ap.parse_args(argv)
+    stopper = Stopper().install()  # first: a SIGTERM during start-up is a clean stop too
     settings = get_settings()
     setup_logging(settings.log_level, SERVICE)
     upd: dict[str, Any] = {}
@@ -394,7 +432,7 @@ def main(argv: list[str]) -> int:
     settings = settings.model_copy(update={"reward": settings.reward.model_copy(update=upd)})
     spec = load_spec(args.spec or settings.reward_spec)
     m.BUILD_INFO.info({"service": SERVICE, "reward_spec": spec.version})
-    stopper = Stopper().install()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     health = Health()
     port = args.metrics_port if args.metrics_port is not None else settings.http.port
     http = HttpEndpoints(health, settings.http.host, port).start()

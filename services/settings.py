@@ -178,6 +178,11 @@ class RewardSettings(_Frozen):
     name) lets a restarted worker take its partitions back at once, without waiting for
     the broker to expire the dead member. Strongly recommended on noida-db, which does not
     expire a SIGKILLed member in useful time."""
+    group_instance_id: str | None = None
+    """Static consumer-group membership (KIP-345): a stable id per replica (e.g. the pod
+    name) lets a restarted worker take its partitions back at once, without waiting for
+    the broker to expire the dead member. Strongly recommended on noida-db, which does not
+    expire a SIGKILLed member in useful time."""
 
 
 class GateSettings(_Frozen):

@@ -16,7 +16,7 @@ from ingest.events import (
     FollowupDissatisfied,
     ModelRef,
 )
-from services.kafka_io import make_consumer, make_producer
+from services.kafka_io import ensure_topics, make_consumer, make_producer
 from services.settings import Settings
 
 T0 = datetime.now(UTC) - timedelta(minutes=5)
@@ -54,6 +54,7 @@ def full_edit(rid: str, kept: int = 80) -> list[Any]:
 
 
 def produce(settings: Settings, events: list[Any]) -> None:
+    ensure_topics(settings, [settings.topics.events, settings.topics.rewards])
     prod = make_producer(settings.kafka)
     for ev in events:
         prod.send(settings.topics.events, value=ev.model_dump_json().encode(), key=ev.request_id.encode())
@@ -62,10 +63,10 @@ def produce(settings: Settings, events: list[Any]) -> None:
 
 
 def read_rewards(settings: Settings, expect: int, timeout_s: float = 30.0,
-                 settle_s: float = 0.0) -> list[dict[str, Any]]:
+                 settle_s: float = 0.0, isolation: str = "read_committed") -> list[dict[str, Any]]:
     """Read the rewards topic (read_committed) until ``expect`` records, then ``settle_s``
     more seconds (to see duplicates that would follow)."""
-    c = make_consumer(settings.kafka, None, [settings.topics.rewards])
+    c = make_consumer(settings.kafka, None, [settings.topics.rewards], isolation_level=isolation)
     out: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout_s
     settle_until: float | None = None
