@@ -113,6 +113,8 @@ class Observations:
     gate: Mapping[str, str] = field(default_factory=dict)
     """version -> rtrl.gate.result for the candidate and versions named by commands."""
     previous: str | None = None
+    lineage: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """version -> its lineage tags (parent, data window, reward spec, training run)."""
     judgement: Judgement | None = None
     """None: no verdict this tick (not progressing, or no cohort data yet)."""
     cohorts: Mapping[str, float] = field(default_factory=dict)
@@ -224,7 +226,8 @@ def _start(
         started_at=now, phase_since=now, step_since=now, handled=status.handled,
     )
     params = ledger.open_params(cand, stable, policy.steps, policy.bake_s, policy.max_duration_s)
-    actions: list[Action] = [LedgerOpen(cid, params, ledger.open_tags(cid, kind, cand, stable), now)]
+    tags = ledger.open_tags(cid, kind, cand, stable, obs.lineage.get(cand, {}))
+    actions: list[Action] = [LedgerOpen(cid, params, tags, now)]
     if kind == "canary":
         actions += [
             WriteTags(cand, {ledger.TAG_OUTCOME: ledger.OUTCOME_RUNNING, ledger.TAG_CANARY_ID: cid}),

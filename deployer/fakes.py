@@ -129,11 +129,13 @@ class FakeWorld:
         aliases = self.registry.aliases
         versions = {aliases.get("candidate"), aliases.get("previous"),
                     *(c.version for c in commands)}
-        gate = {v: self.registry.tags.get(v, {}).get(TAG_GATE, "") for v in versions if v}
+        lineage = {v: self.registry.get_tags(v) for v in versions if v}
+        gate = {v: t.get(TAG_GATE, "") for v, t in lineage.items()}
         cohorts = {"stable.n": 100.0, "canary.n": 10.0} if judgement else {}
         return Observations(
             now=self.now, champion=aliases.get("champion"), candidate=aliases.get("candidate"),
-            previous=aliases.get("previous"), gate=gate, judgement=judgement, cohorts=cohorts,
+            previous=aliases.get("previous"), gate=gate, lineage=lineage, judgement=judgement,
+            cohorts=cohorts,
             commands=commands, error=error,
         )
 

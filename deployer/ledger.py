@@ -57,14 +57,28 @@ def clip(text: str) -> str:
     return text if len(text) <= MAX_TAG_CHARS else text[: MAX_TAG_CHARS - 3] + "..."
 
 
-def open_tags(cid: str, kind: str, candidate: str, stable: str | None) -> dict[str, str]:
-    """Tags on a new ledger run; ``kind`` is canary | manual_promote | manual_rollback."""
+LINEAGE = (Tag.PARENT_VERSION, Tag.WINDOW, Tag.REWARD_SPEC_VERSION, Tag.KIND, Tag.RUN_ID)
+"""Version tags copied onto the ledger run as ``rtrl.candidate.<name>``: which data, which
+reward definition and which training run made the candidate."""
+
+
+def lineage_tags(version_tags: Mapping[str, str]) -> dict[str, str]:
+    """The candidate's lineage, renamed ``rtrl.x`` -> ``rtrl.candidate.x``."""
+    return {f"rtrl.candidate.{k.removeprefix('rtrl.')}": clip(str(version_tags[k]))
+            for k in LINEAGE if version_tags.get(k) not in (None, "")}
+
+
+def open_tags(cid: str, kind: str, candidate: str, stable: str | None,
+              lineage: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Tags on a new ledger run; ``kind`` is canary | manual_promote | manual_rollback;
+    ``lineage`` is the candidate's version tags (see ``LINEAGE``)."""
     return {
         TAG_CANARY_ID: cid,
         TAG_KIND: kind,
         TAG_CANDIDATE: candidate,
         TAG_STABLE: stable or "",
         TAG_OUTCOME: OUTCOME_RUNNING,
+        **lineage_tags(lineage or {}),
     }
 
 

@@ -155,8 +155,10 @@ class Controller:
         reg = self.ports.registry
         champion, candidate, previous = (reg.alias_version(a) for a in (CHAMPION, CANDIDATE, PREVIOUS))
         wanted = {candidate, previous, *(c.version for c in commands)} - {None}
+        tags = {v: self._tags(v) for v in wanted if v}
         obs = Observations(now=self.clock(), champion=champion, candidate=candidate, previous=previous,
-                           gate={v: self._gate(v) for v in wanted if v}, commands=commands)
+                           gate={v: t.get(TAG_GATE, "") for v, t in tags.items()}, lineage=tags,
+                           commands=commands)
         if status.phase != Phase.PROGRESSING:
             return obs
         if self.rewards is None:
@@ -172,11 +174,11 @@ class Controller:
         return replace(obs, judgement=cohorts.judgement(verdict),
                        cohorts=cohorts.cohort_metrics(stable, canary))
 
-    def _gate(self, version: str) -> str:
+    def _tags(self, version: str) -> dict[str, str]:
         try:
-            return str(self.ports.registry.get_tags(version).get(TAG_GATE, ""))
-        except KeyError:
-            return ""
+            return self.ports.registry.get_tags(version)
+        except KeyError:  # an alias or command naming a version that does not exist
+            return {}
 
 
 def reason_kind(status: CanaryStatus) -> str:

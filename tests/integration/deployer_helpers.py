@@ -44,7 +44,8 @@ def register_versions(settings: Settings, tmp: Path, n: int = 2) -> MlflowRegist
     src.mkdir(exist_ok=True)
     (src / "policy.json").write_text(json.dumps({"kind": "test"}))
     for i in range(1, n + 1):
-        v = reg.register(None, src, tags={TAG_GATE: "pass"})
+        lineage = {"rtrl.parent_version": str(i - 1) if i > 1 else "", "rtrl.reward_spec_version": "test-1"}
+        v = reg.register(None, src, tags={TAG_GATE: "pass", **lineage})
         assert v == str(i)
     reg.set_alias("champion", "1")
     reg.set_alias("candidate", str(n))

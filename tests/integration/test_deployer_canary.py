@@ -72,6 +72,8 @@ def assert_ledger(deploy: Settings, canary_id: str, decision: str, outcome: str)
     assert tags[TAG_DECISION] == decision and tags[TAG_OUTCOME] == outcome
     assert tags[TAG_DECIDED_BY] == "controller" and tags[TAG_REASON]
     assert run.data.params["candidate_version"] == "2" and run.data.params["stable_version"] == "1"
+    assert tags["rtrl.candidate.parent_version"] == "1"
+    assert tags["rtrl.candidate.reward_spec_version"] == "test-1"
     metrics = run.data.metrics
     for key in ("canary.weight", "judge.verdict", "cohort.stable.reward_mean", "cohort.canary.reward_mean",
                 "judge.reward.p_value", "judge.reward.estimate", "judge.users.canary"):

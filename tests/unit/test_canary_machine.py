@@ -51,6 +51,18 @@ def test_better_candidate_steps_through_every_weight_then_is_promoted() -> None:
     assert run_.metrics["canary.weight"][4] == 0.5 and run_.metrics["judge.verdict"][4] == 1.0
 
 
+def test_ledger_run_names_the_candidates_data_reward_spec_and_training_run() -> None:
+    w = world()
+    w.registry.set_tags("2", {"rtrl.parent_version": "1", "rtrl.reward_spec_version": "default-3",
+                              "rtrl.window": '{"topic": "rewards", "records": 1200}', "rtrl.run_id": "abc"})
+    run(w, None)
+    (run_,) = w.ledger.runs.values()
+    assert run_.tags["rtrl.candidate.parent_version"] == "1"
+    assert run_.tags["rtrl.candidate.reward_spec_version"] == "default-3"
+    assert run_.tags["rtrl.candidate.window"].startswith('{"topic"')
+    assert run_.tags["rtrl.candidate.run_id"] == "abc" and "rtrl.candidate.kind" not in run_.tags
+
+
 def test_promote_verdict_before_the_last_step_only_keeps_stepping() -> None:
     w = world()
     assert run(w, None, None, "promote", "promote") == ["pending"] + ["progressing"] * 3
