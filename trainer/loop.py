@@ -113,6 +113,7 @@ def rl_train(
         history.append(stats)
         if on_step is not None:
             on_step(step, stats, policy, optimizer)
+        stats["t_end"] = time.time()  # after the callback: checkpoints count in wall-clock rates
     return history
 
 
