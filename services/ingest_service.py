@@ -326,11 +326,58 @@ def _fmt(tps: Sequence[TopicPartition]) -> str:
     return ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(tps)) or "nothing"
 
 
-def transactional_id(group_id: str, instance_id: str | None) -> str:
-    """Stable per replica when it has an instance id, else unique to this process."""
+def transactional_id(group_id: str, instance_id: str | None, generation: int = 0) -> str:
+    """Per replica generation when it has an instance id, else unique to this process."""
     if instance_id:
-        return f"rtrl-ingest.{group_id}.{instance_id}"
+        return f"rtrl-ingest.{group_id}.{instance_id}.{generation}"
     return f"rtrl-ingest.{group_id}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class TransactionalIds:
+    """Transactional ids of one replica across restarts: ``<group>.<instance>.<generation>``.
+
+    Each start takes the next generation (a Redis counter) and first fences the previous
+    generations' ids: ``init_transactions`` on an old id aborts whatever transaction a dead
+    predecessor left open, at once rather than after the transaction timeout. The new
+    generation then writes under a producer id of its own, so no reader can confuse its
+    records with the aborted ones (some brokers, the embedded one among them, keep listing
+    an aborted transaction of a producer id in later fetches).
+    """
+
+    KEEP = 10
+    """At most this many unfenced generations are fenced at start-up."""
+
+    def __init__(self, client: Any, key_prefix: str, group_id: str, instance_id: str) -> None:
+        self._r = client
+        self._gen_key = f"{key_prefix}ingest:txn-generation:{group_id}:{instance_id}"
+        self._fenced_key = self._gen_key + ":fenced"
+        self.group_id = group_id
+        self.instance_id = instance_id
+
+    def next(self) -> tuple[str, list[str]]:
+        """The id to use now and the older ids still to fence, oldest first."""
+        gen = int(self._r.incr(self._gen_key))
+        fenced = int(self._r.get(self._fenced_key) or 0)
+        stale = range(max(fenced + 1, gen - self.KEEP, 1), gen)
+        return (transactional_id(self.group_id, self.instance_id, gen),
+                [transactional_id(self.group_id, self.instance_id, g) for g in stale])
+
+    def fenced(self, txn_id: str) -> None:
+        """Record that every generation before ``txn_id``'s is fenced."""
+        gen = int(txn_id.rsplit(".", 1)[1])
+        self._r.set(self._fenced_key, gen - 1)
+
+
+def fence(settings: Settings, txn_ids: Sequence[str]) -> None:
+    """Abort any open transaction of these ids and fence their producers."""
+    for txn_id in txn_ids:
+        producer = make_producer(settings.kafka, transactional_id=txn_id,
+                                 transaction_timeout_ms=settings.ingest.transaction_timeout_ms)
+        try:
+            producer.init_transactions()
+            log.info("fenced %s", txn_id)
+        finally:
+            producer.close(timeout=10)
 
 
 # ---------------------------------------------------------------------- entry point
@@ -356,7 +403,14 @@ def run_worker(
     try:
         wait_for_broker(settings.kafka, timeout_s=60)
         ensure_topics(settings, [settings.topics.raw, settings.topics.events, settings.topics.dlq])
-        txn_id = transactional_id(group, s.instance_id)
+        redis_client = make_redis(settings.redis)
+        if s.instance_id:
+            ids = TransactionalIds(redis_client, settings.redis.key_prefix, group, s.instance_id)
+            txn_id, stale = ids.next()
+            fence(settings, stale)
+            ids.fenced(txn_id)
+        else:
+            txn_id = transactional_id(group, None)
         producer = make_producer(
             settings.kafka, transactional_id=txn_id, transaction_timeout_ms=s.transaction_timeout_ms,
         )
@@ -364,7 +418,6 @@ def run_worker(
         consumer = make_consumer(settings.kafka, group, max_poll_records=batch,
                                  max_poll_interval_ms=s.max_poll_interval_ms,
                                  group_instance_id=s.instance_id)
-        redis_client = make_redis(settings.redis)
         dedup = RedisDedupStore(redis_client, settings.redis.key_prefix, s.dedup_ttl_s)
         worker = IngestWorker(settings, consumer, producer, dedup, health, group, batch)
         worker.subscribe()

@@ -18,7 +18,7 @@ from pydantic import SecretStr
 from ingest.events import CompletionServed, EditAccepted, ModelRef, parse_event
 from services.event_producer import EventProducer
 from services.ingest_service import run_worker
-from services.kafka_io import make_consumer
+from services.kafka_io import ensure_topics, make_consumer
 from services.runtime import Stopper
 from services.settings import AuthSettings, IngestSettings, Settings
 
@@ -207,3 +207,29 @@ def test_offsets_committed_with_the_batch(ingest: Settings) -> None:
     while committed_total(ingest) < 10 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert committed_total(ingest) == 10
+
+
+def test_two_workers_share_partitions_and_hand_over_on_stop(settings: Settings) -> None:
+    s = with_auth(settings, max_batch=20)
+    ensure_topics(s)
+    first, second = Running(s), Running(s)
+    ids: set[str] = set()
+    try:
+        with EventProducer(s, "gw", SECRET) as p:
+            for i in range(300):
+                ev = served(f"h-{i}")
+                p.send(ev)
+                ids.add(ev.event_id)
+        assert len(read_all(s, s.topics.events, 150, settle_s=0)) >= 150
+        assert first.stop() == 0  # clean leave mid-stream: the other worker takes over
+        with EventProducer(s, "gw", SECRET) as p:
+            for i in range(300, 400):
+                ev = served(f"h-{i}")
+                p.send(ev)
+                ids.add(ev.event_id)
+        out = read_all(s, s.topics.events, len(ids), timeout_s=30, settle_s=1.0)
+    finally:
+        first.stop()
+        assert second.stop() == 0
+    got = [parse_event(r.value).event_id for r in out]
+    assert sorted(got) == sorted(ids), "every event exactly once across the hand-over"
