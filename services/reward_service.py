@@ -417,6 +417,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-batch", type=int, default=None, help="most events per poll")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="multiply the spec's window durations (e.g. 0.01 for demos)")
+    ap.add_argument("--instance-id", default=None,
+                    help="stable replica identity, e.g. the pod name: static group member and "
+                         "transactional id base (default: settings)")
     ap.add_argument("--spec", default=None, help="reward spec TOML (default: settings, else packaged)")
     args = ap.parse_args(argv)
     stopper = Stopper().install()  # first: a SIGTERM during start-up is a clean stop too
@@ -429,6 +432,9 @@ def main(argv: list[str]) -> int:
         upd["max_batch"] = args.max_batch
     if args.time_scale is not None:
         upd["time_scale"] = args.time_scale
+    if args.instance_id:
+        upd["group_instance_id"] = args.instance_id
+        upd["transactional_id"] = settings.reward.transactional_id or args.instance_id
     settings = settings.model_copy(update={"reward": settings.reward.model_copy(update=upd)})
     spec = load_spec(args.spec or settings.reward_spec)
     m.BUILD_INFO.info({"service": SERVICE, "reward_spec": spec.version})
