@@ -102,7 +102,7 @@ def _toml(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_corpus(path: Path, seed: int, n: int = 4000) -> Path:
+def write_corpus(path: Path, seed: int, n: int = 2500) -> Path:
     """A bootstrap corpus of mediocre completions in ``rtrl bootstrap``'s format: JSON lines
     ``{"prompt": [ids], "completion": [ids]}`` (ids of trainer/tokens.py)."""
     import random
@@ -338,7 +338,7 @@ class DemoRun:
         t = time.monotonic()
         spec = ProcSpec("bootstrap", [sys.executable, "-m", "services.cli", "bootstrap",
                                       "--corpus", str(self.corpus), "--epochs", "2"])
-        rc = self.supervisor.run(spec, timeout_s=420)
+        rc = self.supervisor.run(spec, timeout_s=900)
         if rc != 0:
             say(f"bootstrap failed (exit {rc}):\n{self.supervisor.log_tail('bootstrap')}")
             self.notes.append(f"rtrl bootstrap failed with exit code {rc}.")
@@ -536,7 +536,8 @@ class DemoRun:
         if self.supervisor is not None:
             say("stopping services (SIGTERM, then SIGKILL after a grace period) ...")
             codes = self.supervisor.stop_all(grace_s=20, order=STOP_ORDER)
-            say("stopped: " + ", ".join(f"{n}={rc}" for n, rc in codes.items()))
+            done = ", ".join(f"{n} (exit {rc})" for n, rc in codes.items() if rc is not None)
+            say(f"stopped: {done or 'nothing was running'}")
         if self.tracker is not None:
             self.tracker.stop()
         if self.stack is not None and self.settings is not None:
