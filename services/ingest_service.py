@@ -180,8 +180,8 @@ class IngestWorker:
                 log.warning("poll failed: %s", exc)
                 time.sleep(1)
                 continue
-            self.last_broker_ok = time.monotonic()
             if polled:
+                self.last_broker_ok = time.monotonic()
                 t0 = time.perf_counter()
                 result = self.handle(polled, topics.events, topics.dlq, stopper)
                 if result is not None:
@@ -295,19 +295,28 @@ class IngestWorker:
                 log.info("not rewinding %s (%s)", tp, exc)
 
     def _update_lag(self) -> None:
+        """Every 2 s: lag per assigned partition from a real ListOffsets request, which also
+        tells readiness that the broker answers."""
         now = time.monotonic()
         if now - self._last_lag < 2.0:
             return
         self._last_lag = now
-        for tp in list(self.consumer.assignment()):
-            try:
-                high = self.consumer.highwater(tp)
-                pos = self.consumer.position(tp, timeout_ms=1000)
-            except Exception as exc:  # lag is best effort; never stop the loop for it
-                log.debug("no lag for %s: %s", tp, exc)
-                continue
-            if high is not None and pos is not None:
-                m.CONSUMER_LAG.labels(SERVICE, tp.topic, str(tp.partition)).set(max(0, high - pos))
+        assigned = list(self.consumer.assignment())
+        try:
+            if not assigned:
+                self.consumer.topics()  # a metadata request: is the broker there?
+                self.last_broker_ok = time.monotonic()
+                return
+            ends = self.consumer.end_offsets(assigned, timeout_ms=2000)
+            positions = {tp: self.consumer.position(tp, timeout_ms=1000) for tp in assigned}
+        except Exception as exc:  # lag is best effort; never stop the loop for it
+            log.info("broker did not answer the lag query: %s", exc)
+            return
+        self.last_broker_ok = time.monotonic()
+        for tp in assigned:
+            end, pos = ends.get(tp), positions.get(tp)
+            if end is not None and pos is not None:
+                m.CONSUMER_LAG.labels(SERVICE, tp.topic, str(tp.partition)).set(max(0, end - pos))
 
 
 def _count(result: BatchResult) -> None:
