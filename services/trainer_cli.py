@@ -20,8 +20,8 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.registry import CHAMPION, PREVIOUS, Tag
 from services import metrics
 from services.settings import Settings, get_settings
@@ -32,6 +32,9 @@ from trainer.loop import LoopConfig, sft_train
 from trainer.objective import ObjectiveConfig
 from trainer.policy import TinyConfig, TinyTransformer, TrainablePolicy, n_parameters
 from trainer.window import PendingWindow
+
+if TYPE_CHECKING:
+    from deployer.adapters.mlflow_registry import MlflowRegistry
 
 log = logging.getLogger("rtrl.trainer")
 
@@ -59,6 +62,8 @@ def increment_config(settings: Settings) -> IncrementConfig:
 
 
 def registry_from(settings: Settings) -> MlflowRegistry:
+    from deployer.adapters.mlflow_registry import MlflowRegistry
+
     m = settings.mlflow
     return MlflowRegistry(m.tracking_uri, m.registered_model, m.training_experiment)
 
