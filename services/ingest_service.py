@@ -446,7 +446,9 @@ def run_worker(
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rtrl serve ingest", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="rtrl serve ingest",
+        description="Validate, authenticate and dedup raw events; forward them exactly once.")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="port for /metrics /healthz /readyz (default: RTRL_HTTP__PORT, 0 = free port)")
     parser.add_argument("--group-id", default=None, help="consumer group (default: RTRL_INGEST__GROUP_ID)")
