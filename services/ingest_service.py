@@ -50,6 +50,9 @@ log = logging.getLogger("rtrl.ingest")
 SERVICE = "ingest"
 REASON_HEADER = "rtrl-reason"
 SOURCE_HEADER = "rtrl-source"
+DLQ_ORIGINAL_MAX = 512 * 1024
+"""Most original bytes a DLQ record carries: base64 of more would not fit the producer's
+1 MiB request limit, and a DLQ record that cannot be written would stall the partition."""
 
 
 def auth_policy(settings: Settings) -> AuthPolicy:
@@ -85,7 +88,9 @@ def dlq_record(record: Any, rejected: Rejected, received_at: datetime) -> bytes:
             "timestamp_ms": record.timestamp,
         },
         "headers": [name for name, _ in (record.headers or [])],
-        "original_b64": base64.b64encode(value).decode(),
+        "original_b64": base64.b64encode(value[:DLQ_ORIGINAL_MAX]).decode(),
+        "original_size": len(value),
+        "original_truncated": len(value) > DLQ_ORIGINAL_MAX,
         "received_at": received_at.isoformat().replace("+00:00", "Z"),
     }
     return json.dumps(doc, separators=(",", ":")).encode()

@@ -137,6 +137,7 @@ def test_bad_input_dead_lettered_with_reason_bytes_and_source(ingest: Settings) 
         (b"{not json", [], b"r1", True, "bad_json"),
         (b"\xff\xfe\x00", [], None, True, "not_utf8"),
         (b"[1,2,3]", [], None, True, "not_object"),
+        (b"[" + b" " * 300_000 + b"]", [], None, True, "oversized"),
         (json.dumps({**json.loads(good.model_dump_json()), "latency_ms": -5}).encode(), [], b"r-ok", True,
          "invalid_field"),
         (served("r-ok").model_dump_json().encode(), [], b"r-ok", False, "unsigned"),

@@ -163,3 +163,15 @@ def test_tombstones_are_dead_lettered(value: bytes | None) -> None:
     result = w.handle({TP: [r]}, "events", "dlq")
     assert result is not None and result.rejected == {"bad_json": 1}
     assert json.loads(prod.committed[0][1] or b"")["original_b64"] == ""
+
+
+def test_huge_originals_are_truncated_so_the_dlq_record_fits() -> None:
+    w, prod, _ = worker()
+    big = b"x" * (900 * 1024)  # under a 1 MiB broker limit, far over ingest's 256 KiB
+    result = w.handle({TP: [rec(4, big)]}, "events", "dlq")
+    assert result is not None and result.rejected == {"oversized": 1}
+    value = prod.committed[0][1] or b""
+    assert len(value) < 1024 * 1024 - 1024
+    doc = json.loads(value)
+    assert doc["original_truncated"] is True and doc["original_size"] == len(big)
+    assert base64.b64decode(doc["original_b64"]) == big[: 512 * 1024]
