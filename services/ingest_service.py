@@ -53,6 +53,8 @@ SOURCE_HEADER = "rtrl-source"
 DLQ_ORIGINAL_MAX = 512 * 1024
 """Most original bytes a DLQ record carries: base64 of more would not fit the producer's
 1 MiB request limit, and a DLQ record that cannot be written would stall the partition."""
+DLQ_KEY_MAX = 1024
+"""Keys are not bounded by ``max_bytes``; DLQ records keep at most this much of one."""
 
 
 def auth_policy(settings: Settings) -> AuthPolicy:
@@ -75,7 +77,7 @@ def dlq_record(record: Any, rejected: Rejected, received_at: datetime) -> bytes:
 
     Header *names* only are kept: a signature value must never be copied anywhere.
     """
-    key = record.key
+    key = record.key[:DLQ_KEY_MAX] if record.key is not None else None
     value = record.value if record.value is not None else b""
     doc = {
         "reason": rejected.reason,
@@ -87,7 +89,7 @@ def dlq_record(record: Any, rejected: Rejected, received_at: datetime) -> bytes:
             "key": base64.b64encode(key).decode() if key is not None else None,
             "timestamp_ms": record.timestamp,
         },
-        "headers": [name for name, _ in (record.headers or [])],
+        "headers": [name[:256] for name, _ in (record.headers or [])[:64]],
         "original_b64": base64.b64encode(value[:DLQ_ORIGINAL_MAX]).decode(),
         "original_size": len(value),
         "original_truncated": len(value) > DLQ_ORIGINAL_MAX,
@@ -246,7 +248,7 @@ class IngestWorker:
                 send(
                     dlq_topic,
                     value=dlq_record(rec, rej, now),
-                    key=rec.key,
+                    key=rec.key[:DLQ_KEY_MAX] if rec.key is not None else None,
                     headers=[(REASON_HEADER, rej.reason.encode())],
                 )
                 result.rejected[rej.reason] += 1

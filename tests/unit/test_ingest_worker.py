@@ -175,3 +175,15 @@ def test_huge_originals_are_truncated_so_the_dlq_record_fits() -> None:
     doc = json.loads(value)
     assert doc["original_truncated"] is True and doc["original_size"] == len(big)
     assert base64.b64decode(doc["original_b64"]) == big[: 512 * 1024]
+
+
+def test_huge_keys_and_many_headers_are_capped_in_the_dlq() -> None:
+    w, prod, _ = worker()
+    r = Rec(5, b"{", b"k" * 500_000, [(f"h{i}" * 50, b"v") for i in range(1000)])
+    result = w.handle({TP: [r]}, "events", "dlq")
+    assert result is not None and result.rejected == {"unsigned": 1}
+    _, value, key = prod.committed[0]
+    assert key == b"k" * 1024
+    doc = json.loads(value or b"")
+    assert len(doc["headers"]) == 64 and all(len(h) <= 256 for h in doc["headers"])
+    assert base64.b64decode(doc["source"]["key"]) == b"k" * 1024
