@@ -429,6 +429,7 @@ def run_worker(
             txn_id = transactional_id(group, None)
         producer = make_producer(
             settings.kafka, transactional_id=txn_id, transaction_timeout_ms=s.transaction_timeout_ms,
+            batch_size=256 * 1024,  # a whole polled batch per partition in one produce request
         )
         producer.init_transactions()
         consumer = make_consumer(settings.kafka, group, max_poll_records=batch,
