@@ -31,6 +31,7 @@ from trainer.tokens import BOS
 from trainer.window import PendingWindow
 
 pytestmark = pytest.mark.timeout(600)
+SNAPSHOT = "checkpoint_manager_snapshot.json"
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_killed_increment_resumes_from_checkpoint_and_consumes_window_once(
         update={"batch_size": 4, "checkpoint_every": 5})})
     champion = bootstrap_champion(s, tmp_path)
     registry = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
-    produce_rewards(s, registry.download(champion, tmp_path / "champ"), 400, start=0)
+    produce_rewards(s, registry.download(champion, tmp_path / "champ"), 240, start=0)
 
     errors: list[BaseException] = []
 
@@ -182,7 +183,8 @@ def test_killed_increment_resumes_from_checkpoint_and_consumes_window_once(
     deadline = time.monotonic() + 240
     while thread.is_alive() and time.monotonic() < deadline:
         window = pending.load()
-        if window is not None and list((storage / f"increment-{window.id}").glob("checkpoint_*")):
+        # kill once Ray Train has recorded a checkpoint in its run snapshot (the resume point)
+        if window is not None and (storage / f"increment-{window.id}" / SNAPSHOT).exists():
             for pid in ray_train_workers():
                 os.kill(pid, 9)
                 killed = True
@@ -200,7 +202,7 @@ def test_killed_increment_resumes_from_checkpoint_and_consumes_window_once(
     assert outcome.status == "success" and outcome.window is not None
     assert outcome.window.id == first.id
     assert outcome.resumed_from_step >= 5, "the retry must start from the checkpoint"
-    assert outcome.window.records == 400
+    assert outcome.window.records == 240
     assert pending.load() is None
     again = trainer_cli.run_once(s)
     assert again.status == "skipped" and "no new reward records" in again.reason
