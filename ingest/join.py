@@ -122,28 +122,28 @@ def apply(window: Window | None, event: Event, now: float, spec: RewardSpec) -> 
         raise ValueError(f"event for {event.request_id} applied to window {w.request_id}")
     if event.event_id in w.event_ids:
         return w
-    w = replace(w, event_ids=w.event_ids | {event.event_id}, last_event_at=now)
+    changes: dict[str, Any] = {"event_ids": w.event_ids | {event.event_id}, "last_event_at": now}
     ts = event.ts.timestamp()
     if isinstance(event, CompletionServed):
         if w.served is None:  # a second served event with a new id for one request is ignored
-            w = replace(w, served=event, served_seen_at=now)
-        return w
-    w = replace(w, feedback_events=w.feedback_events + 1)
+            changes.update(served=event, served_seen_at=now)
+        return replace(w, **changes)
+    changes["feedback_events"] = w.feedback_events + 1
     if isinstance(event, EditAccepted | EditRejected):
         accepted = isinstance(event, EditAccepted)
         old = w.decision
         if old is None or ts > old[0] or (ts == old[0] and not accepted):
-            w = replace(w, decision=(ts, accepted), decided_at=now)
+            changes.update(decision=(ts, accepted), decided_at=now)
     elif isinstance(event, EditPersistence):
         old_p = w.persistence.get(event.horizon_s)
         if old_p is None or ts >= old_p[0]:
-            merged = {**w.persistence, event.horizon_s: (ts, event.retained_chars, event.inserted_chars)}
-            w = replace(w, persistence=merged)
+            changes["persistence"] = {
+                **w.persistence, event.horizon_s: (ts, event.retained_chars, event.inserted_chars)}
         if event.horizon_s >= spec.persistence.max_horizon_s and w.final_horizon_at is None:
-            w = replace(w, final_horizon_at=now)
+            changes["final_horizon_at"] = now
     elif isinstance(event, FollowupDissatisfied):
-        w = replace(w, dissatisfied=w.dissatisfied + 1)
-    return w
+        changes["dissatisfied"] = w.dissatisfied + 1
+    return replace(w, **changes)
 
 
 def due_at(window: Window, spec: RewardSpec, time_scale: float = 1.0) -> float:

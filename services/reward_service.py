@@ -129,8 +129,9 @@ class RewardWorker:
         member: dict[str, Any] = {}
         if self.cfg.group_instance_id:
             member["group_instance_id"] = self.cfg.group_instance_id
+        # a short broker-side fetch wait keeps the loop (and its timers) turning under light load
         self.consumer = make_consumer(s.kafka, self.cfg.group_id, max_poll_records=self.cfg.max_batch,
-                                      **member)
+                                      fetch_max_wait_ms=50, **member)
         self.consumer.subscribe([s.topics.events], listener=_Listener(self))
         self._check_partitions()
         txid = self._open_producer()
