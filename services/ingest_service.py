@@ -41,7 +41,7 @@ from ingest.validate import Accepted, Limits, Rejected, validate
 from services import metrics as m
 from services.kafka_io import ensure_topics, make_consumer, make_producer, wait_for_broker
 from services.observability import Health, HttpEndpoints
-from services.redis_io import make_redis
+from services.redis_io import make_redis, wait_for_redis
 from services.runtime import Stopper, setup_logging
 from services.settings import Settings, get_settings
 
@@ -417,7 +417,12 @@ def run_worker(
     consumer: KafkaConsumer | None = None
     producer: KafkaProducer | None = None
     try:
-        wait_for_broker(settings.kafka, timeout_s=60)
+        try:
+            wait_for_broker(settings.kafka, timeout_s=60)
+            wait_for_redis(settings.redis.url.get_secret_value(), timeout_s=10)
+        except TimeoutError as exc:
+            log.error("cannot start: %s", exc)
+            return 2
         ensure_topics(settings, [settings.topics.raw, settings.topics.events, settings.topics.dlq])
         redis_client = make_redis(settings.redis)
         if s.instance_id:

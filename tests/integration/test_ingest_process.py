@@ -162,3 +162,15 @@ def test_kill_9_mid_stream_then_restart_forwards_every_event_exactly_once(
     dlq: list[Any] = read_all(s, s.topics.dlq, n // 200, timeout_s=10)
     assert len(dlq) == n // 200
     assert {json.loads(r.value)["reason"] for r in dlq} == {"bad_json"}
+
+
+def test_unreachable_redis_is_a_clear_startup_error(settings: Settings, tmp_path: Path) -> None:
+    from services.stack import free_port
+
+    s = with_auth(settings)
+    env = env_for(s, tmp_path, RTRL_REDIS__URL=f"redis://:hunter2@127.0.0.1:{free_port()}/0")
+    proc = subprocess.run([RTRL, "serve", "ingest", "--metrics-port", "0"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 2
+    assert "cannot start: Redis at 127.0.0.1:" in proc.stderr
+    assert "hunter2" not in proc.stderr + proc.stdout
