@@ -218,16 +218,20 @@ class RewardWorker:
         events, partition_of, offsets = self._decode(polled)
         stats.events = len(events)
         now = time.time()
+        changed: dict[str, Window] = {}
+        closes: dict[str, float] = {}
         if events:
             windows, emitted = self.state.load(e.request_id for e in events)
             res = apply_batch(windows, emitted, events, now, self.spec)
             for ev in res.late:
                 m.REWARD_LATE.labels(ev.type).inc()
             stats.late = len(res.late)
-            closes = {rid: close_at(w, self.spec, self.cfg.time_scale) for rid, w in res.windows.items()}
-            self.state.save(res.windows, partition_of, closes)
+            changed = res.windows
+            closes = {rid: close_at(w, self.spec, self.cfg.time_scale) for rid, w in changed.items()}
+        owned = [p for p in self.owned() if p not in self.pending_recovery]
+        due = self.state.save_and_due(changed, partition_of, closes, owned, now, self.cfg.max_close_per_batch)
         self._maybe_crash("after_apply")
-        out, orphans, stale = self._closable(now)
+        out, orphans, stale = self._closable(due, changed, now)
         if offsets or out:
             self._commit(out, offsets)
         ckpts = self._checkpoints(out)
@@ -269,13 +273,16 @@ class RewardWorker:
                 offsets[tp] = OffsetAndMetadata(recs[-1].offset + 1, "", -1)
         return events, partition_of, offsets
 
-    def _closable(self, now: float) -> tuple[list[_Outgoing], list[tuple[int, str]], list[tuple[int, str]]]:
-        owned = [p for p in self.owned() if p not in self.pending_recovery]
-        due = self.state.due(owned, now, self.cfg.max_close_per_batch)
+    def _closable(self, due: list[tuple[int, str, float]], changed: dict[str, Window], now: float
+                  ) -> tuple[list[_Outgoing], list[tuple[int, str]], list[tuple[int, str]]]:
         self._orphan_counts = {}
         if not due:
             return [], [], []
-        windows, emitted = self.state.load(rid for _, rid, _ in due)
+        # windows changed in this batch are in memory and were not emitted (their markers
+        # were read with them); the others come from Redis with their emitted markers
+        windows: dict[str, Window | None] = dict(changed)
+        stored, emitted = self.state.load(rid for _, rid, _ in due if rid not in changed)
+        windows.update(stored)
         out: list[_Outgoing] = []
         orphans: list[tuple[int, str]] = []
         stale: list[tuple[int, str]] = []

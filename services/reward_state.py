@@ -15,6 +15,7 @@ is one Redis round trip (pipelines), whatever the batch size.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import redis
 
@@ -56,14 +57,24 @@ class RedisJoinState:
 
     def due(self, partitions: Iterable[int], now: float, limit: int) -> list[tuple[int, str, float]]:
         """(partition, request_id, close time) of windows due by ``now``, earliest first."""
+        return self.save_and_due({}, {}, {}, partitions, now, limit)
+
+    def save_and_due(self, windows: Mapping[str, Window], partition_of: Mapping[str, int],
+                     close_times: Mapping[str, float], partitions: Iterable[int], now: float,
+                     limit: int) -> list[tuple[int, str, float]]:
+        """Store changed windows and their close times, then list the windows due by ``now``
+        on ``partitions`` (earliest first), in one atomic round trip (MULTI: a window is never
+        stored without its timer, which a replay could not repair since it changes nothing)."""
         parts = sorted(partitions)
-        if not parts:
-            return []
-        pipe = self.r.pipeline(transaction=False)
+        pipe = self.r.pipeline(transaction=True)
+        self._queue_save(pipe, windows, partition_of, close_times)
         for p in parts:
             pipe.zrangebyscore(self._due(p), "-inf", now, start=0, num=limit, withscores=True)
+        if not len(pipe):
+            return []
+        res = pipe.execute()
         out = []
-        for p, rows in zip(parts, pipe.execute(), strict=True):
+        for p, rows in zip(parts, res[len(res) - len(parts):], strict=True):
             out += [(p, m.decode() if isinstance(m, bytes) else str(m), float(s)) for m, s in rows]
         out.sort(key=lambda t: t[2])
         return out[:limit]
@@ -94,6 +105,11 @@ class RedisJoinState:
         if not windows:
             return
         pipe = self.r.pipeline(transaction=True)
+        self._queue_save(pipe, windows, partition_of, close_times)
+        pipe.execute()
+
+    def _queue_save(self, pipe: Any, windows: Mapping[str, Window], partition_of: Mapping[str, int],
+                    close_times: Mapping[str, float]) -> None:
         for rid, w in windows.items():
             pipe.set(self._w(rid), w.to_json())
         by_part: dict[int, dict[str, float]] = {}
@@ -101,7 +117,6 @@ class RedisJoinState:
             by_part.setdefault(partition_of[rid], {})[rid] = close_times[rid]
         for p, scores in by_part.items():
             pipe.zadd(self._due(p), scores)
-        pipe.execute()
 
     def finish(self, emitted: Iterable[tuple[int, str]], orphans: Iterable[tuple[int, str]],
                stale: Iterable[tuple[int, str]] = (), checkpoints: Mapping[int, int] | None = None) -> None:
