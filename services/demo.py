@@ -79,8 +79,8 @@ def demo_spec_text(base: str) -> str:
     spec["version"] = "demo-v1"
     spec["window"]["grace_s"] = 600.0
     spec["window"]["followup_s"] = 600.0
-    spec["latency"]["slo_ms"] = 300.0
-    spec["latency"]["weight"] = 0.25
+    spec["latency"]["slo_ms"] = 500.0
+    spec["latency"]["weight"] = 0.5
     return _toml(spec)
 
 
@@ -135,7 +135,8 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_TRAINER__DATA_DIR": str(data / "trainer"),
         "RTRL_TRAINER__MISFIRE_GRACE_S": "30",
         "RTRL_TRAINER__MIN_RECORDS": "200",
-        "RTRL_TRAINER__LR": "1e-3",
+        "RTRL_TRAINER__LR": "5e-4",
+        "RTRL_TRAINER__GATE__MAX_KL": "6",
         "RTRL_GATEWAY__PORT": str(gateway_port),
         "RTRL_GATEWAY__SIMULATED_MS_PER_TOKEN": f"{demo.simulated_ms_per_token:g}",
         "RTRL_GATEWAY__MODEL_CACHE_DIR": str(data / "gateway-cache"),

@@ -70,15 +70,16 @@ class UserType:
 
 
 DEFAULT_USER_TYPES: tuple[UserType, ...] = (
-    UserType("patient", 0.3, patience_ms=800.0, patience_scale_ms=800.0, pickiness=0.8,
+    UserType("patient", 0.3, patience_ms=1200.0, patience_scale_ms=1000.0, pickiness=0.8,
              question_annoyance=0.4),
-    UserType("typical", 0.5, patience_ms=400.0, patience_scale_ms=500.0, pickiness=1.0,
+    UserType("typical", 0.5, patience_ms=700.0, patience_scale_ms=600.0, pickiness=1.0,
              question_annoyance=0.6),
-    UserType("impatient", 0.2, patience_ms=200.0, patience_scale_ms=300.0, pickiness=1.3,
+    UserType("impatient", 0.2, patience_ms=400.0, patience_scale_ms=400.0, pickiness=1.3,
              question_annoyance=0.8),
 )
-"""Patience is calibrated for the demo's 40 ms of simulated generation per token: an ideal
-answer (3-6 tokens) is fast enough for everyone, a bootstrap-length one (8-15) is not."""
+"""Patience is calibrated for the demo's 40 ms of simulated generation per token plus the
+real generation time of a busy 2-core machine: an ideal answer (3-6 tokens) is fast enough
+for everyone, a bootstrap-length one (8-15) is not for most."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class WorldConfig:
     """Same for a preferred token beyond the ideal length."""
     rejected_dissatisfied: float = 0.05
     """Chance of a dissatisfied follow-up after a rejected edit."""
-    ambiguous_rejected_dissatisfied: float = 0.4
+    ambiguous_rejected_dissatisfied: float = 0.5
     """Same on an ambiguous task: a wrong guess where a question was due annoys more."""
     accepted_dissatisfied: float = 0.02
     """Chance (times 1 - match) of a dissatisfied follow-up after an accepted edit."""

@@ -38,7 +38,7 @@ def test_demo_spec_is_a_valid_spec_with_its_own_version() -> None:
     base = parse_spec(default_spec_text())
     assert spec.version == "demo-v1" and spec.version != base.version
     assert spec.persistence == base.persistence and spec.acceptance == base.acceptance
-    assert spec.window.followup_s == 600 and spec.latency.slo_ms == 300
+    assert spec.window.followup_s == 600 and spec.latency.slo_ms == 500
 
 
 def test_corpus_lines_are_prompt_and_mediocre_completion(tmp_path: Path) -> None:

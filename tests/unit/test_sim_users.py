@@ -224,7 +224,7 @@ def test_slow_answers_are_accepted_less() -> None:
             for _ in range(2000)
         )
 
-    assert accept_rate(100) > accept_rate(900) + 0.2
+    assert accept_rate(100) > accept_rate(1500) + 0.2
 
 
 def test_world_rejects_an_empty_mix() -> None:
