@@ -3,8 +3,9 @@ of reward records per version and arm (for the progress line and the report).
 
 The supervisor starts each service as its own process in its own session (so a service's
 children, e.g. Ray workers, are stopped with it), logs to ``<log_dir>/<name>.log`` and
-stops everything in reverse start order: SIGTERM to the process group, a grace period,
-then SIGKILL. Nothing is left running, whether the demo ends, fails or is interrupted.
+stops everything in reverse start order: SIGTERM to the service, a grace period, SIGKILL;
+then whatever its process group still holds gets SIGTERM and, shortly after, SIGKILL.
+Nothing is left running, whether the demo ends, fails or is interrupted.
 """
 
 from __future__ import annotations
@@ -118,17 +119,34 @@ class Supervisor:
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> int | None:
-    """SIGTERM the process's group, wait up to ``grace_s``, then SIGKILL the group."""
+    """SIGTERM the process itself (so it can shut its own children down, e.g. Ray), wait up
+    to ``grace_s``, then SIGKILL it; finally SIGTERM and then SIGKILL whatever is left in its
+    process group."""
     if proc.poll() is None:
-        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             _signal_group(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-    # children that outlived the leader (same group) go too
-    _signal_group(proc.pid, signal.SIGKILL)
+    if _group_alive(proc.pid):
+        _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + min(5.0, grace_s)
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _signal_group(proc.pid, signal.SIGKILL)
     return proc.returncode
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def stop_recorded(pid_file: Path) -> list[str]:
