@@ -194,17 +194,21 @@ def latency(bench: Bench, rate: float, duration_s: float) -> list[float]:
         time.sleep(0.05)
     per_request = 5
     interval = per_request / rate
+    # serialise up front: the bench's own CPU must not starve the worker it measures
+    stamp = datetime.now(UTC)
+    payloads = [
+        (f"l{i}".encode(), [ev.model_dump_json().encode() for ev in request_events(f"l{i}", stamp)])
+        for i in range(int(rate * duration_s / per_request) + 1)
+    ]
     t_next = time.monotonic()
     i = 0
     end = time.monotonic() + duration_s
-    while time.monotonic() < end:
-        rid = f"l{i}"
-        evs = request_events(rid, datetime.now(UTC))
-        for ev in evs[:-1]:
-            prod.send("lat.events", value=ev.model_dump_json().encode(), key=rid.encode())
-        last = evs[-1]
-        sent[rid] = time.time()
-        prod.send("lat.events", value=last.model_dump_json().encode(), key=rid.encode())
+    while time.monotonic() < end and i < len(payloads):
+        key, values = payloads[i]
+        for value in values[:-1]:
+            prod.send("lat.events", value=value, key=key)
+        sent[key.decode()] = time.time()
+        prod.send("lat.events", value=values[-1], key=key)
         i += 1
         t_next += interval
         pause = t_next - time.monotonic()
