@@ -55,3 +55,23 @@ def test_two_thousand_claims_in_one_call(store: RedisDedupStore) -> None:
     t0 = time.perf_counter()
     assert store.claim_many(claims) == [None] * 2000
     assert time.perf_counter() - t0 < 2.0
+
+
+def test_cluster_fallback_answers_like_the_script(settings: Settings) -> None:
+    """The MULTI/EXEC fallback (used where a Cluster refuses multi-slot scripts) gives
+    exactly the script's answers on the same sequence of batches."""
+    client = make_redis(settings.redis)
+    try:
+        scripted = RedisDedupStore(client, settings.redis.key_prefix + "s:", ttl_s=60)
+        piped = RedisDedupStore(client, settings.redis.key_prefix + "p:", ttl_s=60)
+        piped._scripted = False
+        batches = [
+            [("x", "raw:0:1"), ("y", "raw:0:2"), ("x", "raw:0:3")],
+            [("y", "raw:1:7"), ("z", "raw:1:8")],
+            [("x", "raw:0:1")],
+        ]
+        for batch in batches:
+            assert scripted.claim_many(batch) == piped.claim_many(batch)
+        assert scripted.claim_many([("x", "raw:9:9")]) == ["raw:0:1"]
+    finally:
+        client.close()
