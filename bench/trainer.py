@@ -35,12 +35,17 @@ from trainer.tokens import BOS
 
 
 def make_samples(policy: TinyTransformer, n: int, seed: int) -> list[Sample]:
+    """Random logged completions with the policy's own log-probabilities as behavior
+    (scored in batches: sampling them one by one would dominate the benchmark's run time)."""
     rng = random.Random(seed)
+    prompts = [[BOS, 3 + rng.randrange(8), *(rng.randrange(12, 64) for _ in range(14))] for _ in range(n)]
+    completions = [[rng.randrange(3, 64) for _ in range(rng.randrange(8, 17))] for _ in range(n)]
     out = []
-    for i in range(n):
-        prompt = [BOS, 3 + rng.randrange(8), *(rng.randrange(12, 64) for _ in range(14))]
-        tokens, logps = policy.sample(prompt, 16, seed=seed * 1_000_003 + i)
-        out.append(Sample(prompt, tokens, logps, rng.gauss(0, 1)))
+    with torch.no_grad():
+        for i in range(0, n, 128):
+            lp, _ = policy.batch_logprobs(prompts[i : i + 128], completions[i : i + 128])
+            for j, (p, c) in enumerate(zip(prompts[i : i + 128], completions[i : i + 128], strict=True)):
+                out.append(Sample(p, c, lp[j, : len(c)].tolist(), rng.gauss(0, 1)))
     return out
 
 
@@ -52,6 +57,13 @@ def steady_tokens_per_s(history: Sequence[dict[str, float]], warmup: int) -> flo
     return tokens / (tail[-1]["t_end"] - tail[0]["t_end"])
 
 
+def median_step_tokens_per_s(history: Sequence[dict[str, float]], warmup: int) -> float:
+    """Median over steps of tokens / in-step wall time: less sensitive to bursts of load from
+    other processes, but blind to the per-step reporting cost outside the step."""
+    rates = sorted(h["seq_tokens"] / h["step_seconds"] for h in history[warmup:])
+    return rates[len(rates) // 2]
+
+
 def throughput(samples: list[Sample], parent_dir: Path, loop: LoopConfig, warmup: int,
                workdir: Path) -> dict[str, float]:
     from trainer.adapters.ray_train import RayTrainJob, ensure_ray
@@ -61,7 +73,9 @@ def throughput(samples: list[Sample], parent_dir: Path, loop: LoopConfig, warmup
 
     def local(tag: str) -> float:
         req = TrainRequest(f"local-{tag}", parent_dir, samples, loop, workdir)
-        return steady_tokens_per_s(LocalTrainJob().run(req).history, warmup)
+        history = LocalTrainJob().run(req).history
+        results[f"local_{tag}_median_step"] = median_step_tokens_per_s(history, warmup)
+        return steady_tokens_per_s(history, warmup)
 
     results["local_before"] = local("before")
     ensure_ray(os.environ.get("RTRL_RAY__ADDRESS"), num_cpus=2, object_store_mb=200)
@@ -70,9 +84,12 @@ def throughput(samples: list[Sample], parent_dir: Path, loop: LoopConfig, warmup
     res = job.run(TrainRequest("ray-bench", parent_dir, samples, loop, workdir))
     results["ray_fit_wall_s"] = time.monotonic() - t0
     results["ray"] = steady_tokens_per_s(res.history, warmup)
+    results["ray_median_step"] = median_step_tokens_per_s(res.history, warmup)
     results["local_after"] = local("after")
     results["local"] = (results["local_before"] + results["local_after"]) / 2
     results["ratio"] = results["ray"] / results["local"]
+    results["ratio_median_step"] = results["ray_median_step"] / (
+        (results["local_before_median_step"] + results["local_after_median_step"]) / 2)
     return results
 
 
@@ -156,6 +173,7 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault(key, value)
 
     torch.manual_seed(0)
+    torch.set_num_threads(1)
     policy = TinyTransformer(TinyConfig())
     report: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-trainer-") as tmp:
@@ -171,6 +189,10 @@ def main(argv: list[str]) -> int:
         print(f"  plain loop (before/after)  {tp['local_before']:9.0f} / {tp['local_after']:.0f}")
         print(f"  inside Ray Train job       {tp['ray']:9.0f}   (fit wall {tp['ray_fit_wall_s']:.1f}s)")
         print(f"  ratio Ray / plain          {tp['ratio']:9.3f}   (target >= 0.9)")
+        print(f"  median in-step tokens/s: plain {tp['local_before_median_step']:.0f} / "
+              f"{tp['local_after_median_step']:.0f}, Ray {tp['ray_median_step']:.0f}, "
+              f"ratio {tp['ratio_median_step']:.3f}")
+        print(f"  (load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
         if not args.skip_overhead:
             rows = overhead(args.records, work / "overhead")
             report["overhead"] = rows
