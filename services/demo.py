@@ -50,6 +50,8 @@ SERVICES: tuple[tuple[str, str], ...] = (
 )
 """(service, module) in start order; stopped in reverse (users first, stack last)."""
 MAX_BAD_TRIES = 3
+CANARY_GRACE_S = 150.0
+"""At the end of the time budget a canary in flight gets up to this long to be decided."""
 BASELINE_REWARDS = 150
 """Reward records to collect before the bad candidate goes in (the stable cohort's baseline)."""
 BAD_CANARY_S = 75.0
@@ -499,7 +501,11 @@ class DemoRun:
         last_ledger = 0.0
         say(f"loop running for at most {self.demo.minutes:g} min or {self.demo.increments} decided "
             "increments (plus the bad candidate)")
-        while time.time() - start < budget:
+        in_flight = {"pending", "progressing", "promoting", "rolling_back"}
+        status: dict[str, Any] = {}
+        while time.time() - start < budget or (
+            status.get("phase") in in_flight and time.time() - start < budget + CANARY_GRACE_S
+        ):
             time.sleep(self.demo.progress_every_s)
             for name, rc in self.supervisor.newly_exited().items():
                 say(f"service {name} exited with code {rc}; last lines of its log:\n"
