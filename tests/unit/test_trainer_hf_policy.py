@@ -19,7 +19,8 @@ from trainer.policy import Policy, load_policy  # noqa: E402
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                  bos_token_id=0, eos_token_id=1)
+                                  bos_token_id=0, eos_token_id=1,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     d = tmp_path_factory.mktemp("tiny-gpt2")
     transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
     return d
@@ -56,5 +57,5 @@ def test_save_load_and_train_step(tiny_dir: Path, tmp_path: Path) -> None:
     samples = [Sample([0, 3], [9, 1], policy.score([0, 3], [9, 1]), 1.0),
                Sample([0, 3], [8, 1], policy.score([0, 3], [8, 1]), -1.0)] * 4
     before = policy.score([0, 3], [9])[0]
-    rl_train(loaded, policy.clone(), samples, LoopConfig(batch_size=8, epochs=2, lr=1e-2))
+    rl_train(loaded, policy.clone(), samples, LoopConfig(batch_size=8, epochs=3, lr=3e-3))
     assert loaded.score([0, 3], [9])[0] > before
