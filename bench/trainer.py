@@ -201,6 +201,10 @@ def main(argv: list[str]) -> int:
                 print(f"  {r['attempt']!s:5s} total {r['total_s']:6.1f}s  "
                       f"gradient steps {r['steps_s']:5.1f}s  "
                       f"fixed overhead {r['overhead_s']:6.1f}s   (target <= 60 s)")
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
