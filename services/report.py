@@ -173,6 +173,14 @@ def compare(cohorts: Mapping[str, Cohort], baseline: str, final: str,
                       latency_ok=dl <= -targets.latency_down)
 
 
+def side_by_side(rows: Sequence[Row], stable: str, candidate: str, start: float, end: float,
+                 ) -> tuple[Cohort, Cohort]:
+    """Both arms over the same window (a canary's life): stable ``stable`` vs ``candidate``."""
+    inside = [r for r in rows if start <= r.served_ts <= end]
+    return (cohort([r for r in inside if r.version == stable]),
+            cohort([r for r in inside if r.version == candidate]))
+
+
 # --------------------------------------------------------------------------- ledger entries
 
 
@@ -217,6 +225,7 @@ def render_markdown(
     plots: Sequence[str],
     notes: Sequence[str] = (),
     kinds: Mapping[str, str] | None = None,
+    concurrent: Sequence[tuple[Decision, Cohort, Cohort]] = (),
 ) -> str:
     kinds = kinds or {}
     when = datetime.fromtimestamp(started, UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -246,6 +255,20 @@ def render_markdown(
             f"| completions measured | {b.n} | {f.n} | | |",
             "",
         ]
+    if concurrent:
+        lines += ["Each promotion measured side by side during its canary (same time window, same "
+                  "load; stable arm vs canary arm):", "",
+                  "| promotion | n stable / canary | edit persistence | mean latency ms | reward |",
+                  "|---|---|---|---|---|"]
+        for d, st, ca in concurrent:
+            dp = _pct(relative_change(st.edit_persistence, ca.edit_persistence))
+            lines.append(
+                f"| v{d.stable} → v{d.candidate} | {st.n} / {ca.n} | {_num(st.edit_persistence)} → "
+                f"{_num(ca.edit_persistence)} ({dp}) | "
+                f"{_num(st.latency_ms, '.1f')} → {_num(ca.latency_ms, '.1f')} "
+                f"({_pct(relative_change(st.latency_ms, ca.latency_ms))}) | "
+                f"{_num(st.reward)} → {_num(ca.reward)} |")
+        lines.append("")
     if bad_version:
         bad = [d for d in decisions if d.candidate == bad_version]
         if bad and bad[0].outcome == "rolled_back" and bad[0].decided_by == "controller":
@@ -435,10 +458,20 @@ def write_report(
         name = f"{metric}.png"
         plot_metric(rows, t0, metric, report_dir / name, decisions)
         plots.append(name)
+    concurrent = []
+    for d in decisions:
+        if d.outcome != "promoted":
+            continue
+        try:
+            end = _ts(d.decided_at)
+        except ValueError:
+            continue
+        st, ca = side_by_side(rows, d.stable, d.candidate, d.started_at, end)
+        concurrent.append((d, st, ca))
     md = render_markdown(
         title="rtrl closed-loop demo", command=command, started=started, finished=finished,
         cohorts=cohorts, comparison=comparison, decisions=decisions, bad_version=bad_version,
-        mlflow_url=mlflow_url, plots=plots, notes=notes, kinds=kinds,
+        mlflow_url=mlflow_url, plots=plots, notes=notes, kinds=kinds, concurrent=concurrent,
     )
     path = report_dir / "report.md"
     path.write_text(md)
@@ -446,9 +479,13 @@ def write_report(
         "cohorts": {v: asdict(c) for v, c in cohorts.items()},
         "comparison": asdict(comparison) if comparison else None,
         "decisions": [asdict(d) for d in decisions],
+        "side_by_side": [{"stable": d.stable, "candidate": d.candidate, "stable_cohort": asdict(st),
+                          "canary_cohort": asdict(ca)} for d, st, ca in concurrent],
         "bad_version": bad_version,
         "kinds": dict(kinds or {}),
         "records": len(rows),
     }
+    with open(report_dir / "rewards.jsonl", "w") as fh:  # the raw evidence, to recompute anything
+        fh.writelines(json.dumps(r, default=str) + "\n" for r in records)
     (report_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str, allow_nan=True))
     return path

@@ -250,3 +250,18 @@ def test_leftovers_of_a_killed_run_are_stopped_from_the_pid_file(tmp_path: Path)
     proc.wait(timeout=5)
     assert proc.returncode == -signal.SIGKILL and not (tmp_path / "pids.json").exists()
     assert stop_recorded(tmp_path / "pids.json") == []
+
+
+def test_side_by_side_uses_only_the_canary_window() -> None:
+    from services.report import side_by_side
+
+    t = 1_700_000_000.0
+    rows = [row_from_record(r, 600) for r in (
+        _record("1", "stable", t - 100, True, 0.1, 900, 0.0),   # before the canary: ignored
+        _record("1", "stable", t + 10, True, 0.4, 300, 0.0),
+        _record("2", "canary", t + 20, True, 0.6, 200, 0.0),
+        _record("2", "stable", t + 500, True, 0.9, 100, 0.0),   # after: ignored
+    )]
+    st, ca = side_by_side(rows, "1", "2", t, t + 60)
+    assert (st.n, ca.n) == (1, 1)
+    assert st.edit_persistence == pytest.approx(0.4) and ca.latency_ms == pytest.approx(200)
