@@ -40,6 +40,8 @@ def test_closed_loop_promotes_and_rolls_back_by_itself(tmp_path: Path) -> None:
         **os.environ,
         "RTRL_DEMO__TRAINER_CADENCE_S": os.environ.get("RTRL_E2E_CADENCE_S", "60"),
         "RTRL_DEMO__PROGRESS_EVERY_S": "10",
+        # the bad candidate after the first decision, so the first increment trains on clean data
+        "RTRL_DEMO__BAD_CANDIDATE_AFTER_DECISIONS": "1",
     }
     for key in [k for k in env if k.startswith("RTRL_") and not k.startswith("RTRL_DEMO__")]:
         env.pop(key)  # the demo configures its own stack; nothing from the caller's environment
