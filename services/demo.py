@@ -462,8 +462,10 @@ class DemoRun:
         if self.tracker is not None and self.tracker.count() < BASELINE_REWARDS:
             return  # let the champion build a baseline first
         since = time.time() - self.trainer_candidate_at
-        if self.trainer_candidate_at and since > self.demo.trainer_cadence_s - BAD_CANARY_S:
+        slot = self.demo.trainer_cadence_s - BAD_CANARY_S
+        if self.trainer_candidate_at and slot > 30 and since > slot:
             return  # the trainer's next candidate would move the alias mid-canary and abort it
+        # (with a cadence too short for any safe slot, inject now and retry if aborted)
 
         from deployer.registry import Tag
         from services.demo_candidates import make_bad_candidate
