@@ -73,6 +73,21 @@ class RewardReader:
         self.window: cohorts.CohortWindow | None = None
         self.canary_id: str | None = None
         self.invalid = 0
+        self._redis_settings = settings.redis
+        self._redis: object | None = None
+
+    def served_counts(self, status: CanaryStatus) -> tuple[dict[str, int], dict[str, int]]:
+        """The gateway's per-arm request and error counts since the canary started
+        (services/gateway_counts.py): failed requests never make a reward record, so the
+        error-rate guardrail needs them."""
+        from services.gateway_counts import read_counts
+        from services.redis_io import make_redis
+
+        assert status.stable is not None and status.candidate is not None
+        if self._redis is None:
+            self._redis = make_redis(self._redis_settings)
+        versions = {"stable": status.stable, "canary": status.candidate}
+        return read_counts(self._redis, self._redis_settings.key_prefix, versions, status.started_at)
 
     def _reset(self, status: CanaryStatus) -> None:
         from kafka import TopicPartition
@@ -165,7 +180,7 @@ class Controller:
             return replace(obs, error="no rewards reader in this process")
         try:
             window = self.rewards.read(status)
-            stable, canary = window.cohorts()
+            stable, canary = window.cohorts(*self.rewards.served_counts(status))
             verdict = judge(stable, canary, self.judge_policy, dict(status.judge_state),
                             elapsed_s=obs.now - status.started_at)
         except Exception as exc:  # any failure to observe is counted by the state machine

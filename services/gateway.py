@@ -96,8 +96,11 @@ class Gateway:
         model_name: str,
         health: Health | None = None,
         registry: CollectorRegistry = REGISTRY,
+        count: Callable[[str, str, bool], object] | None = None,
     ) -> None:
         self.settings = settings
+        self._count = count or (lambda _version, _arm, _error: None)
+        """Per (version, arm) request/error counts for the judge (services/gateway_counts.py)."""
         self.slots = slots
         self._table = table
         self._log_exposure = log_exposure
@@ -157,15 +160,20 @@ class Gateway:
         version, backend = canary if arm == "canary" and canary is not None else stable
         result = self._generate(arm, version, backend, req)
         if isinstance(result, Response):
+            if result.code >= 500:
+                self._count(version, arm, True)
             return result
         gen, gen_s = result
         if arm == "canary" and gen is None:  # canary raised: stable serves, counted
             GATEWAY_FALLBACKS.inc()
+            self._count(version, "canary", True)  # the canary cohort is counted by assignment
             arm, (version, backend) = "stable", stable
             retry = self._generate(arm, version, backend, req)
             if isinstance(retry, Response):
                 return retry
             gen, gen_s = retry
+        else:
+            self._count(version, arm, False)
         assert gen is not None
         return self._served(req, arm, version, gen, gen_s, started)
 
@@ -319,6 +327,7 @@ def _handler(server: GatewayServer) -> type[BaseHTTPRequestHandler]:
 
 def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
     """Wire the gateway from settings; returns it and its background parts (started)."""
+    from services.gateway_counts import ServedCounts
     from services.gateway_exposure import ExposureLogger, ExposureProcess
     from services.gateway_models import policy_loader
     from services.gateway_routing import ChampionCache, RedisRoutingSource, RoutingPoller
@@ -370,11 +379,14 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
     )
     health.add_check("champion_loaded", lambda: slots.get("stable") is not None)
     health.add_check("broker", lambda: exposures.healthy)
-    gateway = Gateway(gw, slots, lambda: poller.table, exposures.log, model_name, health)
+    counts = ServedCounts(make_redis(settings.redis), settings.redis.key_prefix)
+    gateway = Gateway(gw, slots, lambda: poller.table, exposures.log, model_name, health,
+                      count=counts.count)
     exposures.start()
     slots.start()
     poller.start()
-    return gateway, [poller, slots, exposures]
+    counts.start()
+    return gateway, [poller, slots, exposures, counts]
 
 
 def make_event_producer(settings: Any) -> Any:
@@ -422,8 +434,9 @@ def main(argv: list[str]) -> int:
     stopper.wait()
     log.info("stopping: draining requests, flushing served events")
     server.stop()
-    poller, slots, exposures = parts
+    poller, slots, exposures, counts = parts
     poller.stop()
     slots.stop()
     exposures.stop()
+    counts.stop()
     return 0

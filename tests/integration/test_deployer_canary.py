@@ -134,3 +134,25 @@ def test_second_controller_waits_for_the_lease(deploy: Settings, tmp_path: Path)
     assert controller.ports.state.load() == status
     controller.ports.state.release()
     assert other.step() is not None
+
+
+def test_canary_failing_at_the_gateway_is_rolled_back_by_the_error_guardrail(
+    deploy: Settings, tmp_path: Path
+) -> None:
+    """Failed requests make no reward record: the guardrail sees them only through the
+    gateway's per-arm counts in Redis (services/gateway_counts.py)."""
+    from services.gateway_counts import ServedCounts
+    from services.redis_io import make_redis
+
+    deploy = deployer_settings(deploy, deploy.mlflow.tracking_uri, judge_min_requests=50)
+    controller, status = start_canary(deploy, tmp_path)
+    feed_rewards(deploy, "1", "2", "stable", n=100)  # rewards alone look identical
+    counts = ServedCounts(make_redis(deploy.redis), deploy.redis.key_prefix)
+    for i in range(300):
+        counts.count("1", "stable", error=False)
+        counts.count("2", "canary", error=i % 4 == 0)  # a quarter of canary requests fail
+    counts.flush()
+    phases = run_until(controller, {Phase.ROLLED_BACK, Phase.SUCCEEDED, Phase.ABORTED})
+    assert phases[-1] == "rolled_back", phases
+    reason = controller.ports.registry.get_tags("2")[TAG_REASON]
+    assert "error" in reason.lower(), reason

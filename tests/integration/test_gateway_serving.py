@@ -20,6 +20,7 @@ from deployer.routing import assign_arm, routing_keys
 from ingest.auth import AuthPolicy, authenticate
 from ingest.events import CompletionServed, parse_event
 from services.gateway import GatewayServer, build
+from services.gateway_counts import read_counts
 from services.kafka_io import ensure_topics, make_consumer
 from services.metrics import GATEWAY_ERRORS, GATEWAY_EXPOSURES, GATEWAY_MODEL_LOADS
 from services.observability import Health
@@ -95,10 +96,11 @@ class Running:
     def stop(self) -> None:
         self.conn.close()
         self.server.stop()
-        poller, slots, exposures = self.parts
+        poller, slots, exposures, counts = self.parts
         poller.stop()
         slots.stop()
         exposures.stop()
+        counts.stop()
 
 
 @pytest.fixture
@@ -138,6 +140,10 @@ def test_served_from_the_champion_with_a_signed_exposure_on_the_raw_topic(
     assert all(lp <= 0 for lp in body["logprobs"])
     [rec] = raw_records(running.settings, 1)
     assert rec.key == b"req-1"
+    running.parts[3].flush()
+    req, err = read_counts(make_redis(running.settings.redis), running.settings.redis.key_prefix,
+                           {"stable": versions["good1"]}, since_ts=time.time() - 60)
+    assert (req, err) == ({"stable": 1}, {"stable": 0}), "the judge's request counts are in Redis"
     assert authenticate(rec.value, rec.headers, AuthPolicy(keys={"gateway": SECRET.encode()})) is None
     event = parse_event(rec.value)
     assert isinstance(event, CompletionServed)
@@ -246,4 +252,5 @@ def test_broker_down_at_start_still_serves_and_counts_drops(
         for part in gw.parts[:2]:
             part.stop()
         gw.parts[2].stop(timeout_s=0.5)
+        gw.parts[3].stop()
 
