@@ -162,7 +162,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=5, help="steps excluded from the steady state")
-    ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--checkpoint-every", type=int, default=50,
+                    help="steps between checkpoints (the trainer's default, RTRL_TRAINER__CHECKPOINT_EVERY)")
     ap.add_argument("--records", type=int, default=256, help="reward records per overhead increment")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--json", action="store_true")

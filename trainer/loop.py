@@ -39,7 +39,7 @@ class LoopConfig:
     lr: float = 3e-4
     max_grad_norm: float = 1.0
     seed: int = 0
-    checkpoint_every: int = 10
+    checkpoint_every: int = 50
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
 

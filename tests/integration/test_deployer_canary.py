@@ -145,7 +145,7 @@ def test_canary_failing_at_the_gateway_is_rolled_back_by_the_error_guardrail(
     from services.redis_io import make_redis
 
     deploy = deployer_settings(deploy, deploy.mlflow.tracking_uri, judge_min_requests=50)
-    controller, status = start_canary(deploy, tmp_path)
+    controller, _status = start_canary(deploy, tmp_path)
     feed_rewards(deploy, "1", "2", "stable", n=100)  # rewards alone look identical
     counts = ServedCounts(make_redis(deploy.redis), deploy.redis.key_prefix)
     for i in range(300):
