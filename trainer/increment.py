@@ -179,6 +179,20 @@ def registered_window_version(registry: Registry, window_id: str, look_back: int
 # ------------------------------------------------------------------ the increment
 
 
+def candidate_in_flight(registry: Registry) -> str | None:
+    """The candidate version whose canary is not decided yet, or None.
+
+    The deployer removes the ``candidate`` alias when it decides a canary and tags the
+    version's outcome, so an alias on a version without an outcome is pending or under
+    canary. Moving the alias then would abort that canary; with a cadence shorter than a
+    canary nothing could ever be promoted.
+    """
+    held = registry.alias_version(CANDIDATE)
+    if held is None or registry.get_tags(held).get(Tag.CANARY_OUTCOME):
+        return None
+    return held
+
+
 def run_increment(
     cfg: IncrementConfig,
     rewards: RewardLog,
@@ -247,7 +261,12 @@ def run_increment(
         tags = {**lineage, Tag.GATE_RESULT: gate.result, Tag.GATE_REASONS: gate.reasons_json()}
         version = registry.register(run_id, result.policy_dir, tags)
         if gate.passed:
-            registry.set_alias(CANDIDATE, version)
+            held = candidate_in_flight(registry)
+            if held is None:
+                registry.set_alias(CANDIDATE, version)
+            else:
+                log.info("version %s passed the gate but v%s is still under canary: the candidate "
+                         "alias stays; a later increment offers a fresher candidate", version, held)
         rewards.commit(window)
         pending.clear()
     except BaseException:

@@ -260,3 +260,27 @@ def test_failed_gate_gets_no_candidate_alias(champion: TinyTransformer, tmp_path
     assert "KL to parent" in json.loads(registry.get_tags(out.version)[Tag.GATE_REASONS])["reasons"][0]
     assert registry.alias_version(CANDIDATE) is None
     assert load_policy(registry.download(out.version, tmp_path / "dl")) is not None
+
+
+def test_candidate_under_canary_keeps_the_alias(champion: TinyTransformer, tmp_path: Path) -> None:
+    """A newer passing version must not move the alias off a canary in flight (the deployer
+    would abort it); once that canary is decided, the next increment becomes the candidate."""
+    registry, log, runs = setup(champion, tmp_path)
+    pending = PendingWindow(tmp_path / "pending.json")
+    for i, v in enumerate(served(champion, 120, seed=2)):
+        log.append(i % 2, v)
+    first = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert first.status == "success" and registry.alias_version(CANDIDATE) == first.version
+    for i, v in enumerate(served(champion, 120, seed=5, start=3000)):
+        log.append(i % 2, v)
+    second = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert second.status == "success" and second.version is not None
+    assert registry.get_tags(second.version)[Tag.GATE_RESULT] == "pass"
+    assert registry.alias_version(CANDIDATE) == first.version, "the canary in flight keeps its alias"
+    assert first.version is not None
+    registry.set_tags(first.version, {Tag.CANARY_OUTCOME: "rolled_back"})  # what the deployer does
+    registry.delete_alias(CANDIDATE)
+    for i, v in enumerate(served(champion, 120, seed=6, start=6000)):
+        log.append(i % 2, v)
+    third = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert third.status == "success" and registry.alias_version(CANDIDATE) == third.version
