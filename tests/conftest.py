@@ -96,3 +96,26 @@ def settings(stack: object) -> Settings:
         ),
         mlflow=MlflowSettings(tracking_uri="sqlite:///unused.db"),
     )
+
+
+@pytest.fixture
+def isolated_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """Like ``settings`` but on a broker and Redis of this test's own. For tests that
+    SIGKILL workers: noida-db keeps a killed group member and its open transaction for
+    good, which must not leak into the tests that share the session broker."""
+    from services.stack import EmbeddedStack, free_port
+
+    st = EmbeddedStack(data_dir=tmp_path_factory.mktemp("isolated"), kafka_port=free_port(),
+                       redis_port=free_port(), reuse_redis_url=None, with_mlflow=False)
+    st.up(timeout_s=60)
+    tag = f"i{next(_topic_seq)}"
+    try:
+        yield Settings(
+            kafka=KafkaSettings(bootstrap_servers=st.kafka_bootstrap),
+            redis=RedisSettings(url=st.redis_url, key_prefix=f"{tag}:"),  # type: ignore[arg-type]
+            topics=TopicSettings(raw=f"{tag}.raw", events=f"{tag}.events", rewards=f"{tag}.rewards",
+                                 dlq=f"{tag}.dlq", partitions=4),
+            mlflow=MlflowSettings(tracking_uri="sqlite:///unused.db"),
+        )
+    finally:
+        st.down()

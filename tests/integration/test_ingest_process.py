@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kafka import KafkaConsumer, TopicPartition
 
 from ingest.events import parse_event
@@ -22,6 +23,13 @@ from services.settings import Settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_ingest_service import SECRET, accepted, committed_total, read_all, served, with_auth
+
+
+@pytest.fixture
+def settings(isolated_settings: Settings) -> Settings:
+    """These tests SIGKILL workers: they get a broker and Redis of their own (conftest)."""
+    return isolated_settings
+
 
 RTRL = str(Path(sys.executable).parent / "rtrl")
 

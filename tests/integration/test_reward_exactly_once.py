@@ -14,9 +14,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from reward_helpers import full_edit, produce, read_rewards, served
 
 from services.settings import Settings
+
+
+@pytest.fixture
+def settings(isolated_settings: Settings) -> Settings:
+    """These tests SIGKILL workers: they get a broker and Redis of their own (conftest)."""
+    return isolated_settings
+
 
 
 def worker_env(settings: Settings, tmp: Path, **extra: str) -> dict[str, str]:
