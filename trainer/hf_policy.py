@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainer.policy import completion_logprobs, pad_batch, write_manifest
+from trainer.policy import completion_logprobs, pad_batch, sampling_generator, write_manifest
 
 
 def _transformers() -> Any:
@@ -77,10 +77,7 @@ class HFPolicy:
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[list[int], list[float]]:
-        if temperature <= 0:
-            raise ValueError("temperature must be > 0")
-        if generator is None and seed is not None:
-            generator = torch.Generator().manual_seed(seed)
+        generator = sampling_generator(temperature, seed, generator)
         self.model.eval()
         dev = self._device()
         x = torch.tensor([list(prompt_tokens) or [self.bos]], dtype=torch.long, device=dev)

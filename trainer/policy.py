@@ -42,6 +42,18 @@ KINDS: dict[str, str] = {
 """Policy kind -> ``module:Class`` whose ``load(directory, config)`` rebuilds it."""
 
 
+def sampling_generator(
+    temperature: float, seed: int | None, generator: torch.Generator | None
+) -> torch.Generator | None:
+    """Check ``temperature`` and return the generator ``sample`` draws with: the given one,
+    else a fresh one seeded with ``seed``, else None (torch's global generator)."""
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 (use a small value for near-greedy)")
+    if generator is None and seed is not None:
+        return torch.Generator().manual_seed(seed)
+    return generator
+
+
 @runtime_checkable
 class Policy(Protocol):
     """The serving side of a policy: sample, score, save."""
@@ -267,10 +279,7 @@ class TinyTransformer(nn.Module):
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[list[int], list[float]]:
-        if temperature <= 0:
-            raise ValueError("temperature must be > 0 (use a small value for near-greedy)")
-        if generator is None and seed is not None:
-            generator = torch.Generator().manual_seed(seed)
+        generator = sampling_generator(temperature, seed, generator)
         was_training = self.training
         self.eval()
         try:
