@@ -39,7 +39,17 @@ from ingest.auth import AuthPolicy
 from ingest.dedup import DedupStore, is_duplicate, position_marker
 from ingest.validate import Accepted, Limits, Rejected, validate
 from services import metrics as m
-from services.kafka_io import ensure_topics, make_consumer, make_producer, wait_for_broker
+from services.kafka_io import (
+    Backoff,
+    check_sent,
+    close_quietly,
+    end_transaction,
+    ensure_topics,
+    make_consumer,
+    make_producer,
+    send_offsets,
+    wait_for_broker,
+)
 from services.observability import Health, HttpEndpoints
 from services.redis_io import make_redis, wait_for_redis
 from services.runtime import Stopper, setup_logging
@@ -55,6 +65,8 @@ DLQ_ORIGINAL_MAX = 512 * 1024
 1 MiB request limit, and a DLQ record that cannot be written would stall the partition."""
 DLQ_KEY_MAX = 1024
 """Keys are not bounded by ``max_bytes``; DLQ records keep at most this much of one."""
+TXN_TIMEOUT_S = 10.0
+"""Longest wait for a batch's sends, offsets or commit before the transaction counts as failed."""
 
 
 def auth_policy(settings: Settings) -> AuthPolicy:
@@ -135,8 +147,12 @@ class IngestWorker:
         group_id: str,
         max_batch: int,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        new_producer: Callable[[], KafkaProducer] | None = None,
     ) -> None:
         self.settings = settings
+        self.new_producer = new_producer
+        """Opens a replacement transactional producer after a failed transaction (None: keep
+        the producer, as in-memory tests do)."""
         self.consumer = consumer
         self.producer = producer
         self.dedup = dedup
@@ -179,14 +195,18 @@ class IngestWorker:
     def run(self, stopper: Stopper) -> None:
         topics = self.settings.topics
         timeout_ms = self.settings.ingest.poll_timeout_ms
+        backoff = Backoff()
         while not stopper.stopping:
             self.health.beat()
             try:
                 polled = self.consumer.poll(timeout_ms=timeout_ms, max_records=self.max_batch)
             except KafkaError as exc:
-                log.warning("poll failed: %s", exc)
-                time.sleep(1)
+                m.DEPENDENCY_RETRIES.labels(SERVICE, "kafka").inc()
+                delay = backoff.next()
+                log.warning("poll failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, delay)
+                stopper.wait(delay)
                 continue
+            backoff.reset()
             if polled:
                 self.last_broker_ok = time.monotonic()
                 t0 = time.perf_counter()
@@ -225,10 +245,14 @@ class IngestWorker:
             self._rewind(result.first)
             return None
 
+        futures = []
         try:
             self.producer.begin_transaction()
             self.in_transaction = True
-            send = self.producer.send
+
+            def send(topic: str, **kw: Any) -> None:
+                futures.append(self.producer.send(topic, **kw))
+
             for (rec, acc), (event_id, marker), prev in zip(accepted, claims, held, strict=True):
                 if is_duplicate(prev, marker):
                     result.duplicate += 1
@@ -252,20 +276,24 @@ class IngestWorker:
                     headers=[(REASON_HEADER, rej.reason.encode())],
                 )
                 result.rejected[rej.reason] += 1
-            self.producer.send_offsets_to_transaction(
+            check_sent(self.producer, futures, TXN_TIMEOUT_S)
+            send_offsets(
+                self.producer,
                 {tp: OffsetAndMetadata(off, "", -1) for tp, off in result.offsets.items()},
                 self.consumer.group_metadata(),
+                TXN_TIMEOUT_S,
             )
-            self.producer.commit_transaction()
+            end_transaction(self.producer, True, TXN_TIMEOUT_S)
             self.in_transaction = False
         except ProducerFencedError:
             self.in_transaction = False
             log.error("fenced: another ingest worker uses transactional id; stopping")
             raise
         except KafkaError as exc:
+            m.DEPENDENCY_RETRIES.labels(SERVICE, "kafka").inc()
             log.warning("transaction failed (%s: %s): aborting, re-reading the batch",
                         type(exc).__name__, exc)
-            self._abort()
+            self._recover_producer(stopper)
             self._rewind(result.first)
             return None
         self.last_broker_ok = time.monotonic()
@@ -280,6 +308,7 @@ class IngestWorker:
             try:
                 return self.dedup.claim_many(claims)
             except Exception as exc:  # the store's client errors; anything else would repeat too
+                m.DEPENDENCY_RETRIES.labels(SERVICE, "redis").inc()
                 log.warning("dedup store failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, delay)
                 self.health.beat()
                 if stopper is not None and stopper.wait(delay):
@@ -290,9 +319,41 @@ class IngestWorker:
 
     def _abort(self) -> None:
         try:
-            self.producer.abort_transaction()
+            end_transaction(self.producer, False, 5.0)
         finally:
             self.in_transaction = False
+
+    def _recover_producer(self, stopper: Stopper | None) -> None:
+        """Abort the failed transaction and, when a factory is set, replace the producer: a
+        transactional producer of kafka-python is not reliably usable after a broker restart,
+        and a fresh transactional id never commits under a producer id that aborted. Retries
+        with backoff while the broker (or Redis, for the id generation) is down."""
+        try:
+            self._abort()
+        except Exception as exc:  # the producer may be broken; it is replaced below
+            log.info("abort failed (%s: %s)", type(exc).__name__, exc)
+        if self.new_producer is None:
+            return
+        close_quietly(self.producer)
+        backoff = Backoff()
+        while True:
+            try:
+                self.producer = self.new_producer()
+                self.last_broker_ok = time.monotonic()
+                log.info("ingest worker reconnected with a new transactional producer")
+                return
+            except ProducerFencedError:
+                raise
+            except Exception as exc:  # broker or Redis still down: try again
+                m.DEPENDENCY_RETRIES.labels(SERVICE, "kafka").inc()
+                delay = backoff.next()
+                log.warning("cannot open a transactional producer yet (%s: %s); retrying in %.1fs",
+                            type(exc).__name__, exc, delay)
+                self.health.beat()
+                if stopper is not None and stopper.wait(delay):
+                    raise KafkaError("stopping while the broker is unreachable") from exc
+                if stopper is None:
+                    time.sleep(delay)
 
     def _rewind(self, first: Mapping[TopicPartition, int]) -> None:
         for tp, off in first.items():
@@ -416,6 +477,7 @@ def run_worker(
         on_ready(http)
     consumer: KafkaConsumer | None = None
     producer: KafkaProducer | None = None
+    worker: IngestWorker | None = None
     try:
         try:
             wait_for_broker(settings.kafka, timeout_s=60)
@@ -425,23 +487,37 @@ def run_worker(
             return 2
         ensure_topics(settings, [settings.topics.raw, settings.topics.events, settings.topics.dlq])
         redis_client = make_redis(settings.redis)
-        if s.instance_id:
-            ids = TransactionalIds(redis_client, settings.redis.key_prefix, group, s.instance_id)
-            txn_id, stale = ids.next()
-            fence(settings, stale)
-            ids.fenced(txn_id)
-        else:
-            txn_id = transactional_id(group, None)
-        producer = make_producer(
-            settings.kafka, transactional_id=txn_id, transaction_timeout_ms=s.transaction_timeout_ms,
-            batch_size=256 * 1024,  # a whole polled batch per partition in one produce request
-        )
-        producer.init_transactions()
+        ids = (TransactionalIds(redis_client, settings.redis.key_prefix, group, s.instance_id)
+               if s.instance_id else None)
+        txn_id = ""
+
+        def new_producer() -> KafkaProducer:
+            """A transactional producer under the next id (fencing the earlier generations)."""
+            nonlocal txn_id
+            if ids is not None:
+                txn_id, stale = ids.next()
+                fence(settings, stale)
+                ids.fenced(txn_id)
+            else:
+                txn_id = transactional_id(group, None)
+            prod = make_producer(
+                settings.kafka, transactional_id=txn_id, transaction_timeout_ms=s.transaction_timeout_ms,
+                batch_size=256 * 1024,  # a whole polled batch per partition in one produce request
+            )
+            try:
+                prod.init_transactions()
+            except BaseException:
+                close_quietly(prod)
+                raise
+            return prod
+
+        producer = new_producer()
         consumer = make_consumer(settings.kafka, group, max_poll_records=batch,
                                  max_poll_interval_ms=s.max_poll_interval_ms,
                                  group_instance_id=s.instance_id)
         dedup = RedisDedupStore(redis_client, settings.redis.key_prefix, s.dedup_ttl_s)
-        worker = IngestWorker(settings, consumer, producer, dedup, health, group, batch)
+        worker = IngestWorker(settings, consumer, producer, dedup, health, group, batch,
+                              new_producer=new_producer)
         worker.subscribe()
         log.info("ingest worker up: group %s, transactional id %s, %s -> %s / %s",
                  group, txn_id, settings.topics.raw, settings.topics.events, settings.topics.dlq)
@@ -453,6 +529,8 @@ def run_worker(
     finally:
         if consumer is not None:
             consumer.close(autocommit=False)
+        if worker is not None:
+            producer = worker.producer  # replaced after a failed transaction
         if producer is not None:
             producer.close(timeout=10)
         http.stop()

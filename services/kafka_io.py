@@ -12,7 +12,7 @@ from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 
 from services.settings import KafkaSettings, Settings, TopicSettings
 
@@ -97,3 +97,77 @@ def ensure_topics(settings: Settings, names: Iterable[str] | None = None) -> lis
         return missing
     finally:
         admin.close()
+
+
+# ---------------------------------------------------------------------- transactions with a deadline
+# kafka-python 3.0.12 waits for commit/abort/send_offsets without a deadline. After a broker
+# restart its transaction manager can fail inside the producer's I/O thread (an
+# OutOfOrderSequence on a batch that was in flight, then an invalid READY -> READY
+# transition) and never complete the request: the caller would block for good. These
+# helpers wait at most ``timeout_s`` and raise; the caller then replaces the producer.
+
+
+def _await(producer: KafkaProducer, result: Any, what: str, timeout_s: float) -> None:
+    producer._sender.wakeup()
+    if not result.wait(timeout_ms=int(timeout_s * 1000)):
+        raise KafkaTimeoutError(f"{what} did not complete in {timeout_s:.0f}s")
+
+
+def end_transaction(producer: KafkaProducer, commit: bool, timeout_s: float) -> None:
+    """``commit_transaction()`` (or ``abort_transaction()``) that gives up after ``timeout_s``."""
+    tm = getattr(producer, "_transaction_manager", None)
+    if tm is None:  # not kafka-python's producer (a test double): its own calls
+        producer.commit_transaction() if commit else producer.abort_transaction()
+        return
+    result = tm.begin_commit() if commit else tm.begin_abort()
+    _await(producer, result, "commit" if commit else "abort", timeout_s)
+
+
+def send_offsets(producer: KafkaProducer, offsets: Any, group_metadata: Any, timeout_s: float) -> None:
+    """``send_offsets_to_transaction`` that gives up after ``timeout_s``."""
+    tm = getattr(producer, "_transaction_manager", None)
+    if tm is None:
+        producer.send_offsets_to_transaction(offsets, group_metadata)
+        return
+    result = tm.send_offsets_to_transaction(offsets, group_metadata)
+    _await(producer, result, "send_offsets_to_transaction", timeout_s)
+
+
+def check_sent(producer: KafkaProducer, futures: Iterable[Any], timeout_s: float) -> None:
+    """Flush and raise the first send error. Commit only after this: after a broker restart
+    kafka-python can complete a commit although some of the transaction's batches failed."""
+    if hasattr(producer, "flush"):
+        producer.flush(timeout=timeout_s)
+    for fut in futures:
+        if fut is None:  # a test double's send
+            continue
+        if not fut.is_done:
+            raise KafkaTimeoutError(f"a send did not complete in {timeout_s:.0f}s")
+        if fut.failed():
+            raise fut.exception
+
+
+def close_quietly(producer: KafkaProducer | None) -> None:
+    """Close a producer that may be broken, without waiting for its buffered records."""
+    if producer is None:
+        return
+    try:
+        producer.close(timeout=0)
+    except Exception as exc:  # a broken producer may fail to close; it is dropped either way
+        log.info("closing a broken producer: %s", exc)
+
+
+class Backoff:
+    """Delays between retries of an unreachable dependency: 0.2 s doubling up to ``cap``."""
+
+    def __init__(self, first: float = 0.2, cap: float = 5.0) -> None:
+        self.first, self.cap = first, cap
+        self.delay = first
+
+    def next(self) -> float:
+        d = self.delay
+        self.delay = min(self.delay * 2, self.cap)
+        return d
+
+    def reset(self) -> None:
+        self.delay = self.first

@@ -24,6 +24,13 @@ BATCH_SECONDS = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 
+DEPENDENCY_RETRIES = Counter(
+    "rtrl_dependency_retries_total",
+    "Failed calls to a dependency (Kafka, Redis, MLflow) that the service retries by itself",
+    ["service", "dependency"],
+)
+"""Rising steadily: the dependency is down or flapping; the service keeps retrying with backoff."""
+
 # --- ingest ------------------------------------------------------------------------------
 INGEST_EVENTS = Counter("rtrl_ingest_events_total", "Raw events read by ingest", ["result"])
 """result: valid | rejected | duplicate"""

@@ -39,6 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
@@ -48,7 +49,17 @@ from ingest.events import Event, parse_event
 from ingest.join import Window, apply_batch, close, close_at
 from ingest.reward_spec import RewardSpec, load_spec
 from services import metrics as m
-from services.kafka_io import ensure_topics, make_consumer, make_producer, wait_for_broker
+from services.kafka_io import (
+    Backoff,
+    check_sent,
+    close_quietly,
+    end_transaction,
+    ensure_topics,
+    make_consumer,
+    make_producer,
+    send_offsets,
+    wait_for_broker,
+)
 from services.observability import Health, HttpEndpoints
 from services.redis_io import make_redis
 from services.reward_state import RedisJoinState
@@ -61,6 +72,8 @@ SERVICE = "reward"
 # Test-only fault injection: "<point>:<probability>", point in after_apply | mid_txn |
 # after_commit. The process SIGKILLs itself there, as an OOM kill or node loss would.
 _CRASH_ENV = "RTRL_TEST_REWARD_CRASH"
+TXN_TIMEOUT_S = 10.0
+"""Longest wait for a transaction's sends, offsets or commit before it counts as failed."""
 
 
 @dataclass
@@ -166,8 +179,8 @@ class RewardWorker:
             txid = f"{base}-{gen}"
         else:
             txid = f"rtrl-reward-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        if self.producer is not None:
-            self.producer.close(timeout=5)
+        close_quietly(self.producer)
+        self.producer = None
         self.producer = self._make_producer(txid)
         return txid
 
@@ -202,8 +215,7 @@ class RewardWorker:
         return sorted(tp.partition for tp in self.consumer.assignment() if tp.topic == self.s.topics.events)
 
     def run(self, stopper: Stopper) -> None:
-        while not stopper.stopping:
-            self.run_once()
+        run_loop(self, stopper)
 
     # ------------------------------------------------------------------ one iteration
     def run_once(self) -> BatchStats:
@@ -305,34 +317,44 @@ class RewardWorker:
         assert self.consumer is not None and self.producer is not None
         prod = self.producer
         prod.begin_transaction()
-        try:
-            self._futures = [
-                (o.partition, prod.send(self.s.topics.rewards, value=o.value, key=o.request_id.encode(),
-                                        partition=o.partition))
-                for o in out
-            ]
-            if out:
-                self._maybe_crash("mid_txn")
-            if offsets:
-                prod.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
-            prod.commit_transaction()
-        except KafkaError as exc:
-            log.warning("transaction failed (%s): aborting and rewinding to the committed offsets", exc)
-            self._abort_and_rewind()
-            raise _RetryError from exc
+        self._futures = [
+            (o.partition, prod.send(self.s.topics.rewards, value=o.value, key=o.request_id.encode(),
+                                    partition=o.partition))
+            for o in out
+        ]
+        if out:
+            self._maybe_crash("mid_txn")
+        check_sent(prod, (f for _, f in self._futures), TXN_TIMEOUT_S)
+        if offsets:
+            send_offsets(prod, offsets, self.consumer.group_metadata(), TXN_TIMEOUT_S)
+        end_transaction(prod, True, TXN_TIMEOUT_S)
         if out:
             self._maybe_crash("after_commit")
 
-    def _abort_and_rewind(self) -> None:
-        assert self.consumer is not None and self.producer is not None
-        self.producer.abort_transaction()  # a fatal error (fenced) raises here: exit, restart
-        self._open_producer()  # never commit again under the producer id that aborted
+    def reset_after_failure(self) -> None:
+        """After a failed iteration (Kafka or Redis unreachable, a transaction that failed):
+        abort the open transaction if any, replace the producer (never commit again under the
+        producer id that failed), rewind to the committed offsets, and recover every owned
+        partition from the rewards topic before applying anything (the failure may have come
+        between the Kafka commit and the Redis mark). Raises when a dependency is still
+        down; the caller retries with backoff."""
+        assert self.consumer is not None
+        if self.producer is not None:
+            try:
+                end_transaction(self.producer, False, 5.0)
+            except Exception as exc:  # nothing open, or the producer is broken: it is replaced anyway
+                log.info("abort before replacing the producer: %s", exc)
+            close_quietly(self.producer)
+            self.producer = None
+        txid = self._open_producer()
         for tp in self.consumer.assignment():
             committed = self.consumer.committed(tp)
             if committed is None:
                 self.consumer.seek_to_beginning(tp)
             else:
                 self.consumer.seek(tp, committed)
+        self.pending_recovery.update(self.owned())
+        log.info("reward worker reconnected: transactional id %s, rewound to the committed offsets", txid)
 
     def _checkpoints(self, out: list[_Outgoing]) -> dict[int, int]:
         if not out:
@@ -363,6 +385,10 @@ class RewardWorker:
                         f"rewards partition {p} keeps an open transaction (LSO {lso} < HW {hw})")
                 self.health.beat()
                 time.sleep(0.2)
+            if start > lso:
+                log.error("rewards partition %d ends at offset %d, below the checkpoint %d: the broker "
+                          "lost reward records it had acknowledged (their requests stay marked emitted)",
+                          p, lso, start)
             found: list[str] = []
             if start < lso:
                 rc.assign([tp])
@@ -407,8 +433,38 @@ class RewardWorker:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _RetryError(Exception):
-    """The batch's transaction was aborted and the consumer rewound; the loop goes on."""
+RETRIABLE = (KafkaError, redis.RedisError, OSError)
+"""Errors of an unreachable or restarting broker or Redis: the worker retries, never exits."""
+
+
+def run_loop(worker: RewardWorker, stopper: Stopper) -> None:
+    """``run_once`` until stopped. A Kafka or Redis failure (broker or Redis restarting, a
+    transaction that failed) does not end the process: the worker resets (new producer,
+    rewind, recovery from the rewards topic) and retries with backoff (0.2 s doubling to 5 s)."""
+    backoff = Backoff()
+    failing = False
+    down_since = 0.0
+    while not stopper.stopping:
+        try:
+            if failing:
+                worker.reset_after_failure()
+            worker.run_once()
+        except RETRIABLE as exc:
+            dep = "redis" if isinstance(exc, redis.RedisError) else "kafka"
+            worker._ok[dep] = False
+            m.DEPENDENCY_RETRIES.labels(SERVICE, dep).inc()
+            if not failing:
+                down_since = time.monotonic()
+            failing = True
+            worker.health.beat()  # alive and retrying; readiness says what fails
+            delay = backoff.next()
+            log.warning("%s unavailable (%s: %s); retrying in %.1fs", dep, type(exc).__name__, exc, delay)
+            stopper.wait(delay)
+            continue
+        if failing:
+            log.info("dependencies answer again after %.1fs of failures", time.monotonic() - down_since)
+            failing = False
+            backoff.reset()
 
 
 def _parse_crash(spec: str | None) -> tuple[str, float] | None:
@@ -453,11 +509,7 @@ def main(argv: list[str]) -> int:
     worker = RewardWorker(settings, spec, health)
     try:
         worker.start()
-        while not stopper.stopping:
-            try:
-                worker.run_once()
-            except _RetryError:
-                continue
+        run_loop(worker, stopper)
         log.info("stopping: last batch committed")
     finally:
         worker.close()

@@ -120,6 +120,7 @@ def _events_by_id(settings: Settings, expect: int) -> Counter[str]:
     return Counter(parse_event(r.value).event_id for r in recs)
 
 
+@pytest.mark.reliability  # also part of scripts/reliability (trainer, deployer and worker kills)
 def test_kill_9_mid_stream_then_restart_forwards_every_event_exactly_once(
     settings: Settings, tmp_path: Path
 ) -> None:

@@ -66,6 +66,7 @@ def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.reliability  # also part of scripts/reliability (trainer, deployer and worker kills)
 def test_exactly_one_reward_per_request_across_sigkills(settings: Settings, tmp_path: Path) -> None:
     rng = random.Random(11)
     edits = [f"e{i}" for i in range(300)]

@@ -28,6 +28,7 @@ REQUIRED_ALERTS = {
     "RtrlCanaryStuck",
     "RtrlRewardHackingDetected",
     "RtrlGatewayErrorRateHigh",
+    "RtrlDependencyUnavailable",
 }
 ALERT_FILES = sorted(ct.ALERTS.glob("*.yaml"))
 
