@@ -54,6 +54,13 @@ class _EventBase(_Model):
     def _to_utc(cls, v: datetime) -> datetime:
         return v.astimezone(UTC)
 
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _not_a_bool(cls, v: object) -> object:
+        if isinstance(v, bool):  # JSON true is not version 1, though True == 1 in Python
+            raise ValueError(f"schema_version must be the number {SCHEMA_VERSION}, not a boolean")
+        return v
+
 
 class CompletionServed(_EventBase):
     """Emitted by the serving layer (the gateway) once per completion."""
@@ -156,8 +163,12 @@ class RewardRecord(_Model):
 
 
 def parse_event(data: bytes | str) -> Event:
-    """Parse and validate one event from JSON; raises pydantic.ValidationError."""
-    return EVENT_ADAPTER.validate_json(data)
+    """Parse and validate one event from JSON; raises pydantic.ValidationError.
+
+    Strict, as the JSON Schema is: a count sent as ``"3"`` or ``true``, a number as a
+    string, or ``ts`` as epoch seconds is a wrong type, not something to coerce.
+    """
+    return EVENT_ADAPTER.validate_json(data, strict=True)
 
 
 def event_json_schema() -> dict[str, object]:

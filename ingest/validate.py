@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ingest.auth import AuthPolicy, Headers, authenticate
-from ingest.events import EVENT_ADAPTER, SCHEMA_VERSION, Event
+from ingest.events import SCHEMA_VERSION, Event, parse_event
 
 REASONS = (
     "oversized", "not_utf8", "bad_json", "not_object", "unknown_schema_version", "unknown_type",
@@ -78,7 +78,7 @@ def validate(
     if failure is not None:
         return Rejected(failure.reason, failure.detail)
     try:
-        event = EVENT_ADAPTER.validate_json(data)
+        event = parse_event(data)
     except ValidationError as exc:
         return classify_errors(data, exc)
     except Exception as exc:  # the parser must never take the worker down
@@ -112,7 +112,7 @@ def classify_errors(data: bytes, exc: ValidationError) -> Rejected:
            for e in errors):
         return Rejected("not_object", "the value must be a JSON object")
     version = _schema_version(data)
-    if version is not _ABSENT and version != SCHEMA_VERSION:
+    if version is not _ABSENT and (isinstance(version, bool) or version != SCHEMA_VERSION):
         return Rejected("unknown_schema_version",
                         f"schema_version {str(version)[:40]!r} is not supported (expected {SCHEMA_VERSION})")
     if "union_tag_not_found" in types:

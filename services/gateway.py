@@ -71,6 +71,15 @@ def _error(code: int, message: str) -> Response:
     return _json(code, {"error": message})
 
 
+def is_json_media_type(content_type: str | None) -> bool:
+    """True for ``application/json`` (any parameters, e.g. charset) and ``application/*+json``.
+    A request without a Content-Type is taken as JSON: many clients send none."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def validation_message(exc: ValidationError) -> str:
     """One readable line from a pydantic error: 'malformed JSON: ...' or 'field: problem; ...'."""
     errors = exc.errors(include_url=False)
@@ -109,7 +118,8 @@ class Gateway:
         self._registry = registry
 
     # ----------------------------------------------------------------- routing
-    def handle(self, method: str, path: str, body: bytes) -> Response:
+    def handle(self, method: str, path: str, body: bytes, content_type: str | None = None) -> Response:
+        """``content_type``: the request's Content-Type header (None when absent)."""
         path = path.split("?", 1)[0]
         routes: dict[str, tuple[str, Callable[[bytes], Response]]] = {
             "/v1/completions": ("POST", self.complete),
@@ -123,6 +133,9 @@ class Gateway:
         allowed, fn = routes[path]
         if method != allowed:
             return _error(405, f"{method} not allowed on {path}; use {allowed}")
+        if method == "POST" and content_type and not is_json_media_type(content_type):
+            GATEWAY_REQUESTS.labels("none", "none", "415").inc()
+            return _error(415, f"unsupported Content-Type {content_type[:100]!r}; send application/json")
         return fn(body)
 
     def metrics(self) -> Response:
@@ -297,7 +310,7 @@ def _handler(server: GatewayServer) -> type[BaseHTTPRequestHandler]:
                 return _error(413, f"request body of {length} bytes exceeds the limit of {max_body}")
             body = self.rfile.read(length) if length > 0 else b""
             try:
-                return gateway.handle(self.command, self.path, body)
+                return gateway.handle(self.command, self.path, body, self.headers.get("Content-Type"))
             except Exception as exc:  # a bug must not kill the connection thread silently
                 log.exception("unhandled error on %s %s", self.command, self.path)
                 GATEWAY_ERRORS.labels("none", "none", "internal").inc()

@@ -179,3 +179,16 @@ def test_completion_kind() -> None:
     assert post(gw, REQ)[1]["completion_kind"] == "question"
     gw, _ = make(FakeBackend([1]))
     assert post(gw, REQ)[1]["completion_kind"] == "empty"
+
+
+@pytest.mark.parametrize(("content_type", "code"), [
+    (None, 200), ("application/json", 200), ("application/json; charset=utf-8", 200),
+    ("Application/JSON", 200), ("application/vnd.api+json", 200),
+    ("text/plain", 415), ("application/x-www-form-urlencoded", 415), ("multipart/form-data; b=x", 415),
+])
+def test_content_type_must_be_json_when_given(content_type: str | None, code: int) -> None:
+    gw, _ = make(FakeBackend())
+    resp = gw.handle("POST", "/v1/completions", json.dumps(REQ).encode(), content_type)
+    assert resp.code == code
+    if code == 415:
+        assert "application/json" in json.loads(resp.body)["error"]
