@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from deployer.registry import Tag
+from deployer.registry import OUTCOME_RUNNING, Tag
 
 TAG_GATE = Tag.GATE_RESULT
 TAG_OUTCOME = Tag.CANARY_OUTCOME
@@ -31,7 +31,7 @@ TAG_DECIDED_AT = "rtrl.decided_at"
 CONTROLLER = "controller"
 """``decided_by`` for decisions the controller took by itself."""
 
-OUTCOME_RUNNING = "running"
+
 OUTCOMES = ("promoted", "rolled_back", "aborted")
 """Final outcomes; the decision tag says promote / rollback / abort respectively."""
 DECISION_OF = {"promoted": "promote", "rolled_back": "rollback", "aborted": "abort"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -27,6 +28,8 @@ CANDIDATE = "candidate"
 PREVIOUS = "previous"
 """The champion before the current one."""
 ALIASES = (CHAMPION, CANDIDATE, PREVIOUS)
+OUTCOME_RUNNING = "running"
+"""``rtrl.canary.outcome`` of a version whose canary is in progress."""
 
 
 class Tag:
@@ -44,11 +47,50 @@ class Tag:
     GATE_REASONS = "rtrl.gate.reasons"
     """JSON list of the checks that failed (empty on pass) and the gate's figures."""
     CANARY_OUTCOME = "rtrl.canary.outcome"
+    """``running`` while under canary, then promoted | rolled_back | aborted."""
     DECISION = "rtrl.decision"
     DECISION_REASON = "rtrl.decision.reason"
     DECIDED_BY = "rtrl.decided_by"
     RUN_ID = "rtrl.run_id"
     """The MLflow run that produced the version (the fake stores what it is given)."""
+
+
+def candidate_in_flight(registry: Registry) -> str | None:
+    """The candidate version whose canary is not decided yet, or None.
+
+    The deployer tags a version ``rtrl.canary.outcome=running`` when its canary starts and
+    with the outcome when it decides it, so an alias on a version without an outcome (pending)
+    or with ``running`` (under canary) is in flight. Moving the alias then would abort that
+    canary; with a cadence shorter than a canary nothing could ever be promoted.
+    """
+    held = registry.alias_version(CANDIDATE)
+    if held is None or registry.get_tags(held).get(Tag.CANARY_OUTCOME, OUTCOME_RUNNING) != OUTCOME_RUNNING:
+        return None
+    return held
+
+
+class LockUnavailableError(RuntimeError):
+    """The lock that serialises alias writers could not be taken (held too long, or its
+    store is unreachable)."""
+
+
+def offer_candidate(
+    registry: Registry, version: str, lock: AbstractContextManager[object] | None = None
+) -> str | None:
+    """Point ``candidate`` at ``version`` unless another undecided candidate holds it.
+
+    Returns None when offered, else the version that holds the alias. Every writer of the
+    alias (the trainer, ``rtrl demo``'s injected candidate) goes through this under the same
+    ``lock`` (the Redis one in production: :class:`deployer.adapters.redis_state.RedisLock`),
+    so two writers can never both see a free alias and overwrite each other's candidate.
+    Raises :class:`LockUnavailableError` when the lock cannot be taken (nothing is moved).
+    """
+    with lock if lock is not None else nullcontext():
+        held = candidate_in_flight(registry)
+        if held is not None and held != version:
+            return held
+        registry.set_alias(CANDIDATE, version)
+        return None
 
 
 @runtime_checkable

@@ -31,16 +31,18 @@ class Stopper:
         return self._event.wait(timeout)
 
     def install(self) -> Stopper:
-        def handler(signum: int, _frame: FrameType | None) -> None:
-            if self._event.is_set():
-                logging.getLogger("rtrl").warning("already stopping (signal %s)", signum)
-            else:
-                logging.getLogger("rtrl").info("signal %s: finishing the current batch", signum)
-            self._event.set()
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        """Take SIGTERM and SIGINT (main thread only); calling it again takes them back from
+        a library that replaced them."""
+        signal.signal(signal.SIGTERM, self._handler)
+        signal.signal(signal.SIGINT, self._handler)
         return self
+
+    def _handler(self, signum: int, _frame: FrameType | None) -> None:
+        if self._event.is_set():
+            logging.getLogger("rtrl").warning("already stopping (signal %s)", signum)
+        else:
+            logging.getLogger("rtrl").info("signal %s: finishing the current batch", signum)
+        self._event.set()
 
 
 def setup_logging(level: str = "INFO", service: str = "rtrl") -> None:

@@ -90,6 +90,14 @@ class MlflowSettings(_Frozen):
     registered_model: str = "rtrl-policy"
     training_experiment: str = "rtrl-training"
     deployments_experiment: str = "rtrl-deployments"
+    http_timeout_s: Annotated[int, Field(ge=1)] = 20
+    """Timeout of one MLflow HTTP request (MLFLOW_HTTP_REQUEST_TIMEOUT) in the trainer and the
+    deployer. MLflow's own default is 120 s."""
+    http_max_retries: Annotated[int, Field(ge=0)] = 0
+    """Retries inside the MLflow client (MLFLOW_HTTP_REQUEST_MAX_RETRIES) in the trainer and the
+    deployer. They retry by themselves (``trainer.registry_retry_s``, the deployer's next tick), so
+    the client's own are off: MLflow's default (7, exponential backoff) holds one call ~4 min and
+    replays POSTs. An MLFLOW_HTTP_REQUEST_* variable set in the environment wins over both."""
 
 
 class RaySettings(_Frozen):
@@ -226,6 +234,9 @@ class TrainerSettings(_Frozen):
     """Samples per advantage group (same-prompt groups when prompts repeat)."""
     normalize_std: bool = False
     """Divide advantages by the group's reward standard deviation (off: Dr. GRPO)."""
+    train_on: Literal["champions", "all"] = "champions"
+    """``champions``: learn only from completions served by versions that were champion; the
+    records of canaries rolled back, aborted or undecided are consumed but not trained on."""
     batch_size: Annotated[int, Field(ge=1)] = 32
     epochs: Annotated[int, Field(ge=1)] = 1
     """Passes over the window (1: each record trained once)."""
@@ -246,6 +257,10 @@ class TrainerSettings(_Frozen):
     cadence costs throughput: with steps of ~0.15 s, every 10 steps the job ran at 0.83 of
     the plain loop, every 50 at 1.07 (docs/benchmarks.md). A kill loses at most this many
     steps of work."""
+    registry_retry_s: Annotated[float, Field(ge=0.0)] = 300.0
+    """After training, each MLflow call (step metrics, register, offer the candidate, close the
+    run) is retried for this long (backoff 1 s doubling to 15 s) before the increment fails with
+    its window pending; the next run then registers it. A window never gets two versions."""
     stop_grace_s: Annotated[float, Field(ge=0.0)] = 60.0
     """On SIGTERM, wait this long for a running increment to finish; after that the process
     exits and the next run resumes the same window from its last checkpoint."""
@@ -370,6 +385,9 @@ class DemoSettings(_Frozen):
     """Wall-clock budget of the loop phase (the whole demo stays under ~15 minutes)."""
     increments: Annotated[int, Field(ge=1)] = 4
     """Stop early once this many trainer increments have been decided by the deployer."""
+    until_promoted: bool = False
+    """Count only promoted increments towards ``increments`` (the e2e test: run until the loop
+    has promoted one by itself, within the time budget)."""
     time_scale: Annotated[float, Field(gt=0.0)] = 0.005
     """Time compression of reward windows and simulated users (1 h -> 18 s at 0.005)."""
     trainer_cadence_s: Annotated[float, Field(gt=0.0)] = 150.0

@@ -51,6 +51,7 @@ def increment_config(settings: Settings) -> IncrementConfig:
         heldout_fraction=t.heldout_fraction,
         group_size=t.group_size,
         normalize_std=t.normalize_std,
+        train_on=t.train_on,
         loop=LoopConfig(
             batch_size=t.batch_size, epochs=t.epochs, lr=t.lr, max_grad_norm=t.max_grad_norm,
             seed=t.seed, checkpoint_every=t.checkpoint_every,
@@ -58,6 +59,7 @@ def increment_config(settings: Settings) -> IncrementConfig:
                                       truncate_is=t.truncate_is, kl_coef=t.kl_coef),
         ),
         gate=GateConfig(**t.gate.model_dump()),
+        registry_retry_s=t.registry_retry_s,
     )
 
 
@@ -101,26 +103,34 @@ def increment_lock(data_dir: Path) -> Iterator[None]:
 
 def run_once(settings: Settings, job: TrainJob | None = None) -> Outcome:
     """One increment against the configured stack, with metrics. Raises on failure."""
+    from deployer.adapters.redis_state import candidate_lock
     from services.kafka_io import ensure_topics
+    from services.mlflow_http import bound_mlflow_http
+    from services.redis_io import make_redis
     from trainer.adapters.kafka_rewards import KafkaRewardLog
     from trainer.adapters.mlflow_runs import MlflowRunTracker
 
     t = settings.trainer
+    bound_mlflow_http(settings.mlflow)
     with increment_lock(t.data_dir):
         metrics.TRAIN_RUNNING.set(1)
         t0 = time.monotonic()
         ensure_topics(settings, [settings.topics.rewards])
         rewards = KafkaRewardLog(settings.kafka, settings.topics.rewards, t.consumer_group)
+        r = make_redis(settings.redis)
         try:
             outcome = run_increment(
                 increment_config(settings), rewards, registry_from(settings), job or ray_job(settings),
                 MlflowRunTracker(settings.mlflow.tracking_uri, settings.mlflow.training_experiment),
                 PendingWindow(t.data_dir / "pending_window.json"), t.data_dir / "work",
+                offer_lock=candidate_lock(r, settings.redis.key_prefix),
+                on_registry_retry=lambda _exc: metrics.DEPENDENCY_RETRIES.labels("trainer", "mlflow").inc(),
             )
         except BaseException:
             metrics.TRAIN_INCREMENTS.labels(outcome="failed").inc()
             raise
         finally:
+            r.close()
             rewards.close()
             metrics.TRAIN_RUNNING.set(0)
         metrics.TRAIN_INCREMENTS.labels(outcome=outcome.status).inc()

@@ -27,7 +27,7 @@ from services import metrics
 from services.observability import Health, HttpEndpoints
 from services.runtime import Stopper, setup_logging
 from services.settings import Settings, get_settings
-from services.trainer_cli import BusyError, describe, run_once
+from services.trainer_cli import BusyError, _shutdown_ray, describe, run_once
 
 log = logging.getLogger("rtrl.trainer")
 JOB_ID = "rtrl-increment"
@@ -105,6 +105,10 @@ def main(argv: list[str]) -> int:
     if updates:
         settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update=updates)})
     setup_logging(settings.log_level, "trainer")
+    # Ray's driver installs abseil's C++ failure-signal handler for SIGTERM at the OS level:
+    # it replaces ours and arms a 3 s abort timer, so a graceful stop died of SIGABRT when the
+    # signal came after an increment had started Ray. This process owns SIGTERM.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     metrics.BUILD_INFO.info({"service": "trainer"})
     metrics.TRAIN_CADENCE.set(settings.trainer.interval_s)
 
@@ -133,17 +137,33 @@ def main(argv: list[str]) -> int:
     if abandoned:
         log.warning("the running increment did not finish within %.0fs; its window stays pending "
                     "and the next run resumes it", settings.trainer.stop_grace_s)
+        stopped = _terminate_local_ray()
+        log.info("stopped %d local Ray processes; exiting", stopped)
         logging.shutdown()
         os._exit(0)  # the scheduler's worker thread would otherwise hold the interpreter open
     _shutdown_ray()
     return 0
 
 
-def _shutdown_ray() -> None:
+def _terminate_local_ray() -> int:
+    """SIGTERM the processes of the local Ray node this process started (none when it joined
+    a cluster); the raylet stops its workers. This process's own Ray driver is left alone:
+    ray.shutdown() while the increment's thread still waits in ray.get tears the driver down
+    under it, and Ray then ends the process with exit code 1 as soon as that thread touches
+    an object reference. Returns how many processes were signalled."""
     import sys
 
-    if "ray" in sys.modules:
-        import ray
+    if "ray" not in sys.modules:
+        return 0
+    from ray._private import worker as ray_worker
 
-        if ray.is_initialized():
-            ray.shutdown()
+    node = getattr(ray_worker, "_global_node", None)
+    if node is None:
+        return 0
+    signalled = 0
+    for infos in list(node.all_processes.values()):
+        for info in infos:
+            if info.process.poll() is None:
+                info.process.terminate()
+                signalled += 1
+    return signalled

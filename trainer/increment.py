@@ -14,6 +14,13 @@
 A crash between registering and committing is repaired on the next run: the pending window
 is found on a registered version's ``rtrl.window`` tag, so its cut is committed instead of
 training the window again.
+
+The registry calls after training (step metrics, register, offer, close the run) are retried
+with a bounded backoff, up to ``registry_retry_s`` per call, so a registry outage shorter than
+that costs a wait, not the training. Before registering again after a failed attempt the
+window's version is looked up first (the failed attempt may have registered it), so a window
+never gets two versions. An outage outlasting the budget fails the increment with the window
+pending, and the next run registers it.
 """
 
 from __future__ import annotations
@@ -22,23 +29,33 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import torch
 from torch.optim import Optimizer
 
-from deployer.registry import CANDIDATE, CHAMPION, Registry, Tag
+from deployer.registry import CHAMPION, LockUnavailableError, Registry, Tag, offer_candidate
 from ingest.events import RewardRecord
 from trainer.gate import GateConfig, GateResult, HeldoutScore, evaluate
 from trainer.loop import LoopConfig, Sample
 from trainer.objective import assign_groups, group_advantages, reward_stats
 from trainer.policy import TrainablePolicy, load_policy
-from trainer.window import PendingWindow, RewardLog, Window, parse_records, resume_or_plan, skip_reason
+from trainer.window import (
+    PendingWindow,
+    RewardLog,
+    Window,
+    keep_served_by,
+    parse_records,
+    resume_or_plan,
+    skip_reason,
+)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------ ports
@@ -95,8 +112,15 @@ class IncrementConfig:
     heldout_fraction: float = 0.1
     group_size: int = 8
     normalize_std: bool = False
+    train_on: Literal["champions", "all"] = "champions"
+    """``champions``: learn only from completions served by versions that were champion (the
+    bootstrap, promoted versions, the current champion); records of canaries that were rolled
+    back, aborted or are still undecided are consumed but not trained on. ``all``: every record."""
     loop: LoopConfig = field(default_factory=LoopConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    registry_retry_s: float = 300.0
+    """How long each registry call after training is retried (backoff 1 s doubling to 15 s)
+    before the increment fails with its window pending."""
 
 
 Status = Literal["success", "skipped", "failed"]
@@ -167,6 +191,37 @@ def summarize(history: Sequence[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+class Retrying:
+    """Calls a registry operation until it succeeds or ``budget_s`` has passed since its
+    first failure (backoff 1 s, doubling, at most 15 s). ``failures`` counts failed attempts
+    of every operation; ``on_retry`` is told about each one that will be retried."""
+
+    def __init__(self, budget_s: float, on_retry: Callable[[BaseException], None] | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.budget_s, self.on_retry, self.sleep = budget_s, on_retry, sleep
+        self.failures = 0
+
+    def __call__(self, what: str, fn: Callable[[], T]) -> T:
+        deadline: float | None = None
+        pause = 1.0
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                self.failures += 1
+                now = time.monotonic()
+                deadline = now + self.budget_s if deadline is None else deadline
+                if now >= deadline:
+                    log.error("registry: could not %s within %.0fs: %s", what, self.budget_s, exc)
+                    raise
+                log.warning("registry: could not %s (%s: %s); retrying in %.0fs", what,
+                            type(exc).__name__, str(exc)[:200], min(pause, deadline - now))
+                if self.on_retry is not None:
+                    self.on_retry(exc)
+                self.sleep(min(pause, deadline - now))
+                pause = min(15.0, pause * 2)
+
+
 def registered_window_version(registry: Registry, window_id: str, look_back: int = 20) -> str | None:
     """The version (among the newest ``look_back``) trained on window ``window_id``."""
     for version in reversed(registry.versions()[-look_back:]):
@@ -179,20 +234,6 @@ def registered_window_version(registry: Registry, window_id: str, look_back: int
 # ------------------------------------------------------------------ the increment
 
 
-def candidate_in_flight(registry: Registry) -> str | None:
-    """The candidate version whose canary is not decided yet, or None.
-
-    The deployer removes the ``candidate`` alias when it decides a canary and tags the
-    version's outcome, so an alias on a version without an outcome is pending or under
-    canary. Moving the alias then would abort that canary; with a cadence shorter than a
-    canary nothing could ever be promoted.
-    """
-    held = registry.alias_version(CANDIDATE)
-    if held is None or registry.get_tags(held).get(Tag.CANARY_OUTCOME):
-        return None
-    return held
-
-
 def run_increment(
     cfg: IncrementConfig,
     rewards: RewardLog,
@@ -201,9 +242,13 @@ def run_increment(
     runs: RunTracker,
     pending: PendingWindow,
     workdir: Path,
+    offer_lock: AbstractContextManager[object] | None = None,
+    on_registry_retry: Callable[[BaseException], None] | None = None,
 ) -> Outcome:
     """One increment. Returns ``skipped`` or ``success``; raises when training or the
-    registry fails (the pending window is then retried by the next run)."""
+    registry fails (the pending window is then retried by the next run). ``offer_lock``
+    serialises the writers of the ``candidate`` alias (see :func:`offer_candidate`);
+    ``on_registry_retry`` is called for each failed registry call that is retried."""
     t0 = time.monotonic()
     parent = registry.alias_version(CHAMPION)
     if parent is None:
@@ -218,10 +263,12 @@ def run_increment(
 
     window, retry = resume_or_plan(cfg.topic, rewards, stale, cfg.max_records)
     parsed = parse_records((v for _, _, v in rewards.read(window)), cfg.heldout_fraction)
+    if cfg.train_on == "champions":
+        parsed = keep_served_by(parsed, served_as_champion(registry, parent))
     window = window.with_counts(len(parsed.train) + len(parsed.heldout), parsed.invalid, len(parsed.heldout))
-    log.info("window %s%s: %d records (%d held out, %d invalid) over %d offsets",
-             window.id, " (retry)" if retry else "", window.records, window.heldout, window.invalid,
-             window.offsets)
+    log.info("window %s%s: %d records (%d held out, %d invalid, %d from versions never champion) "
+             "over %d offsets", window.id, " (retry)" if retry else "", window.records, window.heldout,
+             window.invalid, parsed.excluded, window.offsets)
     reason = skip_reason(window, len(parsed.train), cfg.min_records)
     if reason is not None:
         skip_tags = {"rtrl.outcome": "skipped", "rtrl.skip_reason": reason,
@@ -245,11 +292,12 @@ def run_increment(
     }
     run_tags = {**lineage, "rtrl.retry": str(retry)}
     run_id = runs.start(f"increment-{window.id}", _params(cfg, len(samples)), run_tags)
+    retrying = Retrying(cfg.registry_retry_s, on_registry_retry)
     try:
         t_train = time.monotonic()
         result = job.run(TrainRequest(f"increment-{window.id}", parent_dir, samples, cfg.loop, workdir))
         train_s = time.monotonic() - t_train
-        runs.log_steps(run_id, result.history)
+        retrying("log the training steps", lambda: runs.log_steps(run_id, result.history))
         stats = {**summarize(result.history), **rstats}
 
         candidate = load_policy(result.policy_dir)
@@ -259,29 +307,70 @@ def run_increment(
             cfg.gate,
         )
         tags = {**lineage, Tag.GATE_RESULT: gate.result, Tag.GATE_REASONS: gate.reasons_json()}
-        version = registry.register(run_id, result.policy_dir, tags)
+
+        def register_once() -> str:
+            if retrying.failures:  # a failed attempt may have registered the window already
+                done = registered_window_version(registry, window.id)
+                if done is not None:
+                    return done
+            return registry.register(run_id, result.policy_dir, tags)
+
+        version = retrying("register the candidate", register_once)
         if gate.passed:
-            held = candidate_in_flight(registry)
-            if held is None:
-                registry.set_alias(CANDIDATE, version)
-            else:
-                log.info("version %s passed the gate but v%s is still under canary: the candidate "
-                         "alias stays; a later increment offers a fresher candidate", version, held)
+            retrying("offer the candidate", lambda: _offer(registry, version, offer_lock))
         rewards.commit(window)
         pending.clear()
     except BaseException:
-        runs.finish(run_id, "FAILED", {}, {"rtrl.outcome": "failed"})
+        try:
+            runs.finish(run_id, "FAILED", {}, {"rtrl.outcome": "failed"})
+        except Exception as exc:  # the registry may be what failed; keep the original error
+            log.warning("could not mark run %s failed: %s: %s", run_id, type(exc).__name__, exc)
         raise
     total_s = time.monotonic() - t0
     timings = {"total_s": total_s, "train_s": train_s, "steps_s": stats.get("steps_seconds", 0.0)}
-    runs.finish(run_id, "FINISHED",
-                {**stats, **{f"gate_{k}": v for k, v in gate.figures.items()}, **timings},
-                {"rtrl.outcome": "success", "rtrl.version": version, Tag.GATE_RESULT: gate.result})
+    try:
+        retrying("close the training run", lambda: runs.finish(
+            run_id, "FINISHED", {**stats, **{f"gate_{k}": v for k, v in gate.figures.items()}, **timings},
+            {"rtrl.outcome": "success", "rtrl.version": version, Tag.GATE_RESULT: gate.result}))
+    except Exception:  # registered and committed: the increment did its work
+        log.exception("version %s is registered and its window committed, but run %s was not closed",
+                      version, run_id)
     log.info("increment %s -> version %s (gate %s%s) in %.1fs", window.id, version, gate.result,
              "" if gate.passed else f": {'; '.join(gate.reasons)}", total_s)
     return Outcome("success", "" if gate.passed else "; ".join(gate.reasons), window=window, version=version,
                    parent=parent, run_id=run_id, gate=gate, stats=stats, timings=timings,
                    resumed_from_step=result.resumed_from_step)
+
+
+def served_as_champion(registry: Registry, champion: str) -> Callable[[str], bool]:
+    """Whether a version has served as champion: the current one, a bootstrap or a promoted
+    version (looked up once per version)."""
+    seen: dict[str, bool] = {champion: True}
+
+    def keep(version: str) -> bool:
+        if version not in seen:
+            try:
+                tags = registry.get_tags(version)
+            except KeyError:
+                tags = {}
+            seen[version] = tags.get(Tag.KIND) == "bootstrap" or tags.get(Tag.CANARY_OUTCOME) == "promoted"
+        return seen[version]
+
+    return keep
+
+
+def _offer(registry: Registry, version: str, lock: AbstractContextManager[object] | None) -> None:
+    """Offer a version that passed the gate as the candidate. A canary in flight keeps the
+    alias (moving it would abort that canary), and so does a lock that cannot be taken: a
+    later increment offers a fresher candidate either way."""
+    try:
+        held = offer_candidate(registry, version, lock)
+    except LockUnavailableError as exc:
+        log.warning("version %s passed the gate but was not offered as candidate: %s", version, exc)
+        return
+    if held is not None:
+        log.info("version %s passed the gate but v%s is still under canary: the candidate "
+                 "alias stays; a later increment offers a fresher candidate", version, held)
 
 
 def _params(cfg: IncrementConfig, n: int) -> dict[str, str]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -150,6 +150,8 @@ class ParsedWindow:
     train: list[RewardRecord] = field(default_factory=list)
     heldout: list[RewardRecord] = field(default_factory=list)
     invalid: int = 0
+    excluded: int = 0
+    """Valid records left out of training by :func:`keep_served_by`."""
 
 
 def parse_records(
@@ -169,6 +171,15 @@ def parse_records(
             continue
         (out.heldout if is_heldout(rec.request_id, heldout_fraction, salt) else out.train).append(rec)
     return out
+
+
+def keep_served_by(parsed: ParsedWindow, keep: Callable[[str], bool]) -> ParsedWindow:
+    """Drop the records served by a version ``keep`` rejects (by ``model.version``), from both
+    splits, counting them in ``excluded``."""
+    train = [r for r in parsed.train if keep(r.model.version)]
+    heldout = [r for r in parsed.heldout if keep(r.model.version)]
+    dropped = len(parsed.train) + len(parsed.heldout) - len(train) - len(heldout)
+    return ParsedWindow(train, heldout, parsed.invalid, parsed.excluded + dropped)
 
 
 def is_heldout(request_id: str, fraction: float, salt: str = "rtrl-heldout") -> bool:

@@ -5,17 +5,20 @@ the controller lease and the operator command queue. Keys (``p`` = ``key_prefix`
     {p}deployer:status     JSON CanaryStatus, written after every tick
     {p}deployer:lease      owner id of the one controller allowed to act (expires)
     {p}deployer:commands   list of JSON operator commands, oldest first
+    {p}registry:candidate-lock  held while a writer checks and moves the candidate alias
 """
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any, cast
 
 import redis
 
 from deployer.canary import CanaryStatus, Command
+from deployer.registry import LockUnavailableError
 from deployer.routing import routing_keys
 
 _RENEW = """
@@ -125,3 +128,38 @@ class ControllerState:
 
 class LeaseLostError(RuntimeError):
     """Another controller holds the lease."""
+
+
+class RedisLock:
+    """A short mutual-exclusion lock in Redis (``SET NX PX`` with an owner token, released
+    only by its owner). Reusable: each ``with`` takes it anew. Serialises the writers of the
+    ``candidate`` alias (:func:`deployer.registry.offer_candidate`); the expiry bounds how long
+    a writer that died holding it blocks the others."""
+
+    def __init__(self, client: redis.Redis, key: str, ttl_s: float = 30.0, wait_s: float = 60.0) -> None:
+        self.r, self.key, self.ttl_ms, self.wait_s = client, key, max(1, int(ttl_s * 1000)), wait_s
+        self._token: str | None = None
+
+    def __enter__(self) -> RedisLock:
+        token, deadline, pause = uuid.uuid4().hex, time.monotonic() + self.wait_s, 0.01
+        try:
+            while not self.r.set(self.key, token, nx=True, px=self.ttl_ms):
+                if time.monotonic() > deadline:
+                    raise LockUnavailableError(f"{self.key} held by another writer for over {self.wait_s:g}s")
+                time.sleep(pause)
+                pause = min(0.5, pause * 2)
+        except redis.RedisError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            raise LockUnavailableError(f"{self.key}: Redis unavailable ({why})") from exc
+        self._token = token
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        token, self._token = self._token, None
+        if token is not None:
+            self.r.eval(_RELEASE, 1, self.key, token)
+
+
+def candidate_lock(client: redis.Redis, prefix: str) -> RedisLock:
+    """The lock every writer of the ``candidate`` alias holds while it checks and moves it."""
+    return RedisLock(client, f"{prefix}registry:candidate-lock")

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from deployer_helpers import deployer_settings, feed_rewards, register_versions
 
@@ -58,6 +59,7 @@ def wait_for(what: str, fn: Any, timeout_s: float = 120.0) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.reliability  # also part of scripts/reliability (trainer, deployer and worker kills)
 def test_killed_deployer_resumes_the_same_phase(settings: Settings, tmp_path: Path) -> None:
     cwd = Path.cwd()
     os.chdir(tmp_path)  # the sqlite store puts artifacts under ./mlruns

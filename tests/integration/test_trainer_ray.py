@@ -158,6 +158,7 @@ def ray_train_workers() -> list[int]:
     return found
 
 
+@pytest.mark.reliability  # also part of scripts/reliability (trainer, deployer and worker kills)
 def test_killed_increment_resumes_from_checkpoint_and_consumes_window_once(
     ray_local: None, trainer_settings: Settings, tmp_path: Path,
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -14,6 +15,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from services.settings import Settings
 from services.stack import free_port
@@ -31,7 +34,8 @@ def get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
-def start(settings: Settings, tmp_path: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
+def start(settings: Settings, tmp_path: Path, port: int, *extra: str,
+          env_extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
         "RTRL_STACK__DATA_DIR": str(tmp_path / "no-stack"),
@@ -40,6 +44,7 @@ def start(settings: Settings, tmp_path: Path, port: int, *extra: str) -> subproc
         "RTRL_MLFLOW__TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
         "RTRL_TRAINER__DATA_DIR": str(tmp_path / "trainer"),
         "RTRL_TRAINER__INTERVAL_S": "3600",
+        **(env_extra or {}),
     }
     return subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "trainer",
                              "--metrics-port", str(port), *extra], env=env, cwd=Path(__file__).parents[2])
@@ -87,3 +92,67 @@ def test_serve_trainer_schedules_persistently_and_stops_cleanly(settings: Settin
     with sqlite3.connect(db) as conn:
         (kept,) = conn.execute(NEXT_RUN).fetchone()
     assert kept == next_run  # the restart kept the stored schedule
+
+
+def ray_processes_of(driver_pid: int) -> list[int]:
+    """Processes of the local Ray node a driver started (its session dir ends with the pid)."""
+    pattern = re.compile(rf"session_[0-9_-]+_{driver_pid}(?![0-9])")
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if pattern.search(cmdline):
+                found.append(int(d.name))
+    return found
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("after_s", [0, 8], ids=["while-ray-starts-the-job", "while-training"])
+def test_sigterm_during_an_increment_exits_0_and_leaves_the_window_pending(
+    settings: Settings, tmp_path: Path, after_s: float
+) -> None:
+    """SIGTERM while an increment runs on local Ray: the trainer waits ``stop_grace_s``, then
+    exits 0 with the window pending (the next run resumes it) and no Ray process left behind.
+
+    Two failures this guards against, both seen on a busy machine: Ray's driver installs a C++
+    failure-signal handler for SIGTERM that arms a 3 s abort (the trainer died of SIGABRT), and
+    ``ray.shutdown()`` under the increment's thread made Ray end the process with exit code 1."""
+    from deployer.adapters.mlflow_registry import MlflowRegistry
+    from services import trainer_cli
+    from services.kafka_io import ensure_topics
+    from services.settings import MlflowSettings, TrainerSettings
+    from tests.integration.test_trainer_ray import bootstrap_champion, produce_rewards
+    from trainer.window import PendingWindow
+
+    ensure_topics(settings, [settings.topics.rewards])
+    trainer = TrainerSettings(data_dir=tmp_path / "trainer", min_records=40, batch_size=4,
+                              checkpoint_every=10_000, heldout_fraction=0.1, stop_grace_s=3)
+    s = settings.model_copy(update={"trainer": trainer, "mlflow": MlflowSettings(
+        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")})
+    champion = bootstrap_champion(s, tmp_path)
+    registry = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
+    produce_rewards(s, registry.download(champion, tmp_path / "champ"), 1500, start=0)
+    trainer_cli.get_settings.cache_clear()
+
+    port = free_port()
+    env_extra = {"RTRL_TRAINER": trainer.model_dump_json(), "RAY_AUTH_MODE": "disabled",
+                 "RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+    proc = start(settings, tmp_path, port, "--run-on-start", env_extra=env_extra)
+    pending = PendingWindow(trainer.data_dir / "pending_window.json")
+    try:
+        wait_for(lambda: pending.load() is not None and (trainer.data_dir / "ray").exists(), 240)
+        time.sleep(after_s)  # 0: Ray is still setting up the job; 8: Ray Train is training
+        assert proc.poll() is None, "the increment finished too early to test an interruption"
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - t0 < 40
+        wait_for(lambda: not ray_processes_of(proc.pid), 30)  # the local Ray node is gone too
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert pending.load() is not None, "the interrupted window stays pending for the next run"
+    assert registry.versions() == [champion]

@@ -53,7 +53,7 @@ class ListRuns:
         self.runs[run_id]["tags"].update(tags)  # type: ignore[attr-defined]
 
 
-def served(policy: TinyTransformer, n: int, seed: int, start: int = 0) -> list[bytes]:
+def served(policy: TinyTransformer, n: int, seed: int, start: int = 0, version: str = "1") -> list[bytes]:
     """Completions sampled from ``policy`` with their behavior log-probs, rewarded by GOOD."""
     rng = random.Random(seed)
     now = datetime(2026, 1, 1, tzinfo=UTC)
@@ -64,7 +64,7 @@ def served(policy: TinyTransformer, n: int, seed: int, start: int = 0) -> list[b
         reward = 1.0 if tokens[0] in GOOD_SET else 0.0
         out.append(RewardRecord(
             request_id=f"req-{i}", served_event_id=f"ev-{i}", session_id="s", user_key=f"u{i % 17}",
-            served_ts=now, closed_ts=now, model=ModelRef(name="rtrl-policy", version="1"),
+            served_ts=now, closed_ts=now, model=ModelRef(name="rtrl-policy", version=version),
             arm="stable" if i % 4 else "canary", prompt_tokens=prompt, completion_tokens=tokens,
             behavior_logprobs=logps, latency_ms=5.0, reward=reward, components={"accept": reward},
             reward_spec_version="v1",
@@ -273,6 +273,8 @@ def test_candidate_under_canary_keeps_the_alias(champion: TinyTransformer, tmp_p
     assert first.status == "success" and registry.alias_version(CANDIDATE) == first.version
     for i, v in enumerate(served(champion, 120, seed=5, start=3000)):
         log.append(i % 2, v)
+    assert first.version is not None
+    registry.set_tags(first.version, {Tag.CANARY_OUTCOME: "running"})  # the deployer started its canary
     second = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
     assert second.status == "success" and second.version is not None
     assert registry.get_tags(second.version)[Tag.GATE_RESULT] == "pass"
@@ -284,3 +286,26 @@ def test_candidate_under_canary_keeps_the_alias(champion: TinyTransformer, tmp_p
         log.append(i % 2, v)
     third = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
     assert third.status == "success" and registry.alias_version(CANDIDATE) == third.version
+
+
+@pytest.mark.parametrize("train_on", ["champions", "all"])
+def test_records_of_versions_never_champion_are_not_trained_on(
+    champion: TinyTransformer, tmp_path: Path, train_on: str
+) -> None:
+    """Completions served by a rolled-back canary (or one still undecided) are consumed but
+    not learnt from by default: a reward-hacked canary must not teach the next increment."""
+    registry, log, runs = setup(champion, tmp_path)
+    rolled = registry.register(None, champion.save(tmp_path / "bad"), {Tag.KIND: "increment"})
+    registry.set_tags(rolled, {Tag.CANARY_OUTCOME: "rolled_back"})
+    promoted = registry.register(None, champion.save(tmp_path / "good"), {Tag.KIND: "increment"})
+    registry.set_tags(promoted, {Tag.CANARY_OUTCOME: "promoted"})
+    batches = [served(champion, 80, seed=2), served(champion, 50, seed=3, start=1000, version=rolled),
+               served(champion, 40, seed=4, start=2000, version=promoted),
+               served(champion, 30, seed=5, start=3000, version="99")]  # unknown to the registry
+    for i, v in enumerate(b for batch in batches for b in batch):
+        log.append(i % 2, v)
+    out = run_increment(config(train_on=train_on), log, registry, LocalTrainJob(), runs,
+                        PendingWindow(tmp_path / "p.json"), tmp_path / "w")
+    assert out.status == "success" and out.window is not None
+    assert out.window.records == (120 if train_on == "champions" else 200)
+    assert out.window.offsets == 200, "excluded records are consumed all the same"

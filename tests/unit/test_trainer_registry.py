@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, InMemoryRegistry, Registry, Tag
+from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, InMemoryRegistry, Registry, Tag, offer_candidate
 
 
 def make_policy_dir(root: Path, marker: str) -> Path:
@@ -84,3 +84,51 @@ class TestInMemoryRegistry(RegistryContract):
 
 
 RegistryFactory = Callable[[Path], Registry]
+
+
+class RecordingLock:
+    """A lock that records when it is held (unit tests only)."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self.entered = 0
+
+    def __enter__(self) -> RecordingLock:
+        self.held, self.entered = True, self.entered + 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.held = False
+
+
+class CheckingRegistry(InMemoryRegistry):
+    """Fails if the candidate alias is read or moved outside the lock."""
+
+    def __init__(self, root: Path, lock: RecordingLock) -> None:
+        super().__init__(root)
+        self.lock = lock
+
+    def set_alias(self, alias: str, version: str) -> None:
+        assert alias != CANDIDATE or self.lock.held, "candidate moved outside the lock"
+        super().set_alias(alias, version)
+
+
+def test_offer_candidate_checks_and_sets_under_the_lock(tmp_path: Path) -> None:
+    lock = RecordingLock()
+    reg = CheckingRegistry(tmp_path, lock)
+    v1, v2, v3 = (reg.register(None, make_policy_dir(tmp_path, f"p{i}"), {}) for i in range(3))
+    assert offer_candidate(reg, v1, lock) is None and reg.alias_version(CANDIDATE) == v1
+    assert offer_candidate(reg, v2, lock) == v1, "an undecided candidate keeps the alias"
+    assert reg.alias_version(CANDIDATE) == v1
+    assert offer_candidate(reg, v1, lock) is None, "offering the holder again is a no-op"
+    reg.set_tags(v1, {Tag.CANARY_OUTCOME: "running"})  # what the deployer tags at canary start
+    assert offer_candidate(reg, v2, lock) == v1, "a canary in progress keeps the alias"
+    reg.set_tags(v1, {Tag.CANARY_OUTCOME: "promoted"})
+    assert offer_candidate(reg, v3, lock) is None and reg.alias_version(CANDIDATE) == v3
+    assert lock.entered == 5
+
+
+def test_offer_candidate_without_a_lock(tmp_path: Path) -> None:
+    reg = InMemoryRegistry(tmp_path)
+    v1 = reg.register(None, make_policy_dir(tmp_path, "p"), {})
+    assert offer_candidate(reg, v1) is None and reg.alias_version(CANDIDATE) == v1
