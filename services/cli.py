@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stack": ("services.stack", "stack status: what runs and how to connect"),
     "events": ("services.events_cli", "validate events files, export the JSON Schema"),
     "sample": ("services.sample", "stream sample events through ingest and reward, print what happened"),
+    "reconcile": ("services.reconcile", "account for every raw event: lost or duplicated events and rewards"),
     "train": ("services.trainer_cli", "run one RL increment now (train --now)"),
     "bootstrap": ("services.trainer_cli", "supervised first champion from a corpus file"),
     "status": ("services.operator_cli", "champion, candidate, canary phase, cohorts, verdict"),
@@ -36,6 +37,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "trainer": ("bench.trainer", "RL step in Ray vs plain loop; increment overhead"),
     "gateway": ("bench.gateway", "latency added by the gateway"),
     "judge": ("bench.judge", "false rollbacks and detection vs Kayenta/Flagger-style judges"),
+    "loop-offline": ("bench.loop_offline", "the demo's users, rewards and increments in one process"),
 }
 
 
