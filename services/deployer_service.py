@@ -234,6 +234,25 @@ def export_metrics(before: CanaryStatus, after: CanaryStatus, obs: Observations)
                 m.HACKING_DETECTIONS.labels(key.split(".")[1]).inc()
 
 
+def run_tick(controller: Controller) -> CanaryStatus | None:
+    """One tick of the service loop. A failed tick changes nothing persisted and the next one
+    retries it; a failure of MLflow, Redis or Kafka is counted in
+    ``rtrl_dependency_retries_total{service="deployer"}``."""
+    from services.mlflow_http import dependency_of
+
+    try:
+        return controller.step()
+    except Exception as exc:
+        dep = dependency_of(exc)
+        if dep is not None:
+            m.DEPENDENCY_RETRIES.labels(SERVICE, dep).inc()
+            log.warning("tick failed: %s unavailable (%s: %s); the next tick retries", dep,
+                        type(exc).__name__, str(exc)[:300])
+        else:
+            log.exception("tick failed; the next tick retries")
+        return None
+
+
 def build_ports(settings: Settings, owner: str | None = None) -> Ports:
     from deployer.adapters.ledger_mlflow import MlflowLedger
     from deployer.adapters.mlflow_registry import MlflowRegistry
@@ -258,12 +277,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--metrics-port", type=int, default=None, help="port for /metrics /healthz /readyz")
     args = ap.parse_args(argv)
     from services.kafka_io import ensure_topics, wait_for_broker
+    from services.mlflow_http import bound_mlflow_http
     from services.observability import Health, HttpEndpoints
     from services.runtime import Stopper, setup_logging
     from services.settings import get_settings
 
     settings = get_settings()
     setup_logging(settings.log_level, SERVICE)
+    bound_mlflow_http(settings.mlflow)  # a tick never waits minutes in MLflow's own retries
     tick_s = args.tick_s or settings.deployer.tick_s
     m.BUILD_INFO.info({"service": SERVICE})
     stopper = Stopper().install()
@@ -280,10 +301,7 @@ def main(argv: list[str]) -> int:
              settings.deployer.steps, settings.deployer.bake_s)
     try:
         while not stopper.stopping:
-            try:
-                controller.step()
-            except Exception:  # a failed tick changes nothing persisted; the next one retries
-                log.exception("tick failed; retrying in %.1fs", tick_s)
+            run_tick(controller)
             health.beat()
             if args.once:
                 break
