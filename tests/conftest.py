@@ -1,5 +1,7 @@
 """Shared fixtures. Tiers follow the folder: tests/unit (no network), tests/integration
-(real broker, Redis, MLflow, Ray), tests/e2e (the loop in separate processes).
+(real broker, Redis, MLflow, Ray), tests/e2e (the loop in separate processes),
+tests/reliability (faults, load and bad input on real processes; bounded unless
+RTRL_RELIABILITY_SCALE=soak, see scripts/reliability).
 
 Integration fixtures start real components on free loopback ports in a temporary folder,
 once per test session, and stop them at the end: a test never depends on a service the
@@ -24,7 +26,7 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 
-_TIERS = {"unit", "integration", "e2e"}
+_TIERS = {"unit", "integration", "e2e", "reliability"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
