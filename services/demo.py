@@ -54,9 +54,6 @@ CANARY_GRACE_S = 150.0
 """At the end of the time budget a canary in flight gets up to this long to be decided."""
 BASELINE_REWARDS = 150
 """Reward records to collect before the bad candidate goes in (the stable cohort's baseline)."""
-BAD_CANARY_S = 75.0
-"""Time a bad canary needs to be rolled back; it is injected only when the trainer's next
-candidate is at least this far away (a new candidate alias aborts the canary in flight)."""
 STOP_ORDER = ("simulator", "gateway", "deployer", "trainer", "reward", "ingest")
 
 
@@ -234,12 +231,11 @@ class DemoRun:
         self.notes: list[str] = []
         self.bootstrap_version: str | None = None
         self.bad_version: str | None = None
-        self.trainer_candidate_at = 0.0
-        """When a trainer-made candidate was last seen (0: never)."""
-        self.seen_candidates: set[str] = set()
+        self.bad_offered = False
+        """Whether ``bad_version`` holds the candidate alias (it waits while another canary runs)."""
         self.bad_tries: list[str] = []
-        """Every bad candidate injected; a canary aborted because a trainer candidate moved the
-        alias mid-canary is retried with a new version (up to MAX_BAD_TRIES)."""
+        """Every bad candidate registered; one whose canary is aborted before a verdict (say by an
+        operator) is replaced by a new version (up to MAX_BAD_TRIES)."""
         self.kinds: dict[str, str] = {}
         self.decided: dict[str, str] = {}
         self.primary_horizon = 600
@@ -445,37 +441,61 @@ class DemoRun:
         return " | ".join(parts)
 
     def maybe_inject_bad(self, status: dict[str, Any]) -> None:
+        """Register the deliberately bad candidate once the loop is ready for it, then offer it
+        as ``candidate`` through the same locked check-and-set as the trainer
+        (:func:`deployer.registry.offer_candidate`): it waits while another canary is pending or
+        in flight, and an increment finishing meanwhile leaves it in place."""
         demo = self.demo
-        if demo.bad_candidate == "none" or len(self.bad_tries) >= MAX_BAD_TRIES:
+        if demo.bad_candidate == "none":
             return
         if self.bad_version is not None:
-            outcome = self.decided.get(self.bad_version)
-            if outcome != "aborted":
+            if self.decided.get(self.bad_version) != "aborted":
+                if self.bad_offered:
+                    return
+            elif len(self.bad_tries) >= MAX_BAD_TRIES:
                 return
-            say(f"bad candidate v{self.bad_version} was aborted before a verdict (see its reason); "
-                "injecting another one")
-            self.bad_version = None
+            else:
+                say(f"bad candidate v{self.bad_version} was aborted before a verdict (see its reason); "
+                    "injecting another one")
+                self.bad_version, self.bad_offered = None, False
         if len(self.decided) < demo.bad_candidate_after_decisions:
             return
         if status and status.get("phase") not in {"idle", "succeeded", "rolled_back", "aborted", None}:
             return
         if self.tracker is not None and self.tracker.count() < BASELINE_REWARDS:
             return  # let the champion build a baseline first
-        since = time.time() - self.trainer_candidate_at
-        slot = self.demo.trainer_cadence_s - BAD_CANARY_S
-        if self.trainer_candidate_at and slot > 30 and since > slot:
-            return  # the trainer's next candidate would move the alias mid-canary and abort it
-        # (with a cadence too short for any safe slot, inject now and retry if aborted)
 
+        from deployer.adapters.redis_state import candidate_lock
+        from deployer.registry import LockUnavailableError, offer_candidate
+
+        reg = self._registry()
+        if self.bad_version is None:
+            self.bad_version = self.register_bad(reg)
+            if self.bad_version is None:
+                return
+        assert self.settings is not None
+        lock = candidate_lock(self.redis, self.settings.redis.key_prefix)
+        try:
+            held = offer_candidate(reg, self.bad_version, lock)
+        except LockUnavailableError as exc:
+            say(f"could not offer bad candidate v{self.bad_version} yet: {exc}")
+            return
+        if held is not None:
+            say(f"bad candidate v{self.bad_version} waits: v{held} holds the candidate alias")
+            return
+        self.bad_offered = True
+        say(f"bad candidate v{self.bad_version} ({demo.bad_candidate}) now holds the candidate alias")
+
+    def register_bad(self, reg: Any) -> str | None:
+        """Build the bad policy from the current champion and register it (no alias yet)."""
         from deployer.registry import Tag
         from services.demo_candidates import make_bad_candidate
 
-        reg = self._registry()
+        demo = self.demo
         champion = reg.alias_version("champion")
         if champion is None:
-            return
-        say(f"injecting the deliberately bad candidate ({demo.bad_candidate}) built from champion "
-            f"v{champion} ...")
+            return None
+        say(f"building the deliberately bad candidate ({demo.bad_candidate}) from champion v{champion} ...")
         work = self.data / "bad-candidate"
         shutil.rmtree(work, ignore_errors=True)
         src = reg.download(champion, work / "champion")
@@ -487,11 +507,10 @@ class DemoRun:
             Tag.GATE_REASONS: json.dumps(["injected by rtrl demo: skips the offline gate so the live "
                                           "canary must catch it"]),
         }))
-        reg.set_alias("candidate", version)
-        self.bad_version = version
         self.bad_tries.append(version)
         self.kinds[version] = demo.bad_candidate
-        say(f"bad candidate v{version} registered (rtrl.kind={demo.bad_candidate}) with alias candidate")
+        say(f"bad candidate v{version} registered")
+        return version
 
     def loop(self) -> None:
         assert self.supervisor is not None and self.tracker is not None
@@ -501,7 +520,8 @@ class DemoRun:
         budget = self.demo.minutes * 60.0
         start = time.time()
         last_ledger = 0.0
-        say(f"loop running for at most {self.demo.minutes:g} min or {self.demo.increments} decided "
+        what = "promoted" if self.demo.until_promoted else "decided"
+        say(f"loop running for at most {self.demo.minutes:g} min or {self.demo.increments} {what} "
             "increments (plus the bad candidate)")
         in_flight = {"pending", "progressing", "promoting", "rolling_back"}
         status: dict[str, Any] = {}
@@ -524,14 +544,10 @@ class DemoRun:
                         self.decided[d.candidate] = d.outcome
                         say(f"DECISION: v{d.candidate} {d.outcome} by {d.decided_by}: {d.reason}")
                 last_ledger = time.time()
-            cand = status.get("candidate")
-            if cand and cand not in self.seen_candidates:
-                self.seen_candidates.add(str(cand))
-                if str(cand) not in self.bad_tries:
-                    self.trainer_candidate_at = time.time()
             say(self.progress_line(status, routing))
             self.maybe_inject_bad(status)
-            increments = [v for v in self.decided if v not in self.bad_tries]
+            increments = [v for v, outcome in self.decided.items() if v not in self.bad_tries
+                          and (outcome == "promoted" or not self.demo.until_promoted)]
             bad_done = self.demo.bad_candidate == "none" or (
                 self.bad_version is not None and self.decided.get(self.bad_version) not in {None, "aborted"}
             ) or (len(self.bad_tries) >= MAX_BAD_TRIES and self.bad_tries[-1] in self.decided)
@@ -588,10 +604,13 @@ class DemoRun:
         )
         say(f"report: {path} ({len(records)} reward records, {len(decisions)} decisions)")
         summary = json.loads((path.parent / "summary.json").read_text())
-        comp = summary.get("comparison")
+        comp, chain = summary.get("comparison"), summary.get("chain")
         if comp:
-            say(f"bootstrap v{comp['baseline']} -> champion v{comp['final']}: edit persistence "
+            say(f"bootstrap v{comp['baseline']} -> champion v{comp['final']}, whole run: edit persistence "
                 f"{_pct(comp['persistence_change'])}, mean latency {_pct(comp['latency_change'])}")
+        if chain:
+            say(f"side by side over {' -> '.join('v' + v for v in chain['versions'])}: edit persistence "
+                f"{_pct(chain['persistence_change'])}, mean latency {_pct(chain['latency_change'])}")
 
 
 def _with_kind(d: Any, kinds: dict[str, str]) -> Any:
@@ -618,6 +637,8 @@ def main(argv: list[str]) -> int:
                         help=f"time budget of the loop phase (default {base.minutes:g})")
     parser.add_argument("--increments", type=int, default=base.increments,
                         help="finish once this many increments were decided (default %(default)s)")
+    parser.add_argument("--until-promoted", action="store_true",
+                        help="count only promoted increments towards --increments")
     parser.add_argument("--data-dir", type=Path, default=base.data_dir,
                         help="the demo's stack, registry and logs; wiped first (default %(default)s)")
     parser.add_argument("--report-dir", type=Path, default=base.report_dir,
@@ -630,6 +651,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     demo = base.model_copy(update={
         "minutes": args.minutes, "increments": args.increments, "data_dir": args.data_dir,
+        "until_promoted": args.until_promoted or base.until_promoted,
         "report_dir": args.report_dir, "bad_candidate": args.bad_candidate, "seed": args.seed,
     })
     command = "rtrl demo " + " ".join(argv) if argv else "rtrl demo"

@@ -33,29 +33,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# Not in the default run yet: the loop's first increments do not always beat the bootstrap
-# champion within the CI budget, and the demo's bad-candidate injection can race an
-# increment registering at the same moment (both move the candidate alias). Run it with
-# `scripts/test -m soak`.
-@pytest.mark.soak
-@pytest.mark.timeout(900)
+# In CI on 2 cores: about 8-12 minutes (stack, bootstrap, the bad canary first, then increments
+# every 60 s until the loop has promoted one by itself, at most RTRL_E2E_MINUTES of loop).
+@pytest.mark.timeout(1200)
 def test_closed_loop_promotes_and_rolls_back_by_itself(tmp_path: Path) -> None:
     data, reports = tmp_path / "demo", tmp_path / "reports"
     env = {
         **os.environ,
         "RTRL_DEMO__TRAINER_CADENCE_S": os.environ.get("RTRL_E2E_CADENCE_S", "60"),
         "RTRL_DEMO__PROGRESS_EVERY_S": "10",
-        # the bad candidate after the first decision, so the first increment trains on clean data
-        "RTRL_DEMO__BAD_CANDIDATE_AFTER_DECISIONS": "1",
     }
     for key in [k for k in env if k.startswith("RTRL_") and not k.startswith("RTRL_DEMO__")]:
         env.pop(key)  # the demo configures its own stack; nothing from the caller's environment
-    minutes = os.environ.get("RTRL_E2E_MINUTES", "7")
-    argv = [sys.executable, "-m", "services.cli", "demo", "--minutes", minutes,
+    minutes = os.environ.get("RTRL_E2E_MINUTES", "10")
+    argv = [sys.executable, "-m", "services.cli", "demo", "--minutes", minutes, "--until-promoted",
             "--increments", "1", "--data-dir", str(data), "--report-dir", str(reports), "--keep-stack"]
     stack = EmbeddedStack(data_dir=data / "stack")
     try:
-        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
+        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1140)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-4000:]
 

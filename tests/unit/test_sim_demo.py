@@ -17,6 +17,7 @@ from ingest.reward_spec import default_spec_text, parse_spec
 from services.demo import MARKER, demo_spec_text, prepare_data_dir, service_env, write_corpus
 from services.demo_runtime import ProcSpec, RewardsTracker, Supervisor
 from services.report import (
+    Cohort,
     Decision,
     Row,
     by_version,
@@ -265,3 +266,28 @@ def test_side_by_side_uses_only_the_canary_window() -> None:
     st, ca = side_by_side(rows, "1", "2", t, t + 60)
     assert (st.n, ca.n) == (1, 1)
     assert st.edit_persistence == pytest.approx(0.4) and ca.latency_ms == pytest.approx(200)
+
+
+def test_chain_compounds_side_by_side_changes_along_the_lineage() -> None:
+    from services.report import chain_comparison
+
+    t = 1_700_000_000.0
+
+    def co(persist: float, latency: float) -> Cohort:
+        return cohort([row_from_record(_record("x", "stable", t, True, persist, latency, 0.0), 600)])
+
+    steps = [("1", "4", co(0.50, 600), co(0.55, 540)),     # +10% persistence, -10% latency
+             ("1", "9", co(0.50, 600), co(0.10, 900)),     # a later branch from v1 is ignored
+             ("4", "5", co(0.40, 800), co(0.42, 760))]     # +5%, -5% (other minutes, other load)
+    chain = chain_comparison(steps, "1", "5")
+    assert chain is not None and chain.versions == ("1", "4", "5")
+    assert chain.persistence_change == pytest.approx(1.10 * 1.05 - 1)
+    assert chain.latency_change == pytest.approx(0.90 * 0.95 - 1)
+    assert chain.persistence_ok and chain.latency_ok
+    assert chain_comparison(steps, "1", "7") is None, "no lineage to v7"
+    assert chain_comparison(steps, "1", "1") is None
+    empty = cohort([])
+    assert chain_comparison([("1", "4", empty, co(0.5, 500))], "1", "4") is None, "an arm unmeasured"
+    short = chain_comparison(steps[:1], "1", "4")
+    assert short is not None and short.versions == ("1", "4")
+    assert short.persistence_change == pytest.approx(0.10)

@@ -1,0 +1,175 @@
+"""The closed loop without services: the demo's simulated users, reward maths and RL
+increments run in one process, so trainer settings can be compared in minutes.
+
+    rtrl bench loop-offline --increments 3 --requests 3000
+    rtrl bench loop-offline --lr 1e-3 --epochs 2 --latency-weight 1.0
+
+Per increment it serves ``--requests`` completions from the current policy to the simulated
+users (latency = ``--ms-per-token`` x tokens + ``--gen-ms``), computes each reward with the
+real reward maths and the demo's spec, trains one increment exactly as the trainer does
+(group advantages, the PPO-style objective, KL to the parent) and serves again. It prints, per
+policy, what the live report measures (edit persistence, mean latency, acceptance, mean
+reward, completion length), and the change of the last policy against the bootstrap: a
+quick, load-independent check of whether the demo's settings can meet its targets. The live
+demo adds real generation time, the canary judge and the champions-only data rule on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass, replace
+from statistics import mean
+from typing import Any, cast
+
+from ingest.events import RewardRecord
+from ingest.reward_spec import RewardSpec, default_spec_text, parse_spec
+from ingest.rewards import Feedback, compute_reward, persistence_ratio
+from services.sim_users import draw_task, make_population, make_prompt, make_world, react
+from trainer.gate import GateConfig, evaluate
+from trainer.increment import build_samples, score_heldout
+from trainer.loop import LoopConfig, rl_train, sft_train
+from trainer.objective import ObjectiveConfig
+from trainer.policy import TinyConfig, TinyTransformer
+from trainer.tokens import completion_kind
+
+HELDOUT = 300
+"""Records of each window kept out of training to measure the gate's KL on."""
+
+
+@dataclass(frozen=True)
+class ServedRec:
+    """The parts of a reward record the increment and the report use."""
+
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    behavior_logprobs: list[float]
+    reward: float
+    latency_ms: float
+    completion_kind: str
+    accepted: bool | None
+    persistence: float | None
+    invalid_tool_calls: int = 0
+
+
+@dataclass(frozen=True)
+class Figures:
+    persistence: float
+    latency_ms: float
+    acceptance: float
+    reward: float
+    length: float
+
+    kl: float | None = None
+    """The offline gate's KL(parent || candidate) per completion on held-out records."""
+
+    def line(self) -> str:
+        kl = "" if self.kl is None else f" gate_kl={self.kl:.2f}"
+        return (f"persistence={self.persistence:.3f} latency={self.latency_ms:.0f}ms "
+                f"acceptance={self.acceptance:.3f} reward={self.reward:+.3f} length={self.length:.2f}{kl}")
+
+
+def figures(recs: list[ServedRec]) -> Figures:
+    acc = [r.accepted for r in recs if r.accepted is not None]
+    pers = [r.persistence for r in recs if r.persistence is not None]
+    return Figures(mean(pers) if pers else float("nan"), mean(r.latency_ms for r in recs),
+                   mean(acc) if acc else float("nan"), mean(r.reward for r in recs),
+                   mean(len(r.completion_tokens) for r in recs))
+
+
+def serve(policy: TinyTransformer, n: int, world: Any, users: list[Any], spec: RewardSpec,
+          args: argparse.Namespace, seed: int) -> list[ServedRec]:
+    rng = random.Random(seed)
+    horizons = list(spec.persistence.horizons_s)
+    out = []
+    for i in range(n):
+        user, task = rng.choice(users), draw_task(world, rng)
+        prompt = make_prompt(task, world, rng)
+        tokens, logps = policy.sample(prompt, args.max_tokens, temperature=1.0, seed=seed * 1_000_003 + i)
+        latency = args.ms_per_token * len(tokens) + args.gen_ms
+        o = react(user, task, tokens, latency, horizons, world, rng)
+        fb = Feedback(accepted=o.accepted,
+                      persistence={h: (kept, o.inserted_chars) for h, kept in o.retained.items()},
+                      dissatisfied=int(o.dissatisfied))
+        kind = completion_kind(tokens)
+        rec = ServedRec(prompt, tokens, logps, 0.0, latency, kind, o.accepted, None)
+        reward, _ = compute_reward(fb, cast(Any, rec), spec)
+        ratio = persistence_ratio(fb.persistence, spec.persistence.primary_horizon_s) if o.accepted else None
+        out.append(ServedRec(prompt, tokens, logps, reward, latency, kind, o.accepted, ratio))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.demo import demo_spec_text, write_corpus
+    from services.settings import Settings
+
+    base = Settings().trainer
+    ap = argparse.ArgumentParser(prog="rtrl bench loop-offline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--increments", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=3000, help="served completions per increment window")
+    ap.add_argument("--eval-requests", type=int, default=3000)
+    ap.add_argument("--users", type=int, default=400)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--ms-per-token", type=float, default=40.0)
+    ap.add_argument("--gen-ms", type=float, default=30.0, help="stand-in for real generation time")
+    ap.add_argument("--latency-weight", type=float, default=None, help="override the demo spec's")
+    ap.add_argument("--latency-slo", type=float, default=None, help="override the demo spec's")
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--epochs", type=int, default=base.epochs)
+    ap.add_argument("--batch-size", type=int, default=base.batch_size)
+    ap.add_argument("--group-size", type=int, default=base.group_size)
+    ap.add_argument("--kl-coef", type=float, default=base.kl_coef)
+    ap.add_argument("--normalize-std", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    import tempfile
+    import tomllib
+    from pathlib import Path
+
+    from services.demo import _toml
+
+    spec_doc = tomllib.loads(demo_spec_text(default_spec_text()))
+    if args.latency_weight is not None:
+        spec_doc["latency"]["weight"] = args.latency_weight
+    if args.latency_slo is not None:
+        spec_doc["latency"]["slo_ms"] = args.latency_slo
+    spec = parse_spec(_toml(spec_doc), "demo spec")
+    world = make_world(args.seed)
+    users = make_population(world, args.users, args.seed)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = write_corpus(Path(tmp) / "corpus.jsonl", args.seed)
+        pairs = [(d["prompt"], d["completion"]) for d in map(json.loads, corpus.read_text().splitlines())]
+    policy = TinyTransformer(TinyConfig())
+    sft_train(policy, pairs, LoopConfig(batch_size=32, epochs=2, lr=1e-3, seed=args.seed))
+    rows = [("bootstrap", figures(serve(policy, args.eval_requests, world, users, spec, args, 10_000)))]
+    print(f"{rows[0][0]:>12}: {rows[0][1].line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
+    loop = LoopConfig(batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                      checkpoint_every=10**9, objective=ObjectiveConfig(kl_coef=args.kl_coef))
+    for k in range(1, args.increments + 1):
+        window = serve(policy, args.requests, world, users, spec, args, k)
+        heldout, window = window[-HELDOUT:], window[:-HELDOUT]
+        samples = build_samples(cast(list[RewardRecord], window), args.group_size, args.normalize_std)
+        parent = TinyTransformer(policy.config)
+        parent.module.load_state_dict(policy.module.state_dict())
+        rl_train(policy, parent, samples, loop)
+        gate = evaluate(score_heldout(policy, parent, cast(list[RewardRecord], heldout)), [], GateConfig())
+        served = figures(serve(policy, args.eval_requests, world, users, spec, args, 10_000 + k))
+        rows.append((f"increment {k}", replace(served, kl=gate.figures.get("kl_parent"))))
+        print(f"{rows[-1][0]:>12}: {rows[-1][1].line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
+    first, last = rows[0][1], rows[-1][1]
+    change = {"persistence": last.persistence / first.persistence - 1,
+              "latency_ms": last.latency_ms / first.latency_ms - 1,
+              "acceptance": last.acceptance / first.acceptance - 1}
+    print("last vs bootstrap: " + ", ".join(f"{k} {v:+.1%}" for k, v in change.items()))
+    if args.json:
+        print(json.dumps({"rows": [{"policy": n, **f.__dict__} for n, f in rows], "change": change}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
