@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from ingest.events import parse_event
 from services.event_producer import EventProducer
 from services.kafka_io import ensure_topics, make_consumer
 from services.settings import Settings
+from tests.service_env import service_env
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_ingest_service import SECRET, accepted, committed_total, read_all, served, with_auth
@@ -35,21 +35,12 @@ RTRL = str(Path(sys.executable).parent / "rtrl")
 
 
 def env_for(settings: Settings, tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
-    env.update({
-        "RTRL_STACK__DATA_DIR": str(tmp_path / "no-stack"),
-        "RTRL_KAFKA__BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
-        "RTRL_REDIS__URL": settings.redis.url.get_secret_value(),
-        "RTRL_REDIS__KEY_PREFIX": settings.redis.key_prefix,
-        "RTRL_TOPICS__RAW": settings.topics.raw,
-        "RTRL_TOPICS__EVENTS": settings.topics.events,
-        "RTRL_TOPICS__DLQ": settings.topics.dlq,
+    return service_env(settings, tmp_path / "no-stack", **{
         "RTRL_AUTH__KEYS": json.dumps({"gw": SECRET}),
         "RTRL_INGEST__GROUP_ID": settings.ingest.group_id,
         "RTRL_INGEST__POLL_TIMEOUT_MS": "100",
         **extra,
     })
-    return env
 
 
 def start(settings: Settings, tmp_path: Path, *args: str, **extra: str) -> tuple[subprocess.Popen[str], int]:

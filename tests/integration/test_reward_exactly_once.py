@@ -5,7 +5,6 @@ has exactly one reward record on the rewards topic (read_committed)."""
 from __future__ import annotations
 
 import collections
-import os
 import random
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 from reward_helpers import full_edit, produce, read_rewards, served
 
 from services.settings import Settings
+from tests.service_env import service_env
 
 
 @pytest.fixture
@@ -28,23 +28,12 @@ def settings(isolated_settings: Settings) -> Settings:
 
 
 def worker_env(settings: Settings, tmp: Path, **extra: str) -> dict[str, str]:
-    t = settings.topics
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
-    env.update({
-        "RTRL_STACK__DATA_DIR": str(tmp),
-        "RTRL_KAFKA__BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
-        "RTRL_REDIS__URL": settings.redis.url.get_secret_value(),
-        "RTRL_REDIS__KEY_PREFIX": settings.redis.key_prefix,
-        "RTRL_TOPICS__RAW": t.raw, "RTRL_TOPICS__EVENTS": t.events,
-        "RTRL_TOPICS__REWARDS": t.rewards, "RTRL_TOPICS__DLQ": t.dlq,
-        "RTRL_TOPICS__PARTITIONS": str(t.partitions),
+    return service_env(settings, tmp, **{
         "RTRL_REWARD__TIME_SCALE": "0.05",
         "RTRL_REWARD__TRANSACTION_TIMEOUT_MS": "5000",
-        "RTRL_LOG_LEVEL": "INFO",
         "RTRL_REWARD__GROUP_INSTANCE_ID": f"{settings.redis.key_prefix}worker-0",
+        **extra,
     })
-    env.update(extra)
-    return env
 
 
 def _interleave(streams: list[list[Any]], rng: random.Random) -> list[Any]:

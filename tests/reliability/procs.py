@@ -4,7 +4,6 @@ started from ``RTRL_*`` environments, their HTTP endpoints, and topic readers.""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from kafka import TopicPartition
 
 from services.kafka_io import make_consumer
 from services.settings import Settings
+from tests.service_env import service_env
 
 RTRL = str(Path(sys.executable).parent / "rtrl")
 _PORT_LINE = re.compile(r"http://127\.0\.0\.1:(\d+)")
@@ -27,20 +27,7 @@ _PORT_LINE = re.compile(r"http://127\.0\.0\.1:(\d+)")
 
 def base_env(settings: Settings, tmp_path: Path, **extra: str) -> dict[str, str]:
     """The process environment for ``settings`` (and nothing from the caller's RTRL_*)."""
-    t = settings.topics
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
-    env.update({
-        "RTRL_STACK__DATA_DIR": str(tmp_path / "no-stack"),  # never read a developer's stack.env
-        "RTRL_KAFKA__BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
-        "RTRL_REDIS__URL": settings.redis.url.get_secret_value(),
-        "RTRL_REDIS__KEY_PREFIX": settings.redis.key_prefix,
-        "RTRL_TOPICS__RAW": t.raw, "RTRL_TOPICS__EVENTS": t.events,
-        "RTRL_TOPICS__REWARDS": t.rewards, "RTRL_TOPICS__DLQ": t.dlq,
-        "RTRL_TOPICS__PARTITIONS": str(t.partitions),
-        "RTRL_LOG_LEVEL": "INFO",
-    })
-    env.update(extra)
-    return env
+    return service_env(settings, tmp_path / "no-stack", **extra)
 
 
 @dataclass
