@@ -101,10 +101,10 @@ def settings(stack: object) -> Settings:
 
 
 @pytest.fixture
-def isolated_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """Like ``settings`` but on a broker and Redis of this test's own. For tests that
-    SIGKILL workers: noida-db keeps a killed group member and its open transaction for
-    good, which must not leak into the tests that share the session broker."""
+def isolated_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Settings]]:
+    """A broker and Redis of this test's own (an ``EmbeddedStack``) and settings on them. For
+    tests that SIGKILL workers: noida-db keeps a killed group member and its open transaction
+    for good, which must not leak into the tests that share the session broker."""
     from services.stack import EmbeddedStack, free_port
 
     st = EmbeddedStack(data_dir=tmp_path_factory.mktemp("isolated"), kafka_port=free_port(),
@@ -112,7 +112,7 @@ def isolated_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sett
     st.up(timeout_s=60)
     tag = f"i{next(_topic_seq)}"
     try:
-        yield Settings(
+        yield st, Settings(
             kafka=KafkaSettings(bootstrap_servers=st.kafka_bootstrap),
             redis=RedisSettings(url=st.redis_url, key_prefix=f"{tag}:"),  # type: ignore[arg-type]
             topics=TopicSettings(raw=f"{tag}.raw", events=f"{tag}.events", rewards=f"{tag}.rewards",
@@ -121,3 +121,9 @@ def isolated_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sett
         )
     finally:
         st.down()
+
+
+@pytest.fixture
+def isolated_settings(isolated_stack: tuple[object, Settings]) -> Settings:
+    """Settings on a broker and Redis of this test's own (see ``isolated_stack``)."""
+    return isolated_stack[1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 import re
 import signal
@@ -35,6 +34,7 @@ from ingest.events import (
 )
 from services.kafka_io import make_admin, make_consumer, make_producer
 from services.settings import Settings
+from tests.service_env import service_env
 
 RTRL = str(Path(sys.executable).parent / "rtrl")
 KEY_ID = "reliability"
@@ -235,25 +235,26 @@ class Streamer(threading.Thread):
 
 # ---------------------------------------------------------------------- processes
 def env_for(settings: Settings, tmp: Path, **extra: str) -> dict[str, str]:
-    t = settings.topics
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
-    env.update({
-        "RTRL_STACK__DATA_DIR": str(tmp / "no-stack"),
-        "RTRL_KAFKA__BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
-        "RTRL_REDIS__URL": settings.redis.url.get_secret_value(),
-        "RTRL_REDIS__KEY_PREFIX": settings.redis.key_prefix,
-        "RTRL_TOPICS__RAW": t.raw, "RTRL_TOPICS__EVENTS": t.events,
-        "RTRL_TOPICS__REWARDS": t.rewards, "RTRL_TOPICS__DLQ": t.dlq,
-        "RTRL_TOPICS__PARTITIONS": str(t.partitions),
+    return service_env(settings, tmp / "no-stack", **{
         "RTRL_AUTH__KEYS": json.dumps({KEY_ID: SECRET}),
         "RTRL_INGEST__GROUP_ID": settings.ingest.group_id,
         "RTRL_REWARD__GROUP_ID": settings.reward.group_id,
         "RTRL_INGEST__POLL_TIMEOUT_MS": "100",
         "RTRL_REWARD__TIME_SCALE": str(TIME_SCALE),
-        "RTRL_LOG_LEVEL": "INFO",
+        **extra,
     })
-    env.update(extra)
-    return env
+
+
+def rss_of(pid: int) -> int | None:
+    """Resident set size of a process, from /proc (psutil is not a dependency)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 @dataclass
@@ -315,15 +316,7 @@ class Worker:
         return last
 
     def rss_bytes(self) -> int | None:
-        """Resident set size from /proc (psutil is not a dependency)."""
-        try:
-            text = Path(f"/proc/{self.pid}/status").read_text()
-        except OSError:
-            return None
-        for line in text.splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return None
+        return rss_of(self.pid)
 
 
 # ---------------------------------------------------------------------- progress and lag
