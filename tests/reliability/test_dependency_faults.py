@@ -23,7 +23,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +32,8 @@ import redis as redis_lib
 
 from services.kafka_io import ensure_topics, make_producer
 from services.reconcile import read_topic
-from services.settings import KafkaSettings, MlflowSettings, RedisSettings, Settings, TopicSettings
-from services.stack import EmbeddedStack, free_port
+from services.settings import Settings
+from services.stack import EmbeddedStack
 from tests.reliability import scale
 from tests.reliability.workload import (
     RawOut,
@@ -59,22 +58,11 @@ class Private:
 
 
 @pytest.fixture
-def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Private]:
+def private(isolated_stack: tuple[Any, Settings]) -> Private:
     """A broker and Redis of this test's own: the test stops and starts them."""
-    st = EmbeddedStack(data_dir=tmp_path_factory.mktemp("faults"), kafka_port=free_port(),
-                       redis_port=free_port(), reuse_redis_url=None, with_mlflow=False)
-    st.up(timeout_s=60)
-    tag = "df"
-    try:
-        yield Private(st, Settings(
-            kafka=KafkaSettings(bootstrap_servers=st.kafka_bootstrap),
-            redis=RedisSettings(url=st.redis_url, key_prefix=f"{tag}:"),  # type: ignore[arg-type]
-            topics=TopicSettings(raw=f"{tag}.raw", events=f"{tag}.events", rewards=f"{tag}.rewards",
-                                 dlq=f"{tag}.dlq", partitions=4),
-            mlflow=MlflowSettings(tracking_uri="sqlite:///unused.db"),
-        ))
-    finally:
-        st.down()
+    st, settings = isolated_stack
+    assert isinstance(st, EmbeddedStack)
+    return Private(st, settings)
 
 
 class AckedStreamer(threading.Thread):
