@@ -36,7 +36,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from ingest.adapters import RedisDedupStore
 from ingest.auth import AuthPolicy
-from ingest.dedup import DedupStore, is_duplicate, position_marker
+from ingest.dedup import SOURCE_HEADER, DedupStore, is_duplicate, position_marker
 from ingest.validate import Accepted, Limits, Rejected, validate
 from services import metrics as m
 from services.kafka_io import (
@@ -59,7 +59,6 @@ log = logging.getLogger("rtrl.ingest")
 
 SERVICE = "ingest"
 REASON_HEADER = "rtrl-reason"
-SOURCE_HEADER = "rtrl-source"
 DLQ_ORIGINAL_MAX = 512 * 1024
 """Most original bytes a DLQ record carries: base64 of more would not fit the producer's
 1 MiB request limit, and a DLQ record that cannot be written would stall the partition."""
@@ -303,19 +302,16 @@ class IngestWorker:
     def _claim(self, claims: list[tuple[str, str]], stopper: Stopper | None) -> list[str | None] | None:
         """Claim event ids, retrying while the store is down; per claim the marker that
         held the id before (None: first sighting). None if asked to stop meanwhile."""
-        delay = 0.2
+        backoff = Backoff()
         while True:
             try:
                 return self.dedup.claim_many(claims)
             except Exception as exc:  # the store's client errors; anything else would repeat too
                 m.DEPENDENCY_RETRIES.labels(SERVICE, "redis").inc()
+                delay = backoff.next()
                 log.warning("dedup store failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, delay)
-                self.health.beat()
-                if stopper is not None and stopper.wait(delay):
+                if self._pause(stopper, delay):
                     return None
-                if stopper is None:
-                    time.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     def _abort(self) -> None:
         try:
@@ -349,11 +345,16 @@ class IngestWorker:
                 delay = backoff.next()
                 log.warning("cannot open a transactional producer yet (%s: %s); retrying in %.1fs",
                             type(exc).__name__, exc, delay)
-                self.health.beat()
-                if stopper is not None and stopper.wait(delay):
+                if self._pause(stopper, delay):
                     raise KafkaError("stopping while the broker is unreachable") from exc
-                if stopper is None:
-                    time.sleep(delay)
+
+    def _pause(self, stopper: Stopper | None, delay: float) -> bool:
+        """Wait ``delay`` before a retry, alive for the health check; True if asked to stop."""
+        self.health.beat()
+        if stopper is None:
+            time.sleep(delay)
+            return False
+        return stopper.wait(delay)
 
     def _rewind(self, first: Mapping[TopicPartition, int]) -> None:
         for tp, off in first.items():

@@ -226,20 +226,27 @@ class EmbeddedStack:
         )
 
     def wait_ready(self, timeout_s: float = 90.0) -> None:
-        from services.kafka_io import wait_for_broker
-        from services.settings import KafkaSettings
-
         deadline = time.monotonic() + timeout_s
-        wait_for_broker(KafkaSettings(bootstrap_servers=self.kafka_bootstrap), timeout_s)
-        wait_for_redis(self.redis_url, max(1.0, deadline - time.monotonic()))
-        if self.with_mlflow:
+        for name in ("kafka", "redis", "mlflow") if self.with_mlflow else ("kafka", "redis"):
+            self._wait_for(name, timeout_s if name == "kafka" else max(1.0, deadline - time.monotonic()))
+
+    def _wait_for(self, name: str, timeout_s: float) -> None:
+        """Wait until one part answers; raise when it does not within ``timeout_s``."""
+        if name == "kafka":
+            from services.kafka_io import wait_for_broker
+            from services.settings import KafkaSettings
+
+            wait_for_broker(KafkaSettings(bootstrap_servers=self.kafka_bootstrap), timeout_s)
+        elif name == "redis":
+            wait_for_redis(self.redis_url, timeout_s)
+        else:
+            deadline = time.monotonic() + timeout_s
             while not self.mlflow_answers():
                 if not self._running("mlflow"):
-                    log_path = self.data_dir / "logs" / "mlflow.log"
-                    raise RuntimeError(f"MLflow server exited; see {log_path}")
+                    raise RuntimeError(f"MLflow server exited; see {self.data_dir / 'logs' / 'mlflow.log'}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"MLflow at {self.mlflow_uri} did not answer in {timeout_s}s")
-                time.sleep(0.5)
+                time.sleep(0.2)
 
     def mlflow_answers(self) -> bool:
         try:
@@ -304,21 +311,7 @@ class EmbeddedStack:
         self.load()
         starters[name]()
         self._save()
-        if name == "kafka":
-            from services.kafka_io import wait_for_broker
-            from services.settings import KafkaSettings
-
-            wait_for_broker(KafkaSettings(bootstrap_servers=self.kafka_bootstrap), timeout_s)
-        elif name == "redis":
-            wait_for_redis(self.redis_url, timeout_s)
-        else:
-            deadline = time.monotonic() + timeout_s
-            while not self.mlflow_answers():
-                if not self._running("mlflow"):
-                    raise RuntimeError(f"MLflow server exited; see {self.data_dir / 'logs' / 'mlflow.log'}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"MLflow at {self.mlflow_uri} did not answer in {timeout_s}s")
-                time.sleep(0.2)
+        self._wait_for(name, timeout_s)
 
     def status(self) -> dict[str, str]:
         self.load()
