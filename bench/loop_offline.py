@@ -102,8 +102,9 @@ def serve(policy: TinyTransformer, n: int, world: Any, users: list[Any], spec: R
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.demo import demo_spec_text, write_corpus
+    from services.demo import demo_spec_text
     from services.settings import Settings
+    from services.trainer_cli import default_corpus
 
     base = Settings().trainer
     ap = argparse.ArgumentParser(prog="rtrl bench loop-offline", description=__doc__.split("\n\n")[0])
@@ -126,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    import tempfile
     import tomllib
-    from pathlib import Path
 
     from services.demo import _toml
 
@@ -141,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     world = make_world(args.seed)
     users = make_population(world, args.users, args.seed)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        corpus = write_corpus(Path(tmp) / "corpus.jsonl", args.seed)
-        pairs = [(d["prompt"], d["completion"]) for d in map(json.loads, corpus.read_text().splitlines())]
+    pairs = default_corpus(2500, args.seed)
     policy = TinyTransformer(TinyConfig())
     sft_train(policy, pairs, LoopConfig(batch_size=32, epochs=2, lr=1e-3, seed=args.seed))
     rows = [("bootstrap", figures(serve(policy, args.eval_requests, world, users, spec, args, 10_000)))]
@@ -154,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         window = serve(policy, args.requests, world, users, spec, args, k)
         heldout, window = window[-HELDOUT:], window[:-HELDOUT]
         samples = build_samples(cast(list[RewardRecord], window), args.group_size, args.normalize_std)
-        parent = TinyTransformer(policy.config)
-        parent.module.load_state_dict(policy.module.state_dict())
+        parent = policy.clone()
         rl_train(policy, parent, samples, loop)
         gate = evaluate(score_heldout(policy, parent, cast(list[RewardRecord], heldout)), [], GateConfig())
         served = figures(serve(policy, args.eval_requests, world, users, spec, args, 10_000 + k))

@@ -16,6 +16,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+SOURCE_HEADER = "rtrl-source"
+"""Header ingest puts on every record it forwards or dead-letters: the raw record's marker."""
+
 
 def position_marker(topic: str, partition: int, offset: int) -> str:
     """The marker of a source record: ``topic:partition:offset``."""

@@ -103,19 +103,13 @@ def _toml(data: dict[str, Any]) -> str:
 
 def write_corpus(path: Path, seed: int, n: int = 2500) -> Path:
     """A bootstrap corpus of mediocre completions in ``rtrl bootstrap``'s format: JSON lines
-    ``{"prompt": [ids], "completion": [ids]}`` (ids of trainer/tokens.py)."""
-    import random
+    ``{"prompt": [ids], "completion": [ids]}`` (ids of trainer/tokens.py), the pairs of
+    :func:`services.trainer_cli.default_corpus`."""
+    from services.trainer_cli import default_corpus
 
-    from services.sim_users import draw_task, make_prompt, make_world, mediocre_completion
-
-    world = make_world(seed)
-    rng = random.Random(f"corpus-{seed}")
     with open(path, "w") as out:
-        for _ in range(n):
-            task = draw_task(world, rng)
-            prompt = make_prompt(task, world, rng)
-            out.write(json.dumps({"prompt": prompt,
-                                  "completion": mediocre_completion(task, world, rng)}) + "\n")
+        for prompt, completion in default_corpus(n, seed):
+            out.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
     return path
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ingest.dedup import SOURCE_HEADER, position_marker
 from ingest.events import (
     CompletionServed,
     EditPersistence,
@@ -42,7 +43,6 @@ from ingest.events import (
     parse_event,
 )
 
-SOURCE_HEADER = "rtrl-source"  # services.ingest_service.SOURCE_HEADER (not imported: keeps this light)
 LIST_LIMIT = 20
 """Most ids listed per problem in the text report (the JSON report lists them all)."""
 
@@ -288,9 +288,9 @@ def reconcile(
     rep.dlq_records = len(dlq_list)
     # -- raw records
     raw_list = list(raw)
-    raw_positions = {f"{raw_topic}:{r.partition}:{r.offset}" for r in raw_list}
+    raw_positions = {position_marker(raw_topic, r.partition, r.offset) for r in raw_list}
     for d in dlq_list:
-        pos = f"{d.source_topic}:{d.source_partition}:{d.source_offset}"
+        pos = f"{d.source_topic}:{d.source_partition}:{d.source_offset}"  # fields may be missing
         if pos in raw_positions:
             dlq_at[pos] += 1
             dlq_reason[pos] = d.reason
@@ -301,7 +301,7 @@ def reconcile(
     rewarded = Counter(r.request_id for r in rewards)
     unreflected_raw = 0
     for r in raw_list:
-        pos = f"{raw_topic}:{r.partition}:{r.offset}"
+        pos = position_marker(raw_topic, r.partition, r.offset)
         short = f"{r.partition}:{r.offset}"
         rep.raw_records += 1
         n_fwd, n_dlq = by_source.get(pos, 0), dlq_at.get(pos, 0)
