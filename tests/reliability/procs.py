@@ -3,7 +3,6 @@ started from ``RTRL_*`` environments, their HTTP endpoints, and topic readers.""
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
@@ -160,7 +159,3 @@ class TopicReader:
 
     def close(self) -> None:
         self.consumer.close()
-
-
-def json_values(records: list[Any]) -> list[dict[str, Any]]:
-    return [json.loads(r.value) for r in records]

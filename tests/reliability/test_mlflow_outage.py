@@ -446,9 +446,9 @@ def test_deployer_decision_survives_an_mlflow_outage(
 
 
 def assert_history_consistent(samples: list[Mapping[str, Any]]) -> None:
-    """Phases only move forward and never leave a terminal phase for another canary."""
-    order = ["idle", "pending", "progressing", "promoting", "rolling_back", "succeeded", "rolled_back",
-             "aborted"]
+    """Every phase the status showed during the outage is one the controller knows (the
+    ordering of phases is checked by the deployer's own tests)."""
+    known = {"idle", "pending", "progressing", "promoting", "rolling_back", "succeeded", "rolled_back",
+             "aborted"}
     seen = [x["phase"] for x in samples if x["phase"]]
-    ranks = [order.index(p) for p in seen]
-    assert ranks == sorted(ranks) or set(seen) <= set(order), seen
+    assert set(seen) <= known, seen

@@ -172,7 +172,7 @@ def _gateway_env(s: Settings, tmp_path: Path, upstream: FakeCompletionsServer,
         RTRL_GATEWAY__STABLE_UPSTREAM__BASE_URL=upstream.url,
         RTRL_GATEWAY__STABLE_UPSTREAM__MODEL="fake-llm",
         RTRL_GATEWAY__STABLE_UPSTREAM__API_KEY=UPSTREAM_KEY,
-        RTRL_GATEWAY__CANARY_UPSTREAM__BASE_URL=f"http://127.0.0.1:{_dead_port()}",
+        RTRL_GATEWAY__CANARY_UPSTREAM__BASE_URL=f"http://127.0.0.1:{free_port()}",
         RTRL_GATEWAY__CANARY_UPSTREAM__MODEL="fake-llm-canary",
         RTRL_GATEWAY__CANARY_UPSTREAM__API_KEY=UPSTREAM_KEY,
         RTRL_GATEWAY__SECRET=HMAC_GATEWAY,
@@ -180,13 +180,6 @@ def _gateway_env(s: Settings, tmp_path: Path, upstream: FakeCompletionsServer,
         RTRL_GATEWAY__EXPOSURE_LINGER_MS="5",
         **extra,
     )
-
-
-def _dead_port() -> int:
-    """A loopback port nothing listens on (connections are refused)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_secrets_never_reach_logs_or_metrics(settings: Settings, tmp_path: Path,
@@ -253,7 +246,7 @@ def test_secrets_never_reach_logs_or_metrics(settings: Settings, tmp_path: Path,
         scrape()
         # start-up failures: a wrong password, and a Redis that is not there
         for url in (f"redis://:{WRONG_REDIS_PASSWORD}@127.0.0.1:{port}/0",
-                    f"redis://:{WRONG_REDIS_PASSWORD}@127.0.0.1:{_dead_port()}/0"):
+                    f"redis://:{WRONG_REDIS_PASSWORD}@127.0.0.1:{free_port()}/0"):
             failed_starts.append(subprocess.run(
                 [procs.RTRL, "serve", "ingest", "--metrics-port", "0"], env={**env, "RTRL_REDIS__URL": url},
                 cwd=tmp_path, capture_output=True, text=True, timeout=90))

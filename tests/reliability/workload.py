@@ -63,10 +63,6 @@ class Workload:
     """Request ids that must get exactly one reward each."""
 
     @property
-    def invalid(self) -> int:
-        return sum(r.kind not in ("valid", "retry") for r in self.records)
-
-    @property
     def retries(self) -> int:
         return sum(r.kind == "retry" for r in self.records)
 
