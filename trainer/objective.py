@@ -15,8 +15,13 @@ Recipe (in the spirit of Composer 2 / Dr. GRPO):
 
       pg_t = - w_t * min(r_t * A, clip(r_t) * A)
 
-- **KL** to the parent with the k1 estimator ``log pi - log pi_0`` per token, weighted by
-  ``w`` and summed over the completion, added as ``kl_coef * KL``.
+- **KL** to the parent, KL(pi_0 || pi), with the k3 estimator ``r - 1 - log r`` per token
+  (``r = pi / pi_0``; non-negative, unbiased on tokens drawn from ``pi_0``), weighted by
+  ``w`` and summed over the completion, added as ``kl_coef * KL``. Its gradient
+  ``w (r - 1) grad log pi`` is zero at the parent and pulls the policy back towards it.
+  (The plain k1 form ``log pi - log pi_0`` on the parent's tokens estimates *minus* that KL,
+  so penalising it would push the policy away from the parent.) The gate measures the same
+  quantity on held-out records (trainer/gate.py).
 
 Staleness statistics (clip fraction, effective sample size of ``w``, ratio statistics)
 come out of :func:`grpo_loss` with the loss, so every increment records them.
@@ -153,7 +158,7 @@ def grpo_loss(
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
     pg = -(w * surrogate * mask).sum() / n_seq
-    kl_tokens = w * log_ratio * mask
+    kl_tokens = w * (torch.expm1(log_ratio) - log_ratio) * mask
     kl = kl_tokens.sum() / n_seq
     loss = pg + cfg.kl_coef * kl
 

@@ -49,7 +49,8 @@ def ref_loss(
             rc = min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high)
             unclipped, clipped = r * adv[i], rc * adv[i]
             total_pg += -w * min(unclipped, clipped)
-            total_kl += w * (logp[i][t] - parent[i][t])
+            d = logp[i][t] - parent[i][t]
+            total_kl += w * (math.exp(d) - 1 - d)
             clipped_tokens += int(clipped < unclipped)
             tokens += 1
     b = len(lengths)
@@ -121,9 +122,10 @@ def test_loss_hand_case_on_policy() -> None:
     assert float(loss.detach()) == pytest.approx(0.0)
     assert stats["kl"] == 0.0 and stats["clip_fraction"] == 0.0 and stats["ess"] == pytest.approx(1.0)
     loss.backward()
-    # d loss / d logp = (-w * A * r + kl_coef * w) / B on real tokens: no length normalisation
+    # d loss / d logp = (-w * A * r + kl_coef * w * (r - 1)) / B on real tokens (the KL term's
+    # gradient is zero at the parent); no length normalisation
     assert logp.grad is not None
-    assert logp.grad.flatten().tolist() == pytest.approx([-0.25, -0.25, 1.25, 0.0])
+    assert logp.grad.flatten().tolist() == pytest.approx([-0.5, -0.5, 1.0, 0.0])
 
 
 def test_loss_hand_case_clip_and_truncation() -> None:
@@ -134,7 +136,7 @@ def test_loss_hand_case_clip_and_truncation() -> None:
     parent = torch.tensor([[-1.0]])
     behavior = torch.tensor([[-2.0]])
     loss, stats = grpo_loss(logp, parent, behavior, torch.ones(1, 1), torch.tensor([1.0]), cfg)
-    assert float(loss) == pytest.approx(-1.5 * 1.2)
+    assert float(loss.detach()) == pytest.approx(-1.5 * 1.2)
     assert stats["clip_fraction"] == 1.0
     assert stats["truncated_fraction"] == 1.0
     loss.backward()
@@ -167,6 +169,34 @@ def test_loss_matches_reference_on_random_batches() -> None:
         assert float(loss) == pytest.approx(ref, rel=1e-4, abs=1e-5)
         assert stats["kl"] == pytest.approx(ref_kl, rel=1e-4, abs=1e-5)
         assert stats["clip_fraction"] == pytest.approx(ref_clip)
+
+
+def test_kl_term_pulls_the_policy_back_to_the_parent() -> None:
+    """Gradient descent on the KL term alone, with tokens drawn from the parent, must reduce
+    the exact KL(parent || policy) of a categorical policy that has drifted away."""
+    torch.manual_seed(0)
+    parent_logits = torch.tensor([2.0, 0.5, 0.0, -1.0])
+    logits = torch.tensor([0.0, 1.5, 0.5, 1.0], requires_grad=True)
+    parent_logp = torch.log_softmax(parent_logits, 0)
+
+    def exact_kl() -> float:
+        logp = torch.log_softmax(logits.detach(), 0)
+        return float((parent_logp.exp() * (parent_logp - logp)).sum())
+
+    start = exact_kl()
+    opt = torch.optim.SGD([logits], lr=0.5)
+    cfg = ObjectiveConfig(kl_coef=1.0)
+    for _ in range(50):
+        tokens = torch.multinomial(parent_logp.exp(), 256, replacement=True)
+        logp = torch.log_softmax(logits, 0)[tokens][:, None]
+        loss, stats = grpo_loss(logp, parent_logp[tokens][:, None], parent_logp[tokens][:, None],
+                                torch.ones(256, 1), torch.zeros(256), cfg)
+        assert stats["kl"] >= 0.0  # k3 is non-negative token by token
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert start > 0.5
+    assert exact_kl() < 0.1 * start
 
 
 def test_padding_does_not_change_the_loss() -> None:
