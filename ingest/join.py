@@ -131,8 +131,7 @@ def apply(window: Window | None, event: Event, now: float, spec: RewardSpec) -> 
     changes["feedback_events"] = w.feedback_events + 1
     if isinstance(event, EditAccepted | EditRejected):
         accepted = isinstance(event, EditAccepted)
-        old = w.decision
-        if old is None or ts > old[0] or (ts == old[0] and not accepted):
+        if supersedes(w.decision, ts, accepted):
             changes.update(decision=(ts, accepted), decided_at=now)
     elif isinstance(event, EditPersistence):
         old_p = w.persistence.get(event.horizon_s)
@@ -151,20 +150,42 @@ def due_at(window: Window, spec: RewardSpec, time_scale: float = 1.0) -> float:
     return window.opened_at + spec.window_s * time_scale
 
 
+def supersedes(current: tuple[float, bool] | None, ts: float, accepted: bool) -> bool:
+    """Whether an accept/reject event with producer time ``ts`` replaces the ``current``
+    decision (producer ts, accepted): the latest wins, and on a tie a rejection wins."""
+    return current is None or ts > current[0] or (ts == current[0] and not accepted)
+
+
+def early_close(completion_kind: str | None, served_seen_at: float | None, rejected_at: float | None,
+                final_horizon_at: float | None, followup: float) -> float | None:
+    """When a window closes before its due time because nothing more is expected, or None.
+
+    ``served_seen_at``: when the served event was seen (None: not yet, nothing closes early);
+    ``rejected_at``: when the decision that stands, if a rejection, was seen;
+    ``final_horizon_at``: when the largest horizon's persistence was first seen;
+    ``followup``: the wait for a dissatisfied follow-up (``followup_s * time_scale``).
+    Times are on one clock (the reward worker's processing time; ``rtrl reconcile`` uses the
+    forwarded records' Kafka time)."""
+    if completion_kind is None or served_seen_at is None:
+        return None
+    if completion_kind != "edit":
+        return served_seen_at + followup
+    if rejected_at is not None:
+        return rejected_at + followup
+    if final_horizon_at is not None:
+        return max(served_seen_at, final_horizon_at)
+    return None
+
+
 def close_at(window: Window, spec: RewardSpec, time_scale: float = 1.0) -> float:
     """When the window closes: its due time, or earlier when nothing more is expected."""
     due = due_at(window, spec, time_scale)
-    served = window.served
-    if served is None or window.served_seen_at is None:
-        return due
-    follow = spec.window.followup_s * time_scale
-    if served.completion_kind != "edit":
-        return min(due, window.served_seen_at + follow)
-    if window.decision is not None and not window.decision[1] and window.decided_at is not None:
-        return min(due, window.decided_at + follow)
-    if window.final_horizon_at is not None:
-        return min(due, window.final_horizon_at)
-    return due
+    rejected = window.decision is not None and not window.decision[1]
+    early = early_close(
+        None if window.served is None else window.served.completion_kind, window.served_seen_at,
+        window.decided_at if rejected else None, window.final_horizon_at,
+        spec.window.followup_s * time_scale)
+    return due if early is None else min(due, early)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from ingest.events import (
     Event,
     parse_event,
 )
+from ingest.join import early_close, supersedes
 
 LIST_LIMIT = 20
 """Most ids listed per problem in the text report (the JSON report lists them all)."""
@@ -224,28 +225,25 @@ class Report:
 # ---------------------------------------------------------------------- the accounting
 def _close_time_ms(evs: list[ForwardedEvent], timing: Timing | None, max_horizon_s: int) -> float | None:
     """When the request's reward is due (Kafka time of the forwarded events, ms), or None
-    when its events did not close it and there is no clock to expire its window."""
+    when its events did not close it and there is no clock to expire its window. The early
+    closes are the reward join's own rules (``ingest.join.early_close``) on Kafka time."""
     served = next((e for e in evs if e.type == "completion.served"), None)
-    closes: list[float] = []
-    if timing is not None:
-        closes.append(min(e.timestamp_ms for e in evs) + timing.window_ms)
-    if served is None:
-        return min(closes, default=None)
-    follow = timing.followup_ms if timing is not None else 0.0
-    if served.completion_kind != "edit":
-        closes.append(served.timestamp_ms + follow)
-    else:
-        decisions = [e for e in evs if e.type in ("edit.accepted", "edit.rejected")]
-        # the latest by producer ts wins; on a tie a rejection wins (ingest.join.apply)
-        last = max(decisions, key=lambda e: (e.ts, e.type == "edit.rejected"), default=None)
-        if last is not None and last.type == "edit.rejected":
-            closes.append(last.timestamp_ms + follow)
-        else:
-            final = [e.timestamp_ms for e in evs if e.type == "edit.persistence"
-                     and e.horizon_s is not None and e.horizon_s >= max_horizon_s]
-            if final:
-                closes.append(max(served.timestamp_ms, min(final)))
-    return min(closes, default=None)
+    due = min(e.timestamp_ms for e in evs) + timing.window_ms if timing is not None else None
+    decision: tuple[float, bool] | None = None
+    decided_ms: float | None = None
+    for e in evs:
+        if e.type in ("edit.accepted", "edit.rejected"):
+            accepted = e.type == "edit.accepted"
+            if supersedes(decision, e.ts, accepted):
+                decision, decided_ms = (e.ts, accepted), e.timestamp_ms
+    final = [e.timestamp_ms for e in evs if e.type == "edit.persistence"
+             and e.horizon_s is not None and e.horizon_s >= max_horizon_s]
+    early = early_close(
+        None if served is None else served.completion_kind,
+        None if served is None else served.timestamp_ms,
+        decided_ms if decision is not None and not decision[1] else None,
+        min(final, default=None), timing.followup_ms if timing is not None else 0.0)
+    return min((t for t in (due, early) if t is not None), default=None)
 
 
 def reconcile(
