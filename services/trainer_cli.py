@@ -260,7 +260,7 @@ def _train_main(argv: list[str]) -> int:
         return 3
     finally:
         if not ray_was_up:  # stop the local Ray this command started, not the caller's
-            _shutdown_ray()
+            shutdown_ray()
     body = describe(outcome)
     if args.json:
         print(json.dumps(body, indent=2))
@@ -317,7 +317,8 @@ def _ray_up() -> bool:
     return bool(ray.is_initialized())
 
 
-def _shutdown_ray() -> None:
+def shutdown_ray() -> None:
+    """Shut Ray down if this process connected to it (nothing otherwise)."""
     if "ray" in sys.modules:
         import ray
 

@@ -27,7 +27,7 @@ from services import metrics
 from services.observability import Health, HttpEndpoints
 from services.runtime import Stopper, setup_logging
 from services.settings import Settings, get_settings
-from services.trainer_cli import BusyError, _shutdown_ray, describe, run_once
+from services.trainer_cli import BusyError, describe, run_once, shutdown_ray
 
 log = logging.getLogger("rtrl.trainer")
 JOB_ID = "rtrl-increment"
@@ -141,7 +141,7 @@ def main(argv: list[str]) -> int:
         log.info("stopped %d local Ray processes; exiting", stopped)
         logging.shutdown()
         os._exit(0)  # the scheduler's worker thread would otherwise hold the interpreter open
-    _shutdown_ray()
+    shutdown_ray()
     return 0
 
 
