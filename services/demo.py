@@ -128,7 +128,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_TRAINER__DATA_DIR": str(data / "trainer"),
         "RTRL_TRAINER__MISFIRE_GRACE_S": "30",
         "RTRL_TRAINER__MIN_RECORDS": "200",
-        "RTRL_TRAINER__LR": "5e-4",
+        "RTRL_TRAINER__LR": "2e-3",
         "RTRL_TRAINER__GATE__MAX_KL": "6",
         "RTRL_GATEWAY__PORT": str(gateway_port),
         "RTRL_GATEWAY__SIMULATED_MS_PER_TOKEN": f"{demo.simulated_ms_per_token:g}",

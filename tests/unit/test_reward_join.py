@@ -15,7 +15,7 @@ from ingest.events import (
     FollowupDissatisfied,
     ModelRef,
 )
-from ingest.join import Window, apply, apply_batch, close, close_at, due_at
+from ingest.join import Window, apply, apply_batch, close, close_at, due_at, early_close, supersedes
 from ingest.reward_spec import load_spec
 
 SPEC = load_spec()  # horizons 30/600/3600, grace 30, followup 60
@@ -120,3 +120,28 @@ def test_window_round_trips_through_json() -> None:
     back = Window.from_json(w.to_json())
     assert back == w
     assert close(back, SPEC, 1.0) == close(w, SPEC, 1.0)
+
+
+def test_early_close_rules_against_a_table() -> None:
+    follow = 3.0
+    # (kind, served seen, rejection seen, final horizon seen) -> early close
+    table = [
+        (None, None, None, 5.0, None),          # nothing served yet: never early
+        ("edit", None, 2.0, 5.0, None),
+        ("question", 1.0, None, None, 4.0),     # questions and empties wait for a follow-up
+        ("empty", 1.0, None, None, 4.0),
+        ("edit", 1.0, 2.0, 9.0, 5.0),           # a standing rejection wins over persistence
+        ("edit", 1.0, None, 9.0, 9.0),          # final horizon reported: closes then
+        ("edit", 6.0, None, 5.0, 6.0),          # ... but not before the served event is seen
+        ("edit", 1.0, None, None, None),        # an accepted edit waits for its horizons
+    ]
+    for kind, served, rejected, final, expected in table:
+        assert early_close(kind, served, rejected, final, follow) == expected, (kind, served, rejected, final)
+
+
+def test_supersedes_latest_wins_rejection_wins_a_tie() -> None:
+    assert supersedes(None, 1.0, True)
+    assert supersedes((1.0, True), 2.0, True)
+    assert not supersedes((2.0, False), 1.0, True)
+    assert supersedes((1.0, True), 1.0, False)
+    assert not supersedes((1.0, False), 1.0, True)
