@@ -54,7 +54,11 @@ CANARY_GRACE_S = 150.0
 """At the end of the time budget a canary in flight gets up to this long to be decided."""
 BASELINE_REWARDS = 150
 """Reward records to collect before the bad candidate goes in (the stable cohort's baseline)."""
-STOP_ORDER = ("simulator", "gateway", "deployer", "trainer", "reward", "ingest")
+STOP_ORDER: tuple[str | tuple[str, ...], ...] = (
+    "simulator", ("gateway", "deployer", "trainer"), "reward", "ingest")
+"""Users first; then the gateway (flushing its served events), the deployer and the trainer
+together (the trainer's Ray shutdown takes the longest and holds up no one); then the
+reward worker and ingest, which drain what the others wrote."""
 
 
 def say(msg: str) -> None:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,11 +103,25 @@ class Supervisor:
             return None
         return stop_group(proc, grace_s)
 
-    def stop_all(self, grace_s: float = 20.0, order: Sequence[str] | None = None) -> dict[str, int | None]:
-        """SIGTERM every process group (in ``order``, else reverse start order); return codes."""
-        names = list(order) if order is not None else list(reversed(self.procs))
-        names += [n for n in reversed(self.procs) if n not in names]
-        codes = {n: self.stop(n, grace_s) for n in names}
+    def stop_all(self, grace_s: float = 20.0,
+                 order: Sequence[str | Sequence[str]] | None = None) -> dict[str, int | None]:
+        """SIGTERM every process group, stage by stage, and return the exit codes.
+
+        ``order`` lists the stages: a name, or a tuple of names stopped at the same time
+        (each with its own grace period); the next stage starts when the whole stage has
+        stopped. Services not named, and every service without an ``order``, are stopped one
+        by one in reverse start order afterwards."""
+        stages = [[st] if isinstance(st, str) else list(st) for st in (order or ())]
+        named = {n for stage in stages for n in stage}
+        stages += [[n] for n in reversed(self.procs) if n not in named]
+        codes: dict[str, int | None] = {}
+        for stage in stages:
+            if len(stage) == 1:
+                codes[stage[0]] = self.stop(stage[0], grace_s)
+                continue
+            with ThreadPoolExecutor(max_workers=len(stage)) as pool:
+                for name, rc in zip(stage, pool.map(lambda n: self.stop(n, grace_s), stage), strict=True):
+                    codes[name] = rc
         self._record()
         return codes
 

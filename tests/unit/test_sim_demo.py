@@ -117,6 +117,29 @@ def test_supervisor_stops_services_and_their_children(tmp_path: Path) -> None:
         time.sleep(0.05)
 
 
+def test_supervisor_stops_a_stage_together_and_stages_in_order(tmp_path: Path) -> None:
+    """Two services that each take 1.5 s to stop on SIGTERM, in one stage: together well under
+    2 x 1.5 s; the stage after them is only signalled once both have exited."""
+    slow = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.5), sys.exit(0)))\n"
+            "time.sleep(60)\n")
+    stamp = ("import signal, sys, time\n"
+             f"signal.signal(signal.SIGTERM, lambda *_: (open({str(tmp_path / 'last.t')!r}, 'w')"
+             ".write(repr(time.time())), sys.exit(0)))\n"
+             "time.sleep(60)\n")
+    sup = Supervisor(tmp_path / "logs")
+    for name in ("a", "b"):
+        sup.start(ProcSpec(name, [sys.executable, "-c", slow]))
+    sup.start(ProcSpec("last", [sys.executable, "-c", stamp]))
+    time.sleep(1.0)  # let the interpreters install their handlers
+    t0 = time.time()
+    codes = sup.stop_all(grace_s=10.0, order=[("a", "b"), "last"])
+    assert codes == {"a": 0, "b": 0, "last": 0}
+    signalled_last = float((tmp_path / "last.t").read_text())
+    assert signalled_last - t0 >= 1.4  # after the stage before it had stopped
+    assert signalled_last - t0 < 2.6  # a and b stopped at the same time, not one after the other
+
+
 def test_supervisor_reports_exits_once_and_runs_one_shots(tmp_path: Path) -> None:
     sup = Supervisor(tmp_path / "logs")
     sup.start(ProcSpec("quick", [sys.executable, "-c", "print('bye'); raise SystemExit(3)"]))
