@@ -381,8 +381,9 @@ class DemoSettings(_Frozen):
     data_dir: Path = Path(".rtrl/demo")
     """The demo's own stack, registry and logs; wiped at the start of each run."""
     report_dir: Path = Path("reports")
-    minutes: Annotated[float, Field(gt=0.0)] = 12.0
-    """Wall-clock budget of the loop phase (the whole demo stays under ~15 minutes)."""
+    minutes: Annotated[float, Field(gt=0.0)] = 15.0
+    """Wall-clock budget of the whole demo, from the stack's start until it is stopped: the
+    loop gets what the stack start and the bootstrap leave, less a reserve for stopping."""
     increments: Annotated[int, Field(ge=1)] = 4
     """Stop early once this many trainer increments have been decided by the deployer."""
     until_promoted: bool = False
