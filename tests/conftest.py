@@ -15,10 +15,14 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from services.settings import KafkaSettings, MlflowSettings, RedisSettings, Settings, TopicSettings
+
+if TYPE_CHECKING:
+    from services.stack import EmbeddedStack
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -101,7 +105,7 @@ def settings(stack: object) -> Settings:
 
 
 @pytest.fixture
-def isolated_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, Settings]]:
+def isolated_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedStack, Settings]]:
     """A broker and Redis of this test's own (an ``EmbeddedStack``) and settings on them. For
     tests that SIGKILL workers: noida-db keeps a killed group member and its open transaction
     for good, which must not leak into the tests that share the session broker."""
@@ -124,6 +128,6 @@ def isolated_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[o
 
 
 @pytest.fixture
-def isolated_settings(isolated_stack: tuple[object, Settings]) -> Settings:
+def isolated_settings(isolated_stack: tuple[EmbeddedStack, Settings]) -> Settings:
     """Settings on a broker and Redis of this test's own (see ``isolated_stack``)."""
     return isolated_stack[1]

@@ -58,11 +58,9 @@ class Private:
 
 
 @pytest.fixture
-def private(isolated_stack: tuple[Any, Settings]) -> Private:
+def private(isolated_stack: tuple[EmbeddedStack, Settings]) -> Private:
     """A broker and Redis of this test's own: the test stops and starts them."""
-    st, settings = isolated_stack
-    assert isinstance(st, EmbeddedStack)
-    return Private(st, settings)
+    return Private(*isolated_stack)
 
 
 class AckedStreamer(threading.Thread):

@@ -28,13 +28,13 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kafka.admin import NewTopic
 
 from services.kafka_io import ensure_topics, make_admin, topic_names
 from services.settings import Settings
+from services.stack import EmbeddedStack
 from tests.reliability import scale
 from tests.reliability.workload import (
     Progress,
@@ -57,7 +57,7 @@ pytestmark = pytest.mark.timeout(int(scale.current().soak_seconds) + 900)
 
 
 @pytest.fixture
-def stack(isolated_stack: tuple[Any, Settings]) -> tuple[int, Settings]:
+def stack(isolated_stack: tuple[EmbeddedStack, Settings]) -> tuple[int, Settings]:
     """The broker's pid and settings on it; the topics, with retention, exist."""
     st, settings = isolated_stack
     admin = make_admin(settings.kafka)
