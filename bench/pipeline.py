@@ -36,7 +36,7 @@ from kafka import KafkaAdminClient
 
 from ingest.events import CompletionServed, EditAccepted, EditPersistence, ModelRef
 from services.event_producer import EventProducer
-from services.kafka_io import ensure_topics, make_consumer, make_producer
+from services.kafka_io import committed_offsets, ensure_topics, make_consumer, make_producer
 from services.settings import KafkaSettings, RedisSettings, Settings, TopicSettings
 from services.stack import EmbeddedStack, free_port
 
@@ -110,16 +110,7 @@ class Bench:
         return self.spawn([str(Path(sys.executable).parent / "rtrl"), *args], env, name)
 
     def committed(self, group: str, topic: str) -> int:
-        try:
-            offs = self.admin.list_group_offsets(group).get(group, {})
-        except Exception:  # the group may not exist yet
-            return 0
-        total = 0
-        for tp, om in (offs or {}).items():
-            if getattr(tp, "topic", None) == topic:
-                off = getattr(om, "offset", om)
-                total += max(0, int(off))
-        return total
+        return sum(committed_offsets(self.admin, group, topic).values())
 
     def measure(self, group: str, topic: str, total: int, proc: subprocess.Popen[bytes],
                 timeout_s: float) -> float:

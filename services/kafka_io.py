@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 
@@ -171,3 +171,42 @@ class Backoff:
 
     def reset(self) -> None:
         self.delay = self.first
+
+
+def read_topic(kafka: KafkaSettings, topic: str, idle_timeout_s: float = 10.0) -> list[Any]:
+    """Every record of ``topic`` (read_committed) from the beginning to the end offsets seen
+    now, as kafka-python ``ConsumerRecord``s. Stops early when nothing arrives for
+    ``idle_timeout_s`` (aborted data at the end). Never creates the topic: an audit or a report
+    must not auto-create one with the broker's default of one partition."""
+    c = make_consumer(kafka, None, fetch_max_bytes=16 * 1024 * 1024, allow_auto_create_topics=False)
+    try:
+        parts = c.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        if not tps:
+            return []
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        ends = c.end_offsets(tps)
+        out: list[Any] = []
+        idle_since = time.monotonic()
+        while any(c.position(tp) < ends[tp] for tp in tps):
+            got = c.poll(timeout_ms=500, max_records=10_000)
+            for tp, recs in got.items():
+                out += [r for r in recs if r.offset < ends[tp]]
+            if got:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > idle_timeout_s:
+                break
+        return out
+    finally:
+        c.close(autocommit=False)
+
+
+def committed_offsets(admin: KafkaAdminClient, group: str, topic: str) -> dict[int, int]:
+    """The group's committed offset per partition of ``topic`` ({} when it has none)."""
+    try:
+        offs = admin.list_group_offsets(group).get(group, {}) or {}
+    except Exception:  # an unknown group has no offsets
+        return {}
+    return {tp.partition: int(getattr(om, "offset", om)) for tp, om in offs.items()
+            if getattr(tp, "topic", None) == topic and int(getattr(om, "offset", om)) >= 0}

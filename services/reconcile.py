@@ -388,61 +388,19 @@ def _dead_letter(rec: Any) -> DeadLetter:
         return DeadLetter("unreadable_dlq_record", None, None, None)
 
 
-def read_topic(kafka: Any, topic: str, idle_timeout_s: float = 10.0) -> list[Any]:
-    """Every record of ``topic`` (read_committed) from the beginning to the end offsets
-    seen now. Stops early when nothing arrives for ``idle_timeout_s`` (aborted data at the end)."""
-    from kafka import TopicPartition
-
-    from services.kafka_io import make_consumer
-
-    # an audit never creates anything: a missing topic must not be auto-created (with the
-    # broker's default of one partition, which would then stop the reward workers)
-    c = make_consumer(kafka, None, fetch_max_bytes=16 * 1024 * 1024, allow_auto_create_topics=False)
-    try:
-        parts = c.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        if not tps:
-            return []
-        c.assign(tps)
-        c.seek_to_beginning(*tps)
-        ends = c.end_offsets(tps)
-        out: list[Any] = []
-        idle_since = time.monotonic()
-        while any(c.position(tp) < ends[tp] for tp in tps):
-            got = c.poll(timeout_ms=500, max_records=10_000)
-            for tp, recs in got.items():
-                out += [r for r in recs if r.offset < ends[tp]]
-            if got:
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since > idle_timeout_s:
-                break
-        return out
-    finally:
-        c.close(autocommit=False)
-
-
-def committed_offsets(kafka: Any, group: str, topic: str) -> dict[int, int]:
-    """The group's committed offset per partition of ``topic`` ({} when it has none)."""
-    from services.kafka_io import make_admin
-
-    admin = make_admin(kafka)
-    try:
-        offs = admin.list_group_offsets(group).get(group, {}) or {}
-    except Exception:  # an unknown group has no offsets
-        return {}
-    finally:
-        admin.close()
-    return {tp.partition: int(getattr(om, "offset", om)) for tp, om in offs.items()
-            if getattr(tp, "topic", None) == topic and int(getattr(om, "offset", om)) >= 0}
-
-
 def read_inputs(settings: Any, ingest_group: str | None = None, reward_group: str | None = None) -> Inputs:
     """Read the four topics of ``settings.topics`` and the groups' committed offsets.
 
     Offsets are read first: everything they cover is then on the topics."""
+    from services.kafka_io import committed_offsets, make_admin, read_topic
+
     k, t = settings.kafka, settings.topics
-    ingest_off = committed_offsets(k, ingest_group or settings.ingest.group_id, t.raw)
-    reward_off = committed_offsets(k, reward_group or settings.reward.group_id, t.events)
+    admin = make_admin(k)
+    try:
+        ingest_off = committed_offsets(admin, ingest_group or settings.ingest.group_id, t.raw)
+        reward_off = committed_offsets(admin, reward_group or settings.reward.group_id, t.events)
+    finally:
+        admin.close()
     raw = [RawRecord(r.partition, r.offset, _raw_event_id(r.value)) for r in read_topic(k, t.raw)]
     fwd = [_forwarded(r) for r in read_topic(k, t.events)]
     dlq = [_dead_letter(r) for r in read_topic(k, t.dlq)]

@@ -417,35 +417,18 @@ def plot_metric(rows: Sequence[Row], t0: float, metric: str, path: Path,
 # --------------------------------------------------------------------------- I/O adapters
 
 
-def read_rewards(settings: Any, timeout_s: float = 20.0) -> list[dict[str, Any]]:
-    """Every reward record on the rewards topic, from the beginning (read_committed)."""
-    from kafka import TopicPartition
+def read_rewards(settings: Any) -> list[dict[str, Any]]:
+    """Every reward record on the rewards topic, from the beginning (read_committed); records
+    that are not JSON are skipped."""
+    from services.kafka_io import read_topic
 
-    from services.kafka_io import make_consumer
-
-    consumer = make_consumer(settings.kafka, None, consumer_timeout_ms=1000)
-    try:
-        parts = consumer.partitions_for_topic(settings.topics.rewards) or set()
-        tps = [TopicPartition(settings.topics.rewards, p) for p in sorted(parts)]
-        if not tps:
-            return []
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        end = consumer.end_offsets(tps)
-        out: list[dict[str, Any]] = []
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(consumer.position(tp) < end[tp] for tp in tps):
-            for recs in consumer.poll(timeout_ms=500, max_records=5000).values():
-                for rec in recs:
-                    try:
-                        out.append(json.loads(rec.value))
-                    except (TypeError, ValueError):
-                        continue
-        return out
-    finally:
-        consumer.close()
+    out: list[dict[str, Any]] = []
+    for rec in read_topic(settings.kafka, settings.topics.rewards):
+        try:
+            out.append(json.loads(rec.value))
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def read_ledger(tracking_uri: str, experiment: str) -> list[Decision]:

@@ -32,8 +32,11 @@ from tests.reliability.workload import (
     build,
     drain_and_stop,
     env_for,
+    kill_alive,
     pct,
+    reconcile_figures,
     reconcile_topics,
+    wait_up,
 )
 
 WORKERS_PER_KIND = 2
@@ -77,11 +80,7 @@ def test_sigkills_lose_and_duplicate_nothing(settings: Settings, tmp_path: Path)
     kill_log: list[str] = []
     try:
         # the stream starts once every worker is up (start-up is not what is measured)
-        deadline = time.monotonic() + 120
-        while not all("worker up" in w.log.read_text() if w.log.exists() else False for w in everyone):
-            assert time.monotonic() < deadline, "workers did not start; see logs in " + str(tmp_path)
-            assert all(w.alive() for w in everyone), "a worker exited at start-up; see " + str(tmp_path)
-            time.sleep(0.2)
+        wait_up(everyone)
         streamer = Streamer(settings, wl.records, rate)
         streamer.start()
         while not streamer.started_at:
@@ -119,9 +118,7 @@ def test_sigkills_lose_and_duplicate_nothing(settings: Settings, tmp_path: Path)
         assert streamer.error is None, streamer.error
         drain_s, codes = drain_and_stop(everyone, rewards, len(wl.requests), max(120.0, stream_s))
     finally:
-        for w in everyone:
-            if w.alive():
-                w.kill()
+        kill_alive(everyone)
         rewards.close()
         prog.close()
     assert all(c == 0 for c in codes.values()), f"SIGTERM must exit 0: {codes}"
@@ -143,16 +140,10 @@ def test_sigkills_lose_and_duplicate_nothing(settings: Settings, tmp_path: Path)
         "kills": len(kinds),
         "kills_ingest": len(recovery["ingest"]),
         "kills_reward": len(recovery["reward"]),
-        "lost_events": len(rep.raw_lost),
-        "lost_rewards": len(rep.lost_rewards),
-        "duplicate_events": len(rep.duplicate_forwarded),
-        "duplicate_rewards": len(rep.duplicate_rewards),
-        "dlq": rep.raw_dead_lettered,
+        **reconcile_figures(rep),
         "dlq_by_reason": rep.dead_lettered_by_reason,
         "duplicates_dropped": rep.raw_duplicates_dropped,
-        "reward_records": rep.reward_records,
         "rewards_recovered_after_commit_kill": recovered,
-        "all_events_reflected": rep.all_reflected,
         "recovery_s_max": round(max(rec_all), 2),
         "recovery_s_median": round(statistics.median(rec_all), 2),
         "recovery_s_ingest": [round(x, 2) for x in recovery["ingest"]],

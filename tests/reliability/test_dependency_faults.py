@@ -20,7 +20,6 @@ never the session one. Sizes: ``scale.current().fault_events`` raw records per r
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -30,19 +29,22 @@ from typing import Any
 import pytest
 import redis as redis_lib
 
-from services.kafka_io import ensure_topics, make_producer
-from services.reconcile import read_topic
+from services.kafka_io import ensure_topics, read_topic
 from services.settings import Settings
 from services.stack import EmbeddedStack
 from tests.reliability import scale
 from tests.reliability.workload import (
     RawOut,
     RewardCounter,
+    Streamer,
     Worker,
     build,
     drain_and_stop,
     env_for,
+    kill_alive,
+    reconcile_figures,
     reconcile_topics,
+    wait_up,
 )
 
 OUTAGE_S = 5.0
@@ -63,40 +65,29 @@ def private(isolated_stack: tuple[EmbeddedStack, Settings]) -> Private:
     return Private(*isolated_stack)
 
 
-class AckedStreamer(threading.Thread):
+class AckedStreamer(Streamer):
     """Sends records to the raw topic at a fixed rate, as a careful client does: every send
     is checked, and one the producer reports failed (its batch was in flight when the broker
     stopped) is sent again until acknowledged. A resent record that had landed after all is
     dropped by ingest as a duplicate (or dead-lettered again, for invalid input)."""
 
     def __init__(self, settings: Settings, records: list[RawOut], rate: float) -> None:
-        super().__init__(daemon=True)
-        self.settings, self.records, self.rate = settings, records, rate
+        super().__init__(settings, records, rate)
         self.resent = 0
-        self.error: BaseException | None = None
-        self.started_at = 0.0
+        self.pending: list[tuple[RawOut, Any]] = []
 
-    def run(self) -> None:
-        try:
-            prod = make_producer(self.settings.kafka, linger_ms=20)
-            topic = self.settings.topics.raw
-            self.started_at = time.monotonic()
-            pending = []
-            for i, r in enumerate(self.records):
-                pending.append((r, prod.send(topic, value=r.value, key=r.key, headers=r.headers)))
-                ahead = self.started_at + (i + 1) / self.rate - time.monotonic()
-                if ahead > 0:
-                    time.sleep(ahead)
-            deadline = time.monotonic() + 180
-            while pending:
-                prod.flush(timeout=60)
-                failed = [r for r, f in pending if f.failed()]
-                assert time.monotonic() < deadline, f"{len(failed)} records never acknowledged"
-                self.resent += len(failed)
-                pending = [(r, prod.send(topic, value=r.value, key=r.key, headers=r.headers)) for r in failed]
-            prod.close()
-        except BaseException as exc:  # reported by the test
-            self.error = exc
+    def send(self, prod: Any, topic: str, r: RawOut) -> None:
+        self.pending.append((r, prod.send(topic, value=r.value, key=r.key, headers=r.headers)))
+
+    def finish(self, prod: Any, topic: str) -> None:
+        deadline = time.monotonic() + 180
+        pending = self.pending
+        while pending:
+            prod.flush(timeout=60)
+            failed = [r for r, f in pending if f.failed()]
+            assert time.monotonic() < deadline, f"{len(failed)} records never acknowledged"
+            self.resent += len(failed)
+            pending = [(r, prod.send(topic, value=r.value, key=r.key, headers=r.headers)) for r in failed]
 
 
 def _first_after(records: list[Any], wall_ms: int) -> float | None:
@@ -121,11 +112,7 @@ def _restart_under_load(name: str, p: Private, tmp_path: Path) -> None:
     rewards = RewardCounter(settings)
     windows_checked = 0
     try:
-        deadline = time.monotonic() + 120
-        while not all(w.log.exists() and "worker up" in w.log.read_text() for w in workers):
-            assert time.monotonic() < deadline, f"workers did not start; see {tmp_path}"
-            assert all(w.alive() for w in workers), f"a worker exited at start-up; see {tmp_path}"
-            time.sleep(0.2)
+        wait_up(workers)
         streamer = AckedStreamer(settings, wl.records, rate)
         streamer.start()
         while not streamer.started_at:
@@ -161,9 +148,7 @@ def _restart_under_load(name: str, p: Private, tmp_path: Path) -> None:
         assert streamer.error is None, streamer.error
         drain_s, codes = drain_and_stop(workers, rewards, len(wl.requests), max(60.0, stream_s))
     finally:
-        for w in workers:
-            if w.alive():
-                w.kill()
+        kill_alive(workers)
         rewards.close()
     assert all(c == 0 for c in codes.values()), f"SIGTERM must exit 0: {codes}"
 
@@ -184,14 +169,8 @@ def _restart_under_load(name: str, p: Private, tmp_path: Path) -> None:
         "outage_s": round(outage_s, 2),
         "reconnect_s_ingest": None if reconnect_ingest is None else round(reconnect_ingest, 2),
         "reconnect_s_reward": None if reconnect_reward is None else round(reconnect_reward, 2),
-        "lost_events": len(rep.raw_lost),
-        "lost_rewards": len(rep.lost_rewards),
-        "duplicate_events": len(rep.duplicate_forwarded),
-        "duplicate_rewards": len(rep.duplicate_rewards),
-        "dlq": rep.raw_dead_lettered,
+        **reconcile_figures(rep),
         "client_resends": streamer.resent,
-        "reward_records": rep.reward_records,
-        "all_events_reflected": rep.all_reflected,
         "join_windows_across_restart": windows_checked,
         "drain_s_after_stream": round(drain_s, 1),
         "wall_s": round(time.monotonic() - t_start, 1),

@@ -44,7 +44,9 @@ from tests.reliability.workload import (
     build,
     chunks,
     env_for,
+    kill_alive,
     rss_of,
+    wait_up,
 )
 
 SOAK_SHARE = 0.35
@@ -163,9 +165,7 @@ def test_memory_flat_and_lag_bounded_at_a_sustained_rate(stack: tuple[int, Setti
         end_lags = prog.lags()
         codes = [w.stop() for w in workers]
     finally:
-        for w in workers:
-            if w.alive():
-                w.kill()
+        kill_alive(workers)
         rewards.close()
         prog.close()
 
@@ -234,7 +234,4 @@ def test_memory_flat_and_lag_bounded_at_a_sustained_rate(stack: tuple[int, Setti
 
 def _start(worker: Worker, tmp_path: Path) -> None:
     worker.start()
-    deadline = time.monotonic() + 120
-    while not (worker.log.exists() and "worker up" in worker.log.read_text()):
-        assert time.monotonic() < deadline and worker.alive(), f"{worker.kind} not up; see {tmp_path}"
-        time.sleep(0.2)
+    wait_up([worker])

@@ -32,7 +32,7 @@ from ingest.events import (
     FollowupDissatisfied,
     ModelRef,
 )
-from services.kafka_io import make_admin, make_consumer, make_producer
+from services.kafka_io import committed_offsets, make_admin, make_consumer, make_producer
 from services.settings import Settings
 from tests.service_env import service_env
 
@@ -217,16 +217,22 @@ class Streamer(threading.Thread):
             self.started_at = time.monotonic()
             topic = self.settings.topics.raw
             for i, r in enumerate(itertools.chain([] if head is None else [head], records)):
-                prod.send(topic, value=r.value, key=r.key, headers=r.headers)
+                self.send(prod, topic, r)
                 self.sent = i + 1
                 ahead = self.started_at + (i + 1) / self.rate - time.monotonic()
                 if ahead > 0:
                     time.sleep(ahead)
-            prod.flush()
+            self.finish(prod, topic)
             prod.close()
             self.finished_at = time.monotonic()
         except BaseException as exc:  # reported by the test
             self.error = exc
+
+    def send(self, prod: Any, topic: str, r: RawOut) -> None:
+        prod.send(topic, value=r.value, key=r.key, headers=r.headers)
+
+    def finish(self, prod: Any, topic: str) -> None:
+        prod.flush()
 
 
 # ---------------------------------------------------------------------- processes
@@ -316,6 +322,24 @@ class Worker:
 
 
 # ---------------------------------------------------------------------- progress and lag
+def wait_up(workers: Iterable[Worker], timeout_s: float = 120.0) -> None:
+    """Wait until every worker has logged ``worker up``; fail if one exits first or time runs out."""
+    workers = list(workers)
+    deadline = time.monotonic() + timeout_s
+    while not all(w.log.exists() and "worker up" in w.log.read_text() for w in workers):
+        dead = [w.instance for w in workers if not w.alive()]
+        assert not dead, f"{dead} exited at start-up; see {workers[0].log.parent}"
+        assert time.monotonic() < deadline, f"workers did not start; see {workers[0].log.parent}"
+        time.sleep(0.2)
+
+
+def kill_alive(workers: Iterable[Worker]) -> None:
+    """SIGKILL whichever of ``workers`` still runs (a test's clean-up)."""
+    for w in workers:
+        if w.alive():
+            w.kill()
+
+
 class Progress:
     """Consumer groups' committed offsets and topics' end offsets."""
 
@@ -328,12 +352,7 @@ class Progress:
                      for t in (settings.topics.raw, settings.topics.events, settings.topics.rewards)}
 
     def committed_by_partition(self, group: str, topic: str) -> dict[int, int]:
-        try:
-            offs = self.admin.list_group_offsets(group).get(group, {}) or {}
-        except Exception:  # no offsets yet
-            return {}
-        return {tp.partition: max(0, int(getattr(om, "offset", om))) for tp, om in offs.items()
-                if getattr(tp, "topic", None) == topic}
+        return committed_offsets(self.admin, group, topic)
 
     def committed(self, group: str, topic: str) -> int:
         return sum(self.committed_by_partition(group, topic).values())
@@ -411,6 +430,19 @@ def reconcile_topics(settings: Settings) -> tuple[Any, Any]:
     rep = reconcile(inp.raw, inp.forwarded, inp.dlq, inp.rewards, raw_topic=settings.topics.raw,
                     ingest_committed=inp.ingest_committed, reward_committed=inp.reward_committed)
     return inp, rep
+
+
+def reconcile_figures(rep: Any) -> dict[str, Any]:
+    """The reconciler's accounting as recorded figures (the same keys in every test)."""
+    return {
+        "lost_events": len(rep.raw_lost),
+        "lost_rewards": len(rep.lost_rewards),
+        "duplicate_events": len(rep.duplicate_forwarded),
+        "duplicate_rewards": len(rep.duplicate_rewards),
+        "dlq": rep.raw_dead_lettered,
+        "reward_records": rep.reward_records,
+        "all_events_reflected": rep.all_reflected,
+    }
 
 
 def pct(values: list[float], q: float) -> float:
