@@ -65,6 +65,11 @@ class ToolCallSpec(_Frozen):
     max_penalty: Annotated[float, Field(ge=0)] = 1.0
 
 
+class NoEditSpec(_Frozen):
+    question: Annotated[float, Field(ge=0)] = 0.0
+    empty: Annotated[float, Field(ge=0)] = 0.0
+
+
 class WindowSpec(_Frozen):
     default_reward: float = 0.0
     grace_s: Annotated[float, Field(ge=0)] = 30.0
@@ -80,6 +85,7 @@ class RewardSpec(_Frozen):
     latency: LatencySpec = LatencySpec()
     dissatisfied: DissatisfiedSpec = DissatisfiedSpec()
     tool_calls: ToolCallSpec = ToolCallSpec()
+    no_edit: NoEditSpec = NoEditSpec()
     window: WindowSpec = WindowSpec()
 
     @property

@@ -7,11 +7,12 @@
     dissatisfied       -penalty * min(count, max_count)
     latency            -weight * min(cap, max(0, latency - slo) / slo)
     invalid_tool_calls -min(max_penalty, invalid_penalty * invalid calls)
+    no_edit            -question for a clarifying question, -empty for an empty completion
     default            the spec's default reward, only when no feedback came at all
 
 A clarifying question or an empty completion proposes no edit, so it has no persistence
-or acceptance terms: any accept/reject/persistence event for it is ignored. Latency and
-invalid tool calls come from the served event itself and always apply.
+or acceptance terms: any accept/reject/persistence event for it is ignored. Latency,
+invalid tool calls and the no-edit penalty come from the served event itself and always apply.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Literal, Protocol
 
 from ingest.reward_spec import RewardSpec
 
-COMPONENTS = ("persistence", "acceptance", "dissatisfied", "latency", "invalid_tool_calls", "default")
+COMPONENTS = ("persistence", "acceptance", "dissatisfied", "latency", "invalid_tool_calls", "no_edit",
+              "default")
 
 
 class Served(Protocol):
@@ -66,6 +68,12 @@ def tool_call_penalty(invalid: int, per_call: float, max_penalty: float) -> floa
     return -min(max_penalty, per_call * invalid)
 
 
+def no_edit_penalty(kind: str, question: float, empty: float) -> float:
+    """The product penalty for proposing no edit: ``-question`` for a clarifying question,
+    ``-empty`` for an empty completion, 0 for an edit."""
+    return -question if kind == "question" else -empty if kind == "empty" else 0.0
+
+
 def dissatisfied_penalty(count: int, penalty: float, max_count: int) -> float:
     return -penalty * min(count, max_count)
 
@@ -89,6 +97,7 @@ def compute_reward(
     comps["invalid_tool_calls"] = tool_call_penalty(
         served.invalid_tool_calls, spec.tool_calls.invalid_penalty, spec.tool_calls.max_penalty
     )
+    comps["no_edit"] = no_edit_penalty(kind, spec.no_edit.question, spec.no_edit.empty)
     if not has_feedback(feedback, kind):
         comps["default"] = spec.window.default_reward
     else:

@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from ingest.reward_spec import load_spec
+from ingest.reward_spec import NoEditSpec, RewardSpec, load_spec
 from ingest.rewards import (
     COMPONENTS,
     Feedback,
@@ -19,7 +19,8 @@ from ingest.rewards import (
 )
 
 SPEC = load_spec()  # default-v1: accepted .75, rejected -.25, slo 2000 ms w .1 cap 1,
-# dissatisfied .5 max 1, invalid .25 max 1, default 0, primary horizon 600
+# dissatisfied .5 max 1, invalid .25 max 1, no-edit 0 / 0, default 0, primary horizon 600
+PENALISED = SPEC.model_copy(update={"no_edit": NoEditSpec(question=0.3, empty=0.2)})
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ def test_rejected_edit_ignores_persistence_and_pays_latency_and_tools() -> None:
     # latency 3000 ms: over = 0.5 -> -0.05 ; 2 invalid calls -> -0.5
     reward, comps = compute_reward(fb, S(latency_ms=3000, invalid_tool_calls=2), SPEC)
     assert comps == {"persistence": 0.0, "acceptance": -0.25, "dissatisfied": 0.0,
-                     "latency": pytest.approx(-0.05), "invalid_tool_calls": -0.5, "default": 0.0}
+                     "latency": pytest.approx(-0.05), "invalid_tool_calls": -0.5, "no_edit": 0.0,
+                     "default": 0.0}
     assert reward == pytest.approx(-0.8)
 
 
@@ -60,6 +62,15 @@ def test_question_has_no_edit_terms_even_if_edit_events_came() -> None:
     reward, comps = compute_reward(fb, S(completion_kind="question"), SPEC)
     assert comps["acceptance"] == 0.0 and comps["persistence"] == 0.0
     assert reward == 0.0  # defaulted: nothing that counts for a question came
+
+
+def test_no_edit_penalty_applies_to_questions_and_empties_whatever_the_feedback() -> None:
+    q, q_comps = compute_reward(Feedback(), S(completion_kind="question"), PENALISED)
+    e, e_comps = compute_reward(Feedback(dissatisfied=1), S(completion_kind="empty"), PENALISED)
+    edit, edit_comps = compute_reward(Feedback(accepted=True), S(), PENALISED)
+    assert q_comps["no_edit"] == -0.3 and q == pytest.approx(-0.3)
+    assert e_comps["no_edit"] == -0.2 and e == pytest.approx(-0.7)  # with the dissatisfied -0.5
+    assert edit_comps["no_edit"] == 0.0 and edit == pytest.approx(0.75)
 
 
 def test_dissatisfied_question_is_penalised_once() -> None:
@@ -82,24 +93,28 @@ def test_latency_and_tool_terms_hand_computed() -> None:
     assert tool_call_penalty(0, 0.25, 1.0) == 0.0
 
 
-def _reference(fb: Feedback, s: S) -> float:
+def _reference(fb: Feedback, s: S, spec: RewardSpec) -> float:
     """Plain restatement of the spec, written independently of the module."""
     total = 0.0
-    lat = s.latency_ms - SPEC.latency.slo_ms
+    lat = s.latency_ms - spec.latency.slo_ms
     if lat > 0:
-        total -= SPEC.latency.weight * min(SPEC.latency.cap, lat / SPEC.latency.slo_ms)
-    total -= min(SPEC.tool_calls.max_penalty, SPEC.tool_calls.invalid_penalty * s.invalid_tool_calls)
+        total -= spec.latency.weight * min(spec.latency.cap, lat / spec.latency.slo_ms)
+    total -= min(spec.tool_calls.max_penalty, spec.tool_calls.invalid_penalty * s.invalid_tool_calls)
+    if s.completion_kind == "question":
+        total -= spec.no_edit.question
+    if s.completion_kind == "empty":
+        total -= spec.no_edit.empty
     counts = fb.dissatisfied > 0 or (
         s.completion_kind == "edit" and (fb.accepted is not None or len(fb.persistence) > 0))
     if not counts:
-        return total + SPEC.window.default_reward
-    total -= SPEC.dissatisfied.penalty * min(fb.dissatisfied, SPEC.dissatisfied.max_count)
+        return total + spec.window.default_reward
+    total -= spec.dissatisfied.penalty * min(fb.dissatisfied, spec.dissatisfied.max_count)
     if s.completion_kind != "edit":
         return total
     if fb.accepted is True:
-        total += SPEC.acceptance.accepted
+        total += spec.acceptance.accepted
     if fb.accepted is False:
-        total += SPEC.acceptance.rejected
+        total += spec.acceptance.rejected
         return total
     best = None
     for h in sorted(fb.persistence):
@@ -110,11 +125,12 @@ def _reference(fb: Feedback, s: S) -> float:
             best = h
     if best is not None:
         r, i = fb.persistence[best]
-        total += SPEC.persistence.weight * min(1.0, r / i)
+        total += spec.persistence.weight * min(1.0, r / i)
     return total
 
 
-def test_matches_plain_reference_on_random_inputs() -> None:
+@pytest.mark.parametrize("spec", [SPEC, PENALISED], ids=["default", "no-edit penalties"])
+def test_matches_plain_reference_on_random_inputs(spec: RewardSpec) -> None:
     rng = random.Random(7)
     for _ in range(2000):
         pers = {}
@@ -126,6 +142,6 @@ def test_matches_plain_reference_on_random_inputs() -> None:
                       dissatisfied=rng.choice([0, 0, 1, 2]))
         s = S(completion_kind=rng.choice(["edit", "edit", "question", "empty"]),
               latency_ms=rng.uniform(0, 8000), invalid_tool_calls=rng.choice([0, 0, 1, 5]))
-        reward, comps = compute_reward(fb, s, SPEC)
-        assert reward == pytest.approx(_reference(fb, s), abs=1e-12)
+        reward, comps = compute_reward(fb, s, spec)
+        assert reward == pytest.approx(_reference(fb, s, spec), abs=1e-12)
         assert reward == pytest.approx(sum(comps.values()), abs=1e-12)
