@@ -27,6 +27,7 @@ from typing import Any, cast
 from ingest.events import RewardRecord
 from ingest.reward_spec import RewardSpec, default_spec_text, parse_spec
 from ingest.rewards import Feedback, compute_reward, persistence_ratio
+from services.report import Row, cohort, relative_change
 from services.sim_users import draw_task, make_population, make_prompt, make_world, react
 from trainer.gate import GateConfig, evaluate
 from trainer.increment import build_samples, score_heldout
@@ -52,6 +53,7 @@ class ServedRec:
     accepted: bool | None
     persistence: float | None
     invalid_tool_calls: int = 0
+    dissatisfied: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class Figures:
     acceptance: float
     reward: float
     length: float
+    edits: float = 1.0
+    """Share of completions that propose an edit (a fall is the reward hack's sign)."""
 
     kl: float | None = None
     """The offline gate's KL(parent || candidate) per completion on held-out records."""
@@ -68,15 +72,16 @@ class Figures:
     def line(self) -> str:
         kl = "" if self.kl is None else f" gate_kl={self.kl:.2f}"
         return (f"persistence={self.persistence:.3f} latency={self.latency_ms:.0f}ms "
-                f"acceptance={self.acceptance:.3f} reward={self.reward:+.3f} length={self.length:.2f}{kl}")
+                f"acceptance={self.acceptance:.3f} reward={self.reward:+.3f} length={self.length:.2f} "
+                f"edits={self.edits:.1%}{kl}")
 
 
 def figures(recs: list[ServedRec]) -> Figures:
-    acc = [r.accepted for r in recs if r.accepted is not None]
-    pers = [r.persistence for r in recs if r.persistence is not None]
-    return Figures(mean(pers) if pers else float("nan"), mean(r.latency_ms for r in recs),
-                   mean(acc) if acc else float("nan"), mean(r.reward for r in recs),
-                   mean(len(r.completion_tokens) for r in recs))
+    """The live report's cohort metrics (services/report.py) over served records, plus length."""
+    c = cohort([Row(0.0, "", "", r.completion_kind, r.accepted, r.persistence, r.latency_ms, r.reward,
+                    r.dissatisfied) for r in recs])
+    return Figures(c.edit_persistence, c.latency_ms, c.acceptance, c.reward,
+                   mean(len(r.completion_tokens) for r in recs), c.edit_rate)
 
 
 def serve(policy: TinyTransformer, n: int, world: Any, users: list[Any], spec: RewardSpec,
@@ -97,12 +102,13 @@ def serve(policy: TinyTransformer, n: int, world: Any, users: list[Any], spec: R
         rec = ServedRec(prompt, tokens, logps, 0.0, latency, kind, o.accepted, None)
         reward, _ = compute_reward(fb, cast(Any, rec), spec)
         ratio = persistence_ratio(fb.persistence, spec.persistence.primary_horizon_s) if o.accepted else None
-        out.append(ServedRec(prompt, tokens, logps, reward, latency, kind, o.accepted, ratio))
+        out.append(ServedRec(prompt, tokens, logps, reward, latency, kind, o.accepted, ratio,
+                             dissatisfied=int(o.dissatisfied)))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.demo import demo_spec_text
+    from services.demo import DEMO_LR, demo_spec_text
     from services.settings import Settings
     from services.trainer_cli import default_corpus
 
@@ -118,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-ms", type=float, default=30.0, help="stand-in for real generation time")
     ap.add_argument("--latency-weight", type=float, default=None, help="override the demo spec's")
     ap.add_argument("--latency-slo", type=float, default=None, help="override the demo spec's")
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--no-edit-penalty", type=float, default=Settings().demo.no_edit_penalty,
+                    help="the demo spec's penalty for a question or an empty answer (default %(default)s)")
+    ap.add_argument("--lr", type=float, default=DEMO_LR, help="default: the demo's (%(default)s)")
     ap.add_argument("--epochs", type=int, default=base.epochs)
     ap.add_argument("--batch-size", type=int, default=base.batch_size)
     ap.add_argument("--group-size", type=int, default=base.group_size)
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.demo import _toml
 
-    spec_doc = tomllib.loads(demo_spec_text(default_spec_text()))
+    spec_doc = tomllib.loads(demo_spec_text(default_spec_text(), args.no_edit_penalty))
     if args.latency_weight is not None:
         spec_doc["latency"]["weight"] = args.latency_weight
     if args.latency_slo is not None:
@@ -158,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"increment {k}", replace(served, kl=gate.figures.get("kl_parent"))))
         print(f"{rows[-1][0]:>12}: {rows[-1][1].line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
     first, last = rows[0][1], rows[-1][1]
-    change = {"persistence": last.persistence / first.persistence - 1,
-              "latency_ms": last.latency_ms / first.latency_ms - 1,
-              "acceptance": last.acceptance / first.acceptance - 1}
+    change = {"persistence": relative_change(first.persistence, last.persistence),
+              "latency_ms": relative_change(first.latency_ms, last.latency_ms),
+              "acceptance": relative_change(first.acceptance, last.acceptance)}
     print("last vs bootstrap: " + ", ".join(f"{k} {v:+.1%}" for k, v in change.items()))
     if args.json:
         print(json.dumps({"rows": [{"policy": n, **f.__dict__} for n, f in rows], "change": change}))

@@ -50,6 +50,9 @@ SERVICES: tuple[tuple[str, str], ...] = (
 )
 """(service, module) in start order; stopped in reverse (users first, stack last)."""
 MAX_BAD_TRIES = 3
+DEMO_LR = 2e-3
+"""The trainer's learning rate in the demo: one increment of about 3,000 records then moves
+the policy by 1.6-2.2 nats of KL (offline, docs/demo.md), enough to show in a canary."""
 STOP_RESERVE_S = 75.0
 """Time kept at the end of the budget for stopping the services, writing the report and
 stopping the stack (about 40-50 s measured on 2 cores), so the whole demo ends within it."""
@@ -70,21 +73,27 @@ def say(msg: str) -> None:
 # --------------------------------------------------------------------------- configuration
 
 
-def demo_spec_text(base: str) -> str:
-    """The packaged reward spec with the demo's version, windows and latency SLO.
+def demo_spec_text(base: str, no_edit_penalty: float = 0.3) -> str:
+    """The packaged reward spec with the demo's version, windows, latency SLO and no-edit
+    penalty.
 
     Horizons keep their meaning (30 s, 10 min, 1 h of user time); ``time_scale`` compresses
     them. Grace and follow-up windows are widened so that, compressed, they still leave
-    the broker a few seconds; the SLO matches the simulated per-token cost.
+    the broker a few seconds; the SLO matches the simulated per-token cost. A clarifying
+    question or an empty completion costs ``no_edit_penalty`` (the product penalty Cursor's
+    fix amounts to): without it, proposing no edit pays on the simulator's ambiguous tasks and
+    the increments drift that way. The version names the penalty, so records say which
+    definition made them.
     """
     import tomllib
 
     spec = tomllib.loads(base)
-    spec["version"] = "demo-v1"
+    spec["version"] = f"demo-v2-n{no_edit_penalty:g}"
     spec["window"]["grace_s"] = 600.0
     spec["window"]["followup_s"] = 600.0
     spec["latency"]["slo_ms"] = 500.0
     spec["latency"]["weight"] = 0.5
+    spec["no_edit"] = {"question": float(no_edit_penalty), "empty": float(no_edit_penalty)}
     return _toml(spec)
 
 
@@ -133,7 +142,9 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_TRAINER__DATA_DIR": str(data / "trainer"),
         "RTRL_TRAINER__MISFIRE_GRACE_S": "30",
         "RTRL_TRAINER__MIN_RECORDS": "200",
-        "RTRL_TRAINER__LR": "2e-3",
+        "RTRL_TRAINER__STOP_GRACE_S": "10",  # within the demo's 20 s stop grace: an increment
+        # running at the end is left to resume from its checkpoint, and the trainer exits 0
+        "RTRL_TRAINER__LR": f"{DEMO_LR:g}",
         "RTRL_TRAINER__GATE__MAX_KL": "6",
         "RTRL_GATEWAY__PORT": str(gateway_port),
         "RTRL_GATEWAY__SIMULATED_MS_PER_TOKEN": f"{demo.simulated_ms_per_token:g}",
@@ -293,7 +304,7 @@ class DemoRun:
 
         keys = {"gateway": secrets.token_hex(16), "simulator": secrets.token_hex(16)}
         spec_path = self.data / "reward-spec.toml"
-        spec_path.write_text(demo_spec_text(default_spec_text()))
+        spec_path.write_text(demo_spec_text(default_spec_text(), self.demo.no_edit_penalty))
         self.primary_horizon = load_spec(spec_path).persistence.primary_horizon_s
         self.corpus = write_corpus(self.data / "bootstrap-corpus.jsonl", self.demo.seed)
         self.gateway_port = free_port()

@@ -9,7 +9,7 @@ from statistics import mean
 
 import pytest
 
-from ingest.reward_spec import load_spec
+from ingest.reward_spec import RewardSpec, load_spec
 from ingest.rewards import Feedback, compute_reward
 from services.sim_users import (
     Task,
@@ -139,9 +139,9 @@ class _Served:
 
 
 def _mean_reward(world_seed: int, make_completion, ambiguous: bool, ms_per_token: float = 40.0,
-                 n: int = 3000) -> dict[str, float]:
-    """Monte Carlo of the default reward spec over simulated reactions."""
-    spec = load_spec()
+                 n: int = 3000, spec: RewardSpec | None = None) -> dict[str, float]:
+    """Monte Carlo of a reward spec (the default one unless given) over simulated reactions."""
+    spec = spec or load_spec()
     world = make_world(world_seed)
     users = make_population(world, 200, world_seed)
     rng = random.Random(world_seed)
@@ -198,6 +198,27 @@ def test_question_is_the_reward_hack_on_ambiguous_tasks_only() -> None:
     clear_question = _mean_reward(12, _question, ambiguous=False)
     assert amb_question["reward"] > amb_edit["reward"] + 0.05
     assert clear_edit["reward"] > clear_question["reward"] + 0.2
+
+
+def _empty(task: Task, user, world, rng):
+    return [EOS]
+
+
+def test_the_demo_spec_no_edit_penalty_takes_the_profit_out_of_not_editing() -> None:
+    """Under the demo's spec (0.3 per question or empty completion) neither beats the
+    bootstrap's kind of edit on ambiguous tasks, and both are far worse on clear ones; without
+    the penalty both would beat it on ambiguous tasks."""
+    from ingest.reward_spec import default_spec_text, parse_spec
+    from services.demo import demo_spec_text
+
+    demo = parse_spec(demo_spec_text(default_spec_text()), "demo")
+    free = parse_spec(demo_spec_text(default_spec_text(), no_edit_penalty=0.0), "demo")
+    amb_edit = _mean_reward(12, _mediocre, ambiguous=True, spec=demo)["reward"]
+    clear_edit = _mean_reward(12, _mediocre, ambiguous=False, spec=demo)["reward"]
+    for no_edit in (_question, _empty):
+        assert _mean_reward(12, no_edit, ambiguous=True, spec=demo)["reward"] < amb_edit
+        assert _mean_reward(12, no_edit, ambiguous=False, spec=demo)["reward"] < clear_edit - 0.5
+        assert _mean_reward(12, no_edit, ambiguous=True, spec=free)["reward"] > amb_edit + 0.05
 
 
 def test_question_and_empty_make_no_edit() -> None:
