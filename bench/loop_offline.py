@@ -3,6 +3,7 @@ increments run in one process, so trainer settings can be compared in minutes.
 
     rtrl bench loop-offline --increments 3 --requests 3000
     rtrl bench loop-offline --lr 1e-3 --epochs 2 --latency-weight 1.0
+    rtrl bench loop-offline --spread 4 --requests 3300   # how much one increment varies
 
 Per increment it serves ``--requests`` completions from the current policy to the simulated
 users (latency = ``--ms-per-token`` x tokens + ``--gen-ms``), computes each reward with the
@@ -92,7 +93,8 @@ def serve(policy: TinyTransformer, n: int, world: Any, users: list[Any], spec: R
     for i in range(n):
         user, task = rng.choice(users), draw_task(world, rng)
         prompt = make_prompt(task, world, rng)
-        tokens, logps = policy.sample(prompt, args.max_tokens, temperature=1.0, seed=seed * 1_000_003 + i)
+        tokens, logps = policy.sample(prompt, args.max_tokens, temperature=1.0, seed=seed * 1_000_003 + i,
+                                      min_new_tokens=args.min_tokens)
         latency = args.ms_per_token * len(tokens) + args.gen_ms
         o = react(user, task, tokens, latency, horizons, world, rng)
         fb = Feedback(accepted=o.accepted,
@@ -120,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-requests", type=int, default=3000)
     ap.add_argument("--users", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--min-tokens", type=int, default=1, help="as the demo's gateway (1: no empty answers)")
     ap.add_argument("--ms-per-token", type=float, default=40.0)
     ap.add_argument("--gen-ms", type=float, default=30.0, help="stand-in for real generation time")
     ap.add_argument("--latency-weight", type=float, default=None, help="override the demo spec's")
     ap.add_argument("--latency-slo", type=float, default=None, help="override the demo spec's")
+    ap.add_argument("--latency-cap", type=float, default=None, help="override the demo spec's")
     ap.add_argument("--no-edit-penalty", type=float, default=Settings().demo.no_edit_penalty,
                     help="the demo spec's penalty for a question or an empty answer (default %(default)s)")
     ap.add_argument("--lr", type=float, default=DEMO_LR, help="default: the demo's (%(default)s)")
@@ -132,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=base.group_size)
     ap.add_argument("--kl-coef", type=float, default=base.kl_coef)
     ap.add_argument("--normalize-std", action="store_true")
+    ap.add_argument("--spread", type=int, default=0, metavar="N",
+                    help="instead of a chain of increments, N single increments from the same bootstrap, "
+                         "each on its own window: how much one increment's step varies")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -144,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         spec_doc["latency"]["weight"] = args.latency_weight
     if args.latency_slo is not None:
         spec_doc["latency"]["slo_ms"] = args.latency_slo
+    if args.latency_cap is not None:
+        spec_doc["latency"]["cap"] = args.latency_cap
     spec = parse_spec(_toml(spec_doc), "demo spec")
     world = make_world(args.seed)
     users = make_population(world, args.users, args.seed)
@@ -155,21 +164,39 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{rows[0][0]:>12}: {rows[0][1].line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
     loop = LoopConfig(batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, seed=args.seed,
                       checkpoint_every=10**9, objective=ObjectiveConfig(kl_coef=args.kl_coef))
-    for k in range(1, args.increments + 1):
-        window = serve(policy, args.requests, world, users, spec, args, k)
+
+    def increment(parent: TinyTransformer, k: int) -> tuple[TinyTransformer, Figures]:
+        """One increment from ``parent`` on window ``k`` (served by the parent), measured."""
+        window = serve(parent, args.requests, world, users, spec, args, k)
         heldout, window = window[-HELDOUT:], window[:-HELDOUT]
         samples = build_samples(cast(list[RewardRecord], window), args.group_size, args.normalize_std)
-        parent = policy.clone()
-        rl_train(policy, parent, samples, loop)
-        gate = evaluate(score_heldout(policy, parent, cast(list[RewardRecord], heldout)), [], GateConfig())
-        served = figures(serve(policy, args.eval_requests, world, users, spec, args, 10_000 + k))
-        rows.append((f"increment {k}", replace(served, kl=gate.figures.get("kl_parent"))))
+        child = parent.clone()
+        rl_train(child, parent, samples, replace(loop, seed=args.seed + k))
+        gate = evaluate(score_heldout(child, parent, cast(list[RewardRecord], heldout)), [], GateConfig())
+        served = figures(serve(child, args.eval_requests, world, users, spec, args, 10_000 + k))
+        return child, replace(served, kl=gate.figures.get("kl_parent"))
+
+    first = rows[0][1]
+    if args.spread:
+        spread = []
+        for k in range(1, args.spread + 1):
+            _, f = increment(policy, k)
+            spread.append(f)
+            dp = relative_change(first.persistence, f.persistence)
+            dl = relative_change(first.latency_ms, f.latency_ms)
+            print(f"{'window ' + str(k):>12}: {f.line()}  persistence {dp:+.1%} latency {dl:+.1%}  "
+                  f"({time.monotonic() - t0:.0f}s)", flush=True)
+        rows += [(f"window {k}", f) for k, f in enumerate(spread, start=1)]
+    for k in range(1, (0 if args.spread else args.increments) + 1):
+        policy, f = increment(policy, k)
+        rows.append((f"increment {k}", f))
         print(f"{rows[-1][0]:>12}: {rows[-1][1].line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
-    first, last = rows[0][1], rows[-1][1]
+    last = rows[-1][1]
     change = {"persistence": relative_change(first.persistence, last.persistence),
               "latency_ms": relative_change(first.latency_ms, last.latency_ms),
               "acceptance": relative_change(first.acceptance, last.acceptance)}
-    print("last vs bootstrap: " + ", ".join(f"{k} {v:+.1%}" for k, v in change.items()))
+    if not args.spread:
+        print("last vs bootstrap: " + ", ".join(f"{k} {v:+.1%}" for k, v in change.items()))
     if args.json:
         print(json.dumps({"rows": [{"policy": n, **f.__dict__} for n, f in rows], "change": change}))
     return 0

@@ -369,7 +369,7 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
 
         mlf = settings.mlflow
         source = MlflowRegistry(mlf.tracking_uri, mlf.registered_model, mlf.training_experiment)
-        slots = ModelSlots(policy_loader(source, gw.model_cache_dir), gw.load_retry_s)
+        slots = ModelSlots(policy_loader(source, gw.model_cache_dir, gw.min_tokens), gw.load_retry_s)
         champion = ChampionCache(lambda: source.alias_version("champion"), gw.champion_refresh_s).get
         model_name = settings.mlflow.registered_model
 

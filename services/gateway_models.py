@@ -62,7 +62,7 @@ class Backend(Protocol):
 class PolicyBackend:
     """A local policy (trainer/policy.py) sampled in-process."""
 
-    def __init__(self, policy: object, vocab_size: int | None = None) -> None:
+    def __init__(self, policy: object, vocab_size: int | None = None, min_tokens: int = 0) -> None:
         from trainer.policy import Policy
 
         if not isinstance(policy, Policy):
@@ -70,9 +70,12 @@ class PolicyBackend:
         self.policy = policy
         config = getattr(policy, "config", None)
         self.vocab_size = vocab_size or getattr(config, "vocab_size", None)
+        self.min_tokens = min_tokens
+        """EOS cannot end a completion before this many tokens (1: never an empty answer)."""
 
     def generate(self, prompt_tokens: Sequence[int], max_tokens: int, temperature: float) -> Generation:
-        tokens, logprobs = self.policy.sample(prompt_tokens, max_tokens, temperature)
+        tokens, logprobs = self.policy.sample(prompt_tokens, max_tokens, temperature,
+                                              min_new_tokens=self.min_tokens)
         return Generation(tokens=list(tokens), logprobs=[float(x) for x in logprobs])
 
     def close(self) -> None:
@@ -92,15 +95,17 @@ class ModelSource(Protocol):
         ...
 
 
-def policy_loader(source: ModelSource, cache_dir: Path | None) -> Callable[[Arm, str], Backend]:
-    """A loader for ModelSlots: download a version from ``source`` and load its policy."""
+def policy_loader(source: ModelSource, cache_dir: Path | None,
+                  min_tokens: int = 0) -> Callable[[Arm, str], Backend]:
+    """A loader for ModelSlots: download a version from ``source`` and load its policy
+    (served with ``min_tokens``, see :class:`PolicyBackend`)."""
     root = cache_dir or Path(tempfile.mkdtemp(prefix="rtrl-gateway-models-"))
 
     def load(arm: Arm, version: str) -> Backend:
         from trainer.policy import load_policy
 
         directory = source.download(version, root / f"v{version}-{time.monotonic_ns()}")
-        return PolicyBackend(load_policy(directory))
+        return PolicyBackend(load_policy(directory), min_tokens=min_tokens)
 
     return load
 

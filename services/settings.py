@@ -326,6 +326,10 @@ class GatewaySettings(_Frozen):
     """Where downloaded model versions are kept; None: a temporary directory."""
     torch_threads: int = 1
     """Intra-op threads per generation; 1 keeps concurrent requests from fighting for cores."""
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    """Local policies: EOS cannot end a completion before this many tokens (1: never an empty
+    answer; the logged log-probabilities are those of the distribution actually sampled).
+    For an upstream, set its own equivalent (vLLM's ``min_tokens``)."""
     stable_upstream: UpstreamSettings | None = None
     """Upstream mode: forward the stable arm to this endpoint instead of a local policy."""
     canary_upstream: UpstreamSettings | None = None

@@ -76,6 +76,7 @@ class HFPolicy:
         temperature: float = 1.0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
+        min_new_tokens: int = 0,
     ) -> tuple[list[int], list[float]]:
         generator = sampling_generator(temperature, seed, generator)
         self.model.eval()
@@ -87,7 +88,10 @@ class HFPolicy:
         while len(out) < max_new_tokens:
             res = self.model(input_ids=x, past_key_values=past, use_cache=True)
             past = res.past_key_values
-            logp = torch.log_softmax(res.logits[0, -1].float().cpu() / temperature, dim=-1)
+            logits = res.logits[0, -1].float().cpu() / temperature
+            if len(out) < min_new_tokens:
+                logits[list(self.eos)] = float("-inf")
+            logp = torch.log_softmax(logits, dim=-1)
             token = int(torch.multinomial(logp.exp(), 1, generator=generator))
             out.append(token)
             logps.append(float(logp[token]))

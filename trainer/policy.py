@@ -65,9 +65,12 @@ class Policy(Protocol):
         temperature: float = 1.0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
+        min_new_tokens: int = 0,
     ) -> tuple[list[int], list[float]]:
         """Sample a completion; return its tokens and the per-token log-probabilities of the
-        distribution sampled from. Stops after EOS (included) or ``max_new_tokens`` tokens."""
+        distribution sampled from. Stops after EOS (included) or ``max_new_tokens`` tokens;
+        EOS cannot end it before ``min_new_tokens`` tokens (1: never empty), and the
+        log-probabilities are those of the distribution without EOS at those positions."""
         ...
 
     def score(self, prompt_tokens: Sequence[int], completion_tokens: Sequence[int]) -> list[float]:
@@ -278,17 +281,20 @@ class TinyTransformer(nn.Module):
         temperature: float = 1.0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
+        min_new_tokens: int = 0,
     ) -> tuple[list[int], list[float]]:
         generator = sampling_generator(temperature, seed, generator)
         was_training = self.training
         self.eval()
         try:
-            return self._sample(list(prompt_tokens) or [BOS], max_new_tokens, temperature, generator)
+            return self._sample(list(prompt_tokens) or [BOS], max_new_tokens, temperature, generator,
+                                min_new_tokens)
         finally:
             self.train(was_training)
 
     def _sample(
-        self, prompt: list[int], max_new: int, temperature: float, gen: torch.Generator | None
+        self, prompt: list[int], max_new: int, temperature: float, gen: torch.Generator | None,
+        min_new: int = 0,
     ) -> tuple[list[int], list[float]]:
         max_new = max(0, min(max_new, self.config.max_len - 1))
         prompt = prompt[-(self.config.max_len - max_new):]
@@ -304,6 +310,8 @@ class TinyTransformer(nn.Module):
             for i, block in enumerate(self.blocks):
                 h, caches[i] = block(h, caches[i])
             logits = self.head(self.ln_f(h[:, -1]))[0].float() / temperature
+            if len(out) < min_new:
+                logits[EOS] = float("-inf")
             logp = torch.log_softmax(logits, dim=-1)
             token = int(torch.multinomial(logp.exp(), 1, generator=gen))
             out.append(token)

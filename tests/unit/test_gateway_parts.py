@@ -225,3 +225,22 @@ def test_parse_completion_without_logprobs_is_502(data: Any) -> None:
     with pytest.raises(UpstreamError) as info:
         parse_completion(data, "hash")
     assert info.value.status == 502
+
+
+def test_policy_backend_serves_no_empty_answer_with_min_tokens() -> None:
+    import torch
+
+    from services.gateway_models import PolicyBackend
+    from trainer.policy import TinyConfig, TinyTransformer
+    from trainer.tokens import BOS, EOS
+
+    policy = TinyTransformer(TinyConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=32))
+    with torch.no_grad():  # EOS is the overwhelming choice at every position
+        policy.ln_f.weight.zero_()
+        policy.ln_f.bias.zero_()
+        policy.ln_f.bias[0] = 1.0
+        policy.head.weight.zero_()
+        policy.head.weight[EOS, 0] = 50.0
+    assert PolicyBackend(policy).generate([BOS, 4], 8, 1.0).tokens == [EOS]
+    gen = PolicyBackend(policy, min_tokens=1).generate([BOS, 4], 8, 1.0)
+    assert len(gen.tokens) == 2 and gen.tokens[0] != EOS and gen.tokens[1] == EOS

@@ -35,6 +35,21 @@ def test_sample_and_score_agree(tiny_dir: Path) -> None:
     assert policy.sample([0, 5, 6], 10, seed=1) == (tokens, logps)
 
 
+def test_min_new_tokens_keeps_eos_out(tiny_dir: Path) -> None:
+    policy = HFPolicy.from_pretrained(tiny_dir)
+    with torch.no_grad():  # the final features become e_0, which only EOS (id 1) reads
+        ln_f = policy.model.transformer.ln_f
+        ln_f.weight.zero_()
+        ln_f.bias.zero_()
+        ln_f.bias[0] = 1.0
+        policy.model.lm_head.weight[:, 0] = 0.0
+        policy.model.lm_head.weight[1, 0] = 50.0
+    assert policy.sample([0, 5], 6, seed=2)[0] == [1]
+    tokens, logps = policy.sample([0, 5], 6, seed=2, min_new_tokens=3)
+    assert len(tokens) >= 3 and 1 not in tokens[:3]
+    assert all(lp <= 0.0 for lp in logps)
+
+
 def test_batch_logprobs_ignore_padding(tiny_dir: Path) -> None:
     policy = HFPolicy.from_pretrained(tiny_dir)
     prompts, completions = [[0, 4], [0, 7, 8, 9]], [[5, 6, 7], [3]]

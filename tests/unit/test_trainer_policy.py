@@ -59,6 +59,25 @@ def test_sample_stops_at_eos_and_respects_max_new() -> None:
     assert policy.sample([BOS], 0) == ([], [])
 
 
+def test_min_new_tokens_keeps_eos_out_and_logs_the_distribution_sampled() -> None:
+    policy = TinyTransformer(SMALL)
+    with torch.no_grad():  # EOS almost certain at every position, token 9 next most likely
+        policy.ln_f.weight.zero_()
+        policy.ln_f.bias.zero_()
+        policy.ln_f.bias[0] = 1.0
+        policy.head.weight.zero_()
+        policy.head.weight[EOS, 0] = 50.0
+        policy.head.weight[9, 0] = 5.0
+    tokens, logps = policy.sample([BOS, 4], 5, seed=0, min_new_tokens=2)
+    assert tokens == [9, 9, EOS]
+    # without EOS the first two positions are a softmax over the rest: 9 at e^5 against
+    # the other VOCAB_SIZE - 2 tokens at e^0
+    expected = 5.0 - math.log(math.exp(5.0) + VOCAB_SIZE - 2)
+    assert logps[:2] == pytest.approx([expected, expected], abs=1e-5)
+    assert logps[2] == pytest.approx(0.0, abs=1e-6)
+    assert policy.sample([BOS, 4], 5, seed=0, min_new_tokens=0)[0] == [EOS]
+
+
 def test_uniform_logits_give_log_vocab() -> None:
     policy = TinyTransformer(SMALL)
     with torch.no_grad():
