@@ -91,7 +91,7 @@ def demo_spec_text(base: str, no_edit_penalty: float = 0.3) -> str:
     spec["version"] = f"demo-v2-n{no_edit_penalty:g}"
     spec["window"]["grace_s"] = 600.0
     spec["window"]["followup_s"] = 600.0
-    spec["latency"]["slo_ms"] = 500.0
+    spec["latency"]["slo_ms"] = 400.0
     spec["latency"]["weight"] = 0.5
     spec["no_edit"] = {"question": float(no_edit_penalty), "empty": float(no_edit_penalty)}
     return _toml(spec)
