@@ -73,7 +73,7 @@ def say(msg: str) -> None:
 # --------------------------------------------------------------------------- configuration
 
 
-def demo_spec_text(base: str, no_edit_penalty: float = 0.3) -> str:
+def demo_spec_text(base: str, no_edit_penalty: float = 0.5) -> str:
     """The packaged reward spec with the demo's version, windows, latency SLO and no-edit
     penalty.
 

@@ -410,7 +410,7 @@ class DemoSettings(_Frozen):
     sim_rate_per_s: Annotated[float, Field(ge=0.0)] = 25.0
     sim_users: int = 300
     seed: int = 0
-    no_edit_penalty: Annotated[float, Field(ge=0.0)] = 0.3
+    no_edit_penalty: Annotated[float, Field(ge=0.0)] = 0.5
     """The demo reward spec's ``no_edit`` penalty for a question or an empty completion (0:
     the packaged spec's none; the increments then learn to answer ambiguous tasks with no
     edit, which the edit-rate detector catches)."""

@@ -37,10 +37,10 @@ from trainer.tokens import EOS
 def test_demo_spec_is_a_valid_spec_with_its_own_version() -> None:
     spec = parse_spec(demo_spec_text(default_spec_text()), "demo")
     base = parse_spec(default_spec_text())
-    assert spec.version == "demo-v2-n0.3" and spec.version != base.version
-    assert spec.no_edit.question == spec.no_edit.empty == 0.3 and base.no_edit.question == 0.0
+    assert spec.version == "demo-v2-n0.5" and spec.version != base.version
+    assert spec.no_edit.question == spec.no_edit.empty == 0.5 and base.no_edit.question == 0.0
     assert spec.persistence == base.persistence and spec.acceptance == base.acceptance
-    assert spec.window.followup_s == 600 and spec.latency.slo_ms == 500
+    assert spec.window.followup_s == 600 and spec.latency.slo_ms == 400
 
 
 def test_corpus_lines_are_prompt_and_mediocre_completion(tmp_path: Path) -> None:
