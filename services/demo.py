@@ -52,7 +52,7 @@ SERVICES: tuple[tuple[str, str], ...] = (
 MAX_BAD_TRIES = 3
 DEMO_LR = 2e-3
 """The trainer's learning rate in the demo: one increment of about 3,000 records then moves
-the policy by 1.6-2.2 nats of KL (offline, docs/demo.md), enough to show in a canary."""
+the policy by 1.35-2.64 nats of KL (offline, docs/benchmarks.md), enough to show in a canary."""
 STOP_RESERVE_S = 75.0
 """Time kept at the end of the budget for stopping the services, writing the report and
 stopping the stack (about 40-50 s measured on 2 cores), so the whole demo ends within it."""

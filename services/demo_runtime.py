@@ -116,9 +116,6 @@ class Supervisor:
         stages += [[n] for n in reversed(self.procs) if n not in named]
         codes: dict[str, int | None] = {}
         for stage in stages:
-            if len(stage) == 1:
-                codes[stage[0]] = self.stop(stage[0], grace_s)
-                continue
             with ThreadPoolExecutor(max_workers=len(stage)) as pool:
                 for name, rc in zip(stage, pool.map(lambda n: self.stop(n, grace_s), stage), strict=True):
                     codes[name] = rc
