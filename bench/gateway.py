@@ -100,7 +100,7 @@ def summarise(mode: str, res: dict[str, list[float]]) -> dict[str, float]:
 
 
 def _settings(stack: Any, root: Path, tag: str, **gateway: Any) -> Any:
-    from services.settings import (
+    from services.runtime.process.settings import (
         GatewaySettings,
         KafkaSettings,
         MlflowSettings,
@@ -120,9 +120,11 @@ def _settings(stack: Any, root: Path, tag: str, **gateway: Any) -> Any:
 
 
 def _start_gateway(settings: Any) -> tuple[Any, Any, list[Any]]:
-    from services.gateway import GatewayServer, build
-    from services.kafka_io import ensure_topics
-    from services.observability import Health
+    from services.gateway.server.server import GatewayServer
+    from services.runtime.process.health import Health
+    from services.runtime.process.kafka_io import ensure_topics
+
+    from services.serve_gateway import build
 
     ensure_topics(settings, [settings.topics.raw])
     gateway, parts = build(settings, Health())
@@ -144,8 +146,9 @@ def _stop(server: Any, parts: list[Any]) -> None:
 
 
 def _set_routing(settings: Any, **values: str) -> None:
+    from services.runtime.process.redis_io import make_redis
+
     from deployer.routing import routing_keys
-    from services.redis_io import make_redis
 
     keys = routing_keys(settings.redis.key_prefix)
     make_redis(settings.redis).mset({keys[k]: v for k, v in values.items()})
@@ -187,8 +190,9 @@ def bench_policy(stack: Any, root: Path, n: int, warmup: int, max_tokens: int) -
 
 
 def bench_upstream(stack: Any, root: Path, n: int, warmup: int, max_tokens: int) -> dict[str, float]:
+    from services.runtime.process.settings import UpstreamSettings
+
     from bench.fake_upstream import FakeCompletionsServer
-    from services.settings import UpstreamSettings
 
     fake = FakeCompletionsServer().start()
     settings = _settings(
@@ -233,9 +237,10 @@ def main(argv: list[str]) -> int:
 
     import logging
 
-    from services.metrics import GATEWAY_EXPOSURES
-    from services.runtime import setup_logging
-    from services.stack import EmbeddedStack, free_port
+    from services.runtime.process.metrics import GATEWAY_EXPOSURES
+    from services.runtime.process.process import setup_logging
+
+    from services.local.stack import EmbeddedStack, free_port
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     setup_logging("WARNING", "bench")

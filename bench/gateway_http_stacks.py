@@ -1,7 +1,7 @@
 """Why the gateway uses the standard library's HTTP server: an echo endpoint of the
 gateway's size (parse a small JSON body, answer a small JSON body) on
 ``ThreadingHTTPServer`` (HTTP/1.1 keep-alive, TCP_NODELAY, one write per response, as in
-services/gateway.py) vs starlette on uvicorn (h11, asyncio), called alternately over one
+services/gateway/server.py) vs starlette on uvicorn (h11, asyncio), called alternately over one
 persistent ``http.client`` connection each, in one run::
 
     python -m bench.gateway_http_stacks [--requests 3000]

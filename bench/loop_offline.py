@@ -26,10 +26,10 @@ from statistics import mean
 from typing import Any, cast
 
 from ingest.events import RewardRecord
-from ingest.reward_spec import RewardSpec, default_spec_text, parse_spec
-from ingest.rewards import Feedback, compute_reward, persistence_ratio
-from services.report import Row, cohort, relative_change
-from services.sim_users import draw_task, make_population, make_prompt, make_world, react
+from ingest.reward.maths import Feedback, compute_reward, persistence_ratio
+from ingest.reward.spec import RewardSpec, default_spec_text, parse_spec
+from services.local.report import Row, cohort, relative_change
+from services.local.sim_users import draw_task, make_population, make_prompt, make_world, react
 from trainer.gate import GateConfig, evaluate
 from trainer.increment import build_samples, score_heldout
 from trainer.loop import LoopConfig, rl_train, sft_train
@@ -78,7 +78,7 @@ class Figures:
 
 
 def figures(recs: list[ServedRec]) -> Figures:
-    """The live report's cohort metrics (services/report.py) over served records, plus length."""
+    """The live report's cohort metrics (services/local/report.py) over served records, plus length."""
     c = cohort([Row(0.0, "", "", r.completion_kind, r.accepted, r.persistence, r.latency_ms, r.reward,
                     r.dissatisfied) for r in recs])
     return Figures(c.edit_persistence, c.latency_ms, c.acceptance, c.reward,
@@ -110,9 +110,9 @@ def serve(policy: TinyTransformer, n: int, world: Any, users: list[Any], spec: R
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.demo import DEMO_LR, demo_spec_text
-    from services.settings import Settings
-    from services.trainer_cli import default_corpus
+    from services.local.demo import DEMO_LR, demo_spec_text
+    from services.local.sim_users import bootstrap_corpus
+    from services.runtime.settings import Settings
 
     base = Settings().trainer
     ap = argparse.ArgumentParser(prog="rtrl bench loop-offline", description=__doc__.split("\n\n")[0])
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import tomllib
 
-    from services.demo import _toml
+    from services.local.demo import _toml
 
     spec_doc = tomllib.loads(demo_spec_text(default_spec_text(), args.no_edit_penalty))
     if args.latency_weight is not None:
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     world = make_world(args.seed)
     users = make_population(world, args.users, args.seed)
     t0 = time.monotonic()
-    pairs = default_corpus(2500, args.seed)
+    pairs = bootstrap_corpus(2500, args.seed)
     policy = TinyTransformer(TinyConfig())
     sft_train(policy, pairs, LoopConfig(batch_size=32, epochs=2, lr=1e-3, seed=args.seed))
     rows = [("bootstrap", figures(serve(policy, args.eval_requests, world, users, spec, args, 10_000)))]

@@ -35,10 +35,10 @@ from typing import Any
 from kafka import KafkaAdminClient
 
 from ingest.events import CompletionServed, EditAccepted, EditPersistence, ModelRef
-from services.event_producer import EventProducer
-from services.kafka_io import committed_offsets, ensure_topics, make_consumer, make_producer
-from services.settings import KafkaSettings, RedisSettings, Settings, TopicSettings
-from services.stack import EmbeddedStack, free_port
+from services.local.stack import EmbeddedStack, free_port
+from services.runtime.event_producer import EventProducer
+from services.runtime.kafka_io import committed_offsets, ensure_topics, make_consumer, make_producer
+from services.runtime.settings import KafkaSettings, RedisSettings, Settings, TopicSettings
 
 PIPE = textwrap.dedent("""
     import sys

@@ -98,10 +98,17 @@ def overhead(records: int, workdir: Path) -> list[dict[str, object]]:
 
     from deployer.adapters.mlflow_registry import MlflowRegistry
     from ingest.events import ModelRef, RewardRecord
-    from services import trainer_cli
-    from services.kafka_io import ensure_topics, make_producer
-    from services.settings import KafkaSettings, MlflowSettings, Settings, TopicSettings, TrainerSettings
-    from services.stack import EmbeddedStack, free_port
+    from services import trainer_job
+    from services.local.sim_users import bootstrap_corpus
+    from services.local.stack import EmbeddedStack, free_port
+    from services.runtime.kafka_io import ensure_topics, make_producer
+    from services.runtime.settings import (
+        KafkaSettings,
+        MlflowSettings,
+        Settings,
+        TopicSettings,
+        TrainerSettings,
+    )
     from trainer.corpus import write_corpus
     from trainer.policy import load_policy
 
@@ -117,8 +124,8 @@ def overhead(records: int, workdir: Path) -> list[dict[str, object]]:
         )
         ensure_topics(s, [s.topics.rewards])
         corpus = workdir / "corpus.jsonl"
-        write_corpus(corpus, trainer_cli.default_corpus(300, seed=0))
-        champion = trainer_cli.bootstrap(s, corpus, epochs=1, lr=1e-3, batch_size=32)
+        write_corpus(corpus, bootstrap_corpus(300, seed=0))
+        champion = trainer_job.bootstrap(s, corpus, epochs=1, lr=1e-3, batch_size=32)
         registry = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
         policy = load_policy(registry.download(champion, workdir / "champ"))
         rows: list[dict[str, object]] = []
@@ -139,7 +146,7 @@ def overhead(records: int, workdir: Path) -> list[dict[str, object]]:
             producer.flush()
             producer.close()
             t0 = time.monotonic()
-            out = trainer_cli.run_once(s)
+            out = trainer_job.run_once(s)
             total = time.monotonic() - t0
             if out.status != "success":
                 raise RuntimeError(f"bench increment {attempt}: {out.status} {out.reason}")

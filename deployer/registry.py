@@ -8,14 +8,13 @@ Conventions (shared by trainer, deployer, gateway and the operator CLI):
 - versions are strings everywhere (MLflow's sqlite store answers ints, REST answers strings);
 - every version carries lineage and decision tags whose keys start with ``rtrl.`` (:class:`Tag`).
 
-The real adapter is ``deployer/adapters/mlflow_registry.py``; :class:`InMemoryRegistry`
-is the fake for unit tests. One contract test suite runs against both.
+The real adapter is ``deployer/adapters/mlflow_registry.py``; ``InMemoryRegistry`` beside it
+(``deployer/adapters/memory.py``) is the fake for unit tests. One contract test suite runs
+against both.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -132,56 +131,3 @@ class Registry(Protocol):
     def versions(self) -> list[str]:
         """All versions, oldest first."""
         ...
-
-
-class InMemoryRegistry:
-    """A registry in a dict, with policy copies in a temporary folder. Unit tests only."""
-
-    def __init__(self, root: str | Path | None = None) -> None:
-        self._root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="rtrl-registry-"))
-        self._tags: dict[str, dict[str, str]] = {}
-        self._aliases: dict[str, str] = {}
-        self.runs: dict[str, str | None] = {}
-        """version -> run_id it was registered with."""
-
-    def register(
-        self, run_id: str | None, policy_dir: str | Path, tags: Mapping[str, str] | None = None
-    ) -> str:
-        src = Path(policy_dir)
-        if not src.is_dir():
-            raise FileNotFoundError(f"policy directory {src} does not exist")
-        version = str(len(self._tags) + 1)
-        shutil.copytree(src, self._root / version / "policy")
-        self._tags[version] = {k: str(v) for k, v in (tags or {}).items()}
-        self.runs[version] = run_id
-        return version
-
-    def _check(self, version: str) -> str:
-        version = str(version)
-        if version not in self._tags:
-            raise KeyError(f"no version {version} in the registry")
-        return version
-
-    def set_alias(self, alias: str, version: str) -> None:
-        self._aliases[alias] = self._check(version)
-
-    def delete_alias(self, alias: str) -> None:
-        self._aliases.pop(alias, None)
-
-    def alias_version(self, alias: str) -> str | None:
-        return self._aliases.get(alias)
-
-    def set_tags(self, version: str, tags: Mapping[str, str]) -> None:
-        self._tags[self._check(version)].update({k: str(v) for k, v in tags.items()})
-
-    def get_tags(self, version: str) -> dict[str, str]:
-        return dict(self._tags[self._check(version)])
-
-    def download(self, version: str, dst_dir: str | Path) -> Path:
-        version = self._check(version)
-        dst = Path(dst_dir) / "policy"
-        shutil.copytree(self._root / version / "policy", dst, dirs_exist_ok=True)
-        return dst
-
-    def versions(self) -> list[str]:
-        return sorted(self._tags, key=int)

@@ -82,7 +82,7 @@ class Component(_Values):
     """Container resources."""
     env: dict[EnvName, str] = {}
     """Extra environment for this component only, e.g. RTRL_<SERVICE>__<FIELD>: value
-    (see services/settings.py for the settings each service reads)."""
+    (see services/runtime/settings.py for the settings each service reads)."""
     extra_env: list[dict[str, Any]] = []
     """Extra EnvVar entries as in a PodSpec, e.g. a valueFrom.secretKeyRef for an upstream API key."""
     pod_annotations: dict[str, str] = {}
@@ -414,7 +414,7 @@ class Values(_Values):
     """Log level of every service (RTRL_LOG_LEVEL)."""
     config: dict[Annotated[str, Field(pattern=r"^RTRL_[A-Z0-9_]+$")], str] = {}
     """Extra settings for every component, added to the ConfigMap (RTRL_* names, see
-    services/settings.py). Secrets do not belong here."""
+    services/runtime/settings.py). Secrets do not belong here."""
     kafka: Kafka = Kafka()
     """External Kafka."""
     topics: Topics = Topics()

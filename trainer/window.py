@@ -16,7 +16,7 @@ the ends committed as the new cut and the pending file removed. A window too sma
 on is skipped and not committed: its records wait for the next increment.
 
 :class:`RewardLog` is the port over the topic; ``trainer/adapters/kafka_rewards.py`` is the
-Kafka adapter and :class:`InMemoryRewardLog` the fake.
+Kafka adapter and ``InMemoryRewardLog`` (trainer/adapters/memory.py) the fake.
 """
 
 from __future__ import annotations
@@ -220,26 +220,3 @@ class PendingWindow:
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
-
-
-class InMemoryRewardLog:
-    """The fake rewards topic: a list of values per partition. Unit tests only."""
-
-    def __init__(self, topic: str, partitions: int = 2) -> None:
-        self.topic = topic
-        self.data: dict[int, list[bytes]] = {p: [] for p in range(partitions)}
-        self.cut: dict[int, int | None] = {p: None for p in range(partitions)}
-
-    def append(self, partition: int, value: bytes) -> None:
-        self.data[partition].append(value)
-
-    def positions(self) -> tuple[dict[int, int | None], dict[int, int], dict[int, int]]:
-        return dict(self.cut), {p: 0 for p in self.data}, {p: len(v) for p, v in self.data.items()}
-
-    def read(self, window: Window) -> Iterator[tuple[int, int, bytes]]:
-        for r in window.ranges:
-            for off in range(r.start, r.end):
-                yield r.partition, off, self.data[r.partition][off]
-
-    def commit(self, window: Window) -> None:
-        self.cut.update(window.ends())

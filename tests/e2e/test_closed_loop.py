@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from services.stack import EmbeddedStack
+from services.local.stack import EmbeddedStack
 
 REPO = Path(__file__).resolve().parents[2]
 LEDGER_TAGS = ("rtrl.canary.id", "rtrl.candidate_version", "rtrl.stable_version", "rtrl.canary.outcome",

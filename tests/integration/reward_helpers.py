@@ -16,8 +16,8 @@ from ingest.events import (
     FollowupDissatisfied,
     ModelRef,
 )
-from services.kafka_io import ensure_topics, make_consumer, make_producer
-from services.settings import Settings
+from services.runtime.kafka_io import ensure_topics, make_consumer, make_producer
+from services.runtime.settings import Settings
 
 T0 = datetime.now(UTC) - timedelta(minutes=5)
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from deployer.adapters.memory import InMemoryRegistry
 from deployer.adapters.redis_state import RedisLock, candidate_lock
-from deployer.registry import CANDIDATE, InMemoryRegistry, LockUnavailableError, Registry, offer_candidate
-from services.redis_io import make_redis
-from services.settings import RedisSettings, Settings
+from deployer.registry import CANDIDATE, LockUnavailableError, Registry, offer_candidate
+from services.runtime.redis_io import make_redis
+from services.runtime.settings import RedisSettings, Settings
 
 
 class SlowRegistry(InMemoryRegistry):

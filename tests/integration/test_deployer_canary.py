@@ -15,8 +15,8 @@ from deployer.adapters.ledger_mlflow import PLOT_ARTIFACT, SUMMARY_ARTIFACT, Mlf
 from deployer.adapters.redis_state import RedisRouting
 from deployer.canary import CanaryStatus, Phase
 from deployer.ledger import TAG_CANARY_ID, TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
-from services.deployer_service import Controller, RewardReader, build_ports
-from services.settings import Settings
+from services.runtime.settings import Settings
+from services.serve_deployer import Controller, RewardReader, build_ports
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +140,9 @@ def test_canary_failing_at_the_gateway_is_rolled_back_by_the_error_guardrail(
     deploy: Settings, tmp_path: Path
 ) -> None:
     """Failed requests make no reward record: the guardrail sees them only through the
-    gateway's per-arm counts in Redis (services/gateway_counts.py)."""
-    from services.gateway_counts import ServedCounts
-    from services.redis_io import make_redis
+    gateway's per-arm counts in Redis (services/gateway/counts.py)."""
+    from services.gateway.counts import ServedCounts
+    from services.runtime.redis_io import make_redis
 
     deploy = deployer_settings(deploy, deploy.mlflow.tracking_uri, judge_min_requests=50)
     controller, _status = start_canary(deploy, tmp_path)

@@ -13,8 +13,8 @@ from deployer_helpers import deployer_settings, register_versions
 from deployer.adapters.ledger_mlflow import MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME
-from services import operator_cli
-from services.settings import Settings
+from services.cli import operator
+from services.runtime.settings import Settings
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def ops(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     cwd = Path.cwd()
     os.chdir(tmp_path)  # the sqlite store puts artifacts under ./mlruns
     s = deployer_settings(settings, f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.setattr("services.settings.get_settings", lambda: s)
+    monkeypatch.setattr("services.runtime.settings.get_settings", lambda: s)
     try:
         yield s
     finally:
@@ -30,7 +30,7 @@ def ops(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    code = operator_cli.main(list(argv))
+    code = operator.main(list(argv))
     return code, capsys.readouterr().out
 
 

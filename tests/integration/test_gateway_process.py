@@ -16,9 +16,9 @@ import pytest
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from ingest.events import CompletionServed, parse_event
-from services.kafka_io import ensure_topics, make_consumer
-from services.settings import Settings
-from services.stack import free_port
+from services.local.stack import free_port
+from services.runtime.kafka_io import ensure_topics, make_consumer
+from services.runtime.settings import Settings
 from trainer.policy import TinyConfig, TinyTransformer
 
 

@@ -19,13 +19,14 @@ from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.routing import assign_arm, routing_keys
 from ingest.auth import AuthPolicy, authenticate
 from ingest.events import CompletionServed, parse_event
-from services.gateway import GatewayServer, build
-from services.gateway_counts import read_counts
-from services.kafka_io import ensure_topics, make_consumer
-from services.metrics import GATEWAY_ERRORS, GATEWAY_EXPOSURES, GATEWAY_MODEL_LOADS
-from services.observability import Health
-from services.redis_io import make_redis
-from services.settings import GatewaySettings, MlflowSettings, Settings
+from services.gateway.counts import read_counts
+from services.gateway.server import GatewayServer
+from services.runtime.health import Health
+from services.runtime.kafka_io import ensure_topics, make_consumer
+from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_EXPOSURES, GATEWAY_MODEL_LOADS
+from services.runtime.redis_io import make_redis
+from services.runtime.settings import GatewaySettings, MlflowSettings, Settings
+from services.serve_gateway import build
 from trainer.policy import TinyConfig, TinyTransformer, write_manifest
 
 SECRET = "gw-secret"
@@ -219,8 +220,8 @@ def test_canary_that_fails_to_load_is_served_by_stable_and_counted(
 def test_broker_down_at_start_still_serves_and_counts_drops(
     settings: Settings, registry: tuple[str, str, dict[str, str]], tmp_path: Path
 ) -> None:
-    from services.settings import KafkaSettings
-    from services.stack import free_port
+    from services.local.stack import free_port
+    from services.runtime.settings import KafkaSettings
 
     dead = settings.model_copy(update={"kafka": KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}",
                                                               request_timeout_ms=1000)})

@@ -15,11 +15,12 @@ from pydantic import SecretStr
 from bench.fake_upstream import FakeCompletionsServer
 from deployer.routing import assign_arm, routing_keys
 from ingest.events import CompletionServed, parse_event
-from services.gateway import GatewayServer, build
-from services.kafka_io import ensure_topics, make_consumer
-from services.observability import Health
-from services.redis_io import make_redis
-from services.settings import GatewaySettings, Settings, UpstreamSettings
+from services.gateway.server import GatewayServer
+from services.runtime.health import Health
+from services.runtime.kafka_io import ensure_topics, make_consumer
+from services.runtime.redis_io import make_redis
+from services.runtime.settings import GatewaySettings, Settings, UpstreamSettings
+from services.serve_gateway import build
 
 
 class Upstreams:

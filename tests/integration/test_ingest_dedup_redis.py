@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from ingest.adapters import RedisDedupStore
+from ingest.adapters.redis_dedup import RedisDedupStore
 from ingest.dedup import duplicates
-from services.redis_io import make_redis
-from services.settings import Settings
+from services.runtime.redis_io import make_redis
+from services.runtime.settings import Settings
 
 
 @pytest.fixture

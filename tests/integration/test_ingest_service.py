@@ -16,11 +16,11 @@ from kafka import KafkaConsumer, TopicPartition
 from pydantic import SecretStr
 
 from ingest.events import CompletionServed, EditAccepted, ModelRef, parse_event
-from services.event_producer import EventProducer
-from services.ingest_service import run_worker
-from services.kafka_io import ensure_topics, make_consumer
-from services.runtime import Stopper
-from services.settings import AuthSettings, IngestSettings, Settings
+from services.runtime.event_producer import EventProducer
+from services.runtime.kafka_io import ensure_topics, make_consumer
+from services.runtime.process import Stopper
+from services.runtime.settings import AuthSettings, IngestSettings, Settings
+from services.serve_ingest import run_worker
 
 SECRET = "test-secret"
 

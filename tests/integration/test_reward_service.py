@@ -18,10 +18,10 @@ from reward_helpers import (
     served,
 )
 
-from ingest.reward_spec import load_spec
-from services.reward_service import RewardWorker
-from services.runtime import Stopper
-from services.settings import RewardSettings, Settings
+from ingest.reward.spec import load_spec
+from services.runtime.process import Stopper
+from services.runtime.settings import RewardSettings, Settings
+from services.serve_reward import RewardWorker
 
 
 def _metric(name: str, **labels: str) -> float:

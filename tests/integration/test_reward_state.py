@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from reward_helpers import accepted, served
 
-from ingest.join import apply
-from ingest.reward_spec import load_spec
-from services.redis_io import make_redis
-from services.reward_state import RedisJoinState
-from services.settings import Settings
+from ingest.adapters.redis_join import RedisJoinState
+from ingest.reward.join import apply
+from ingest.reward.spec import load_spec
+from services.runtime.redis_io import make_redis
+from services.runtime.settings import Settings
 
 SPEC = load_spec()
 

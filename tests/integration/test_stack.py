@@ -3,9 +3,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from services.redis_io import redis_answers
-from services.settings import KafkaSettings, Settings, TopicSettings
-from services.stack import EmbeddedStack, free_port
+from services.local.stack import EmbeddedStack, free_port
+from services.runtime.redis_io import redis_answers
+from services.runtime.settings import KafkaSettings, Settings, TopicSettings
 
 
 def test_stack_up_status_down_leaves_no_process(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_stack_refuses_a_taken_port(tmp_path: Path, stack: EmbeddedStack) -> Non
 def _own_stack(tmp_path: Path, topic: str) -> tuple[EmbeddedStack, Settings]:
     """A broker and Redis of this test's own (it stops and starts them), and settings whose
     raw topic ``<topic>.raw`` (one partition) exists."""
-    from services.kafka_io import ensure_topics
+    from services.runtime.kafka_io import ensure_topics
 
     st = EmbeddedStack(data_dir=tmp_path, kafka_port=free_port(), redis_port=free_port(),
                        reuse_redis_url=None, with_mlflow=False)
@@ -65,7 +65,7 @@ def test_one_service_stops_and_starts_again_with_its_data(tmp_path: Path) -> Non
     same data dir, data kept across a clean stop."""
     import redis as redis_lib
 
-    from services.kafka_io import make_consumer, make_producer
+    from services.runtime.kafka_io import make_consumer, make_producer
 
     st, s = _own_stack(tmp_path, "keep")
     try:
@@ -111,7 +111,7 @@ def test_a_clean_broker_stop_keeps_every_write_it_acknowledged(tmp_path: Path) -
 
     from kafka import KafkaProducer, TopicPartition
 
-    from services.kafka_io import make_consumer
+    from services.runtime.kafka_io import make_consumer
 
     st, s = _own_stack(tmp_path, "race")
     try:

@@ -22,9 +22,11 @@ import pytest
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.registry import CANDIDATE, CHAMPION, Tag
 from ingest.events import ModelRef, RewardRecord
-from services import trainer_cli
-from services.kafka_io import ensure_topics, make_producer
-from services.settings import Settings, TrainerSettings
+from services import trainer_job
+from services.cli import train as train_cli
+from services.local.sim_users import bootstrap_corpus
+from services.runtime.kafka_io import ensure_topics, make_producer
+from services.runtime.settings import Settings, TrainerSettings
 from trainer.corpus import write_corpus
 from trainer.policy import load_policy
 from trainer.tokens import BOS
@@ -62,13 +64,13 @@ def use_env(monkeypatch: pytest.MonkeyPatch, s: Settings, tmp_path: Path) -> Non
     monkeypatch.setenv("RTRL_TOPICS__REWARDS", s.topics.rewards)
     monkeypatch.setenv("RTRL_MLFLOW__TRACKING_URI", s.mlflow.tracking_uri)
     monkeypatch.setenv("RTRL_TRAINER", s.trainer.model_dump_json())
-    trainer_cli.get_settings.cache_clear()
+    trainer_job.get_settings.cache_clear()
 
 
 def bootstrap_champion(s: Settings, tmp_path: Path) -> str:
     corpus = tmp_path / "corpus.jsonl"
-    write_corpus(corpus, trainer_cli.default_corpus(200, seed=0))
-    return trainer_cli.bootstrap(s, corpus, epochs=1, lr=1e-3, batch_size=32)
+    write_corpus(corpus, bootstrap_corpus(200, seed=0))
+    return trainer_job.bootstrap(s, corpus, epochs=1, lr=1e-3, batch_size=32)
 
 
 def produce_rewards(s: Settings, policy_dir: Path, n: int, start: int) -> None:
@@ -94,7 +96,7 @@ def produce_rewards(s: Settings, policy_dir: Path, n: int, start: int) -> None:
 
 
 def train_now(capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
-    code = trainer_cli.main(["train", "--now", "--json"])
+    code = train_cli.main(["train", "--now", "--json"])
     out = capsys.readouterr().out
     assert code == 0, out
     body: dict[str, object] = json.loads(out[out.index("{"):])
@@ -172,14 +174,14 @@ def test_killed_increment_resumes_from_checkpoint_and_consumes_window_once(
 
     def attempt() -> None:
         try:
-            trainer_cli.run_once(s)
+            trainer_job.run_once(s)
         except BaseException as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=attempt)
     thread.start()
     pending = PendingWindow(s.trainer.data_dir / "pending_window.json")
-    storage = Path(trainer_cli.ray_storage(s))
+    storage = Path(trainer_job.ray_storage(s))
     killed = False
     deadline = time.monotonic() + 240
     while thread.is_alive() and time.monotonic() < deadline:
@@ -199,11 +201,11 @@ def test_killed_increment_resumes_from_checkpoint_and_consumes_window_once(
     assert first is not None, "the pending window must survive the failure"
     assert registry.versions() == [champion]
 
-    outcome = trainer_cli.run_once(s)
+    outcome = trainer_job.run_once(s)
     assert outcome.status == "success" and outcome.window is not None
     assert outcome.window.id == first.id
     assert outcome.resumed_from_step >= 5, "the retry must start from the checkpoint"
     assert outcome.window.records == 240
     assert pending.load() is None
-    again = trainer_cli.run_once(s)
+    again = trainer_job.run_once(s)
     assert again.status == "skipped" and "no new reward records" in again.reason

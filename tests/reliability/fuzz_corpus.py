@@ -7,7 +7,7 @@ default) or the reason code its DLQ record must carry -- and a fine-grained ``ca
 name. Valid requests are full event sequences (served, accept/reject, persistence at
 horizons, dissatisfied follow-ups, out-of-order and clock-skewed timestamps, feedback
 before the served event); :meth:`Corpus.expected_reward` computes the reward each must
-get from the plan alone, with the pure maths of ``ingest/rewards.py``.
+get from the plan alone, with the pure maths of ``ingest/reward/maths.py``.
 
 The bad records cover every reason code of ``ingest.validate.REASONS``: oversized values,
 unsigned, unknown keys, forged/tampered/garbled signatures, non-UTF-8 bytes, bad JSON (deep
@@ -41,8 +41,8 @@ from ingest.events import (
     FollowupDissatisfied,
     ModelRef,
 )
-from ingest.reward_spec import RewardSpec
-from ingest.rewards import Feedback, compute_reward
+from ingest.reward.maths import Feedback, compute_reward
+from ingest.reward.spec import RewardSpec
 
 Headers = list[tuple[str, bytes]]
 

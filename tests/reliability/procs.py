@@ -16,8 +16,8 @@ from typing import Any
 
 from kafka import TopicPartition
 
-from services.kafka_io import make_consumer
-from services.settings import Settings
+from services.runtime.kafka_io import make_consumer
+from services.runtime.settings import Settings
 from tests.service_env import service_env
 
 RTRL = str(Path(sys.executable).parent / "rtrl")

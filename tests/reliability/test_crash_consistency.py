@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from services.kafka_io import ensure_topics
-from services.settings import Settings
+from services.runtime.kafka_io import ensure_topics
+from services.runtime.settings import Settings
 from tests.reliability import scale
 from tests.reliability.workload import (
     RTRL,

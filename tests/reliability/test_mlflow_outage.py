@@ -4,7 +4,7 @@ server that is stopped and, a little later, started again.
 Everything is real: a private ``mlflow server`` (EmbeddedStack on a free port in a temporary
 folder; never the session's), the session broker and Redis, in-process training of the real
 policy (``LocalTrainJob``: the same loop Ray runs, without Ray's ~30 s start), and the real
-deployer controller ticking through ``deployer_service.run_tick`` as the service loop does.
+deployer controller ticking through ``serve_deployer.run_tick`` as the service loop does.
 
 - **Trainer registration**: the server is stopped the moment training ends, i.e. just before
   the increment logs its steps and registers the candidate, and started again ``OUTAGE_S``
@@ -48,11 +48,12 @@ from deployer.canary import RESTING
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Tag
 from ingest.events import ModelRef, RewardRecord
-from services import deployer_service, trainer_cli
-from services.kafka_io import ensure_topics, make_producer
-from services.mlflow_http import RETRIES_VAR, TIMEOUT_VAR, bound_mlflow_http
-from services.settings import MlflowSettings, Settings, TrainerSettings
-from services.stack import EmbeddedStack, free_port
+from services import serve_deployer, trainer_job
+from services.local.sim_users import bootstrap_corpus
+from services.local.stack import EmbeddedStack, free_port
+from services.runtime.kafka_io import ensure_topics, make_producer
+from services.runtime.mlflow_http import RETRIES_VAR, TIMEOUT_VAR, bound_mlflow_http
+from services.runtime.settings import MlflowSettings, Settings, TrainerSettings
 from tests.integration.deployer_helpers import deployer_settings, feed_rewards, register_versions
 from tests.reliability import scale
 from trainer.corpus import write_corpus
@@ -170,8 +171,8 @@ def trainer_settings(settings: Settings, uri: str, tmp_path: Path, **trainer: An
 def champion_and_rewards(s: Settings, tmp_path: Path, n: int = 120) -> MlflowRegistry:
     """Bootstrap a champion in MLflow and put ``n`` reward records of its completions on the topic."""
     corpus = tmp_path / "corpus.jsonl"
-    write_corpus(corpus, trainer_cli.default_corpus(200, seed=0))
-    champion = trainer_cli.bootstrap(s, corpus, epochs=1, lr=1e-3, batch_size=32)
+    write_corpus(corpus, bootstrap_corpus(200, seed=0))
+    champion = trainer_job.bootstrap(s, corpus, epochs=1, lr=1e-3, batch_size=32)
     registry = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
     policy = load_policy(registry.download(champion, tmp_path / "champ"))
     rng, now = random.Random(0), datetime.now(UTC)
@@ -207,7 +208,7 @@ def test_trainer_registration_waits_out_an_mlflow_outage(
     registry = champion_and_rewards(s, tmp_path)
     outage = Outage(mlflow_stack, OUTAGE_S)
     before = retries("trainer")
-    outcome = trainer_cli.run_once(s, job=StopAfterTraining(outage))
+    outcome = trainer_job.run_once(s, job=StopAfterTraining(outage))
     t_done = time.monotonic()
     outage.join()
     assert outcome.status == "success" and outcome.version and outcome.window, outcome
@@ -216,7 +217,7 @@ def test_trainer_registration_waits_out_an_mlflow_outage(
     candidate = registry.alias_version(CANDIDATE)
     run = registry.client.get_run(registry.run_id(outcome.version) or "")
     pending_left = PendingWindow(s.trainer.data_dir / "pending_window.json").load()
-    again = trainer_cli.run_once(s, job=LocalTrainJob())  # the window was consumed once
+    again = trainer_job.run_once(s, job=LocalTrainJob())  # the window was consumed once
     figures = {
         "case": "outage within trainer.registry_retry_s (120 s)",
         "outage_s": round(outage.down_s, 2),
@@ -251,14 +252,14 @@ def test_trainer_registration_outage_past_the_budget_leaves_the_window_pending(
     outage = Outage(mlflow_stack, None)
     t0 = time.monotonic()
     with pytest.raises(Exception):  # noqa: B017 - whatever the client raises for a dead server
-        trainer_cli.run_once(s, job=StopAfterTraining(outage))
+        trainer_job.run_once(s, job=StopAfterTraining(outage))
     failed_after = time.monotonic() - outage.t_stop
     pending = PendingWindow(s.trainer.data_dir / "pending_window.json").load()
     assert pending is not None, "a failed registration must leave its window pending"
     mlflow_stack.start_service("mlflow", timeout_s=120)
     down_s = time.monotonic() - outage.t_stop
     assert window_versions(registry, pending.id) == []
-    outcome = trainer_cli.run_once(s, job=LocalTrainJob())
+    outcome = trainer_job.run_once(s, job=LocalTrainJob())
     versions = window_versions(registry, pending.id)
     figures = {
         "case": "outage past trainer.registry_retry_s (2 s)",
@@ -331,14 +332,14 @@ def test_deployer_decision_survives_an_mlflow_outage(
     bounded_mlflow(s)
     register_versions(s, tmp_path)
     outage = Outage(mlflow_stack, OUTAGE_S)
-    ports = deployer_service.build_ports(s)
+    ports = serve_deployer.build_ports(s)
     injected = StopMlflowAt(ports.registry if case == "promotion" else ports.ledger, stop_at, outage)
     if case == "promotion":
         ports.registry = injected
     else:
         ports.ledger = injected
-    rewards = deployer_service.RewardReader(s)
-    controller = deployer_service.Controller(s, ports, rewards)
+    rewards = serve_deployer.RewardReader(s)
+    controller = serve_deployer.Controller(s, ports, rewards)
     r = redis_lib.Redis.from_url(s.redis.url.get_secret_value())
     pfx = s.redis.key_prefix
     reader = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
@@ -361,7 +362,7 @@ def test_deployer_decision_survives_an_mlflow_outage(
         while time.monotonic() < deadline:
             t = time.monotonic()
             down_before = outage.t_stop > 0 and not outage.t_back
-            after = deployer_service.run_tick(controller)
+            after = serve_deployer.run_tick(controller)
             took = time.monotonic() - t
             if injected.fired and took > outage.stop_took:  # the tick that stopped the server
                 took -= outage.stop_took

@@ -32,8 +32,8 @@ from ingest.events import (
     FollowupDissatisfied,
     ModelRef,
 )
-from services.kafka_io import committed_offsets, make_admin, make_consumer, make_producer
-from services.settings import Settings
+from services.runtime.kafka_io import committed_offsets, make_admin, make_consumer, make_producer
+from services.runtime.settings import Settings
 from tests.service_env import service_env
 
 RTRL = str(Path(sys.executable).parent / "rtrl")
@@ -424,7 +424,7 @@ def drain_and_stop(workers: list[Worker], rewards: RewardCounter, requests: int,
 
 def reconcile_topics(settings: Settings) -> tuple[Any, Any]:
     """The reconciler's inputs read from ``settings``' topics, and its report."""
-    from services.reconcile import read_inputs, reconcile
+    from services.cli.reconcile import read_inputs, reconcile
 
     inp = read_inputs(settings)
     rep = reconcile(inp.raw, inp.forwarded, inp.dlq, inp.rewards, raw_topic=settings.topics.raw,

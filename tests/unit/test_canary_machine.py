@@ -8,8 +8,8 @@ import json
 import pytest
 
 from deployer.actions import SetWeight, apply_actions
+from deployer.adapters.memory import FakeWorld
 from deployer.canary import CanaryPolicy, CanaryStatus, Judgement, Phase, next_state
-from deployer.fakes import FakeWorld
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
 
 POLICY = CanaryPolicy(steps=(0.01, 0.05, 0.25, 0.5), bake_s=60, max_duration_s=3600, max_errors=3)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deployer.canary import CanaryStatus, Phase
-from services.operator_cli import render_history, render_status
+from services.cli.operator import render_history, render_status
 
 
 def test_status_table_shows_versions_phase_weight_verdict_and_cohorts() -> None:

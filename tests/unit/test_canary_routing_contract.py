@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployer.fakes import FakeRouting
+from deployer.adapters.memory import FakeRouting
 from deployer.routing import parse_table
 
 

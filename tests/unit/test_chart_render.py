@@ -249,7 +249,7 @@ def _env_of(docs: list[dict[str, Any]], component: str) -> dict[str, Any]:
 @pytest.mark.parametrize("name", sorted(ct.VALUES_SETS))
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_services_parse_the_rendered_settings(rendered, name: str, component: str, monkeypatch) -> None:
-    from services.settings import Settings
+    from services.runtime.settings import Settings
 
     env = _env_of(rendered[name], component)
     for key, value in env.items():

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from ingest.events import CompletionServed, EditPersistence, parse_event
-from services.events_cli import SCHEMA_PATH, render_schema, validate_lines
+from services.cli.events import SCHEMA_PATH, render_schema, validate_lines
 
 
 def served(**over: object) -> dict[str, object]:

@@ -10,11 +10,11 @@ import pytest
 
 from deployer.routing import RoutingTable, assign_arm
 from ingest.events import CompletionServed
-from services.gateway import Gateway
-from services.gateway_models import Backend, Generation, ModelSlots
-from services.gateway_upstream import UpstreamError
-from services.metrics import GATEWAY_FALLBACKS
-from services.settings import GatewaySettings
+from services.gateway.models import Backend, Generation, ModelSlots
+from services.gateway.server import Gateway
+from services.gateway.upstream import UpstreamError
+from services.runtime.metrics import GATEWAY_FALLBACKS
+from services.runtime.settings import GatewaySettings
 
 
 class FakeBackend:

@@ -8,10 +8,10 @@ from typing import Any
 import fakeredis
 
 from deployer.routing import RoutingTable
-from services.gateway import Gateway
-from services.gateway_counts import BUCKET_S, ServedCounts, read_counts, served_key, sum_since
-from services.gateway_models import ModelSlots
-from services.settings import GatewaySettings
+from services.gateway.counts import BUCKET_S, ServedCounts, read_counts, served_key, sum_since
+from services.gateway.models import ModelSlots
+from services.gateway.server import Gateway
+from services.runtime.settings import GatewaySettings
 from tests.unit.test_gateway_core import REQ, FakeBackend
 
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from deployer.routing import RoutingTable
-from services.gateway_exposure import ExposureLogger
-from services.gateway_models import Backend, Generation, ModelSlots
-from services.gateway_routing import ChampionCache, RoutingPoller
-from services.gateway_upstream import LOGPROB_FLOOR, UpstreamError, parse_completion, token_id
-from services.metrics import GATEWAY_EXPOSURES
+from services.gateway.exposure import ExposureLogger
+from services.gateway.models import Backend, Generation, ModelSlots
+from services.gateway.routing import ChampionCache, RoutingPoller
+from services.gateway.upstream import LOGPROB_FLOOR, UpstreamError, parse_completion, token_id
+from services.runtime.metrics import GATEWAY_EXPOSURES
 
 
 class Named:
@@ -230,7 +230,7 @@ def test_parse_completion_without_logprobs_is_502(data: Any) -> None:
 def test_policy_backend_serves_no_empty_answer_with_min_tokens() -> None:
     import torch
 
-    from services.gateway_models import PolicyBackend
+    from services.gateway.models import PolicyBackend
     from trainer.policy import TinyConfig, TinyTransformer
     from trainer.tokens import BOS, EOS
 

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import fakeredis
 import pytest
 
-from ingest.adapters import RedisDedupStore
-from ingest.dedup import DedupStore, MemoryDedupStore, duplicates, is_duplicate, position_marker
+from ingest.adapters.memory import MemoryDedupStore
+from ingest.adapters.redis_dedup import RedisDedupStore
+from ingest.dedup import DedupStore, duplicates, is_duplicate, position_marker
 
 
 @pytest.fixture(params=["memory", "fakeredis"])

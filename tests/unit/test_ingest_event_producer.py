@@ -7,8 +7,8 @@ import pytest
 
 from ingest.auth import AuthPolicy, authenticate
 from ingest.events import EditAccepted, parse_event
-from services.event_producer import EventProducer
-from services.settings import Settings, TopicSettings
+from services.runtime.event_producer import EventProducer
+from services.runtime.settings import Settings, TopicSettings
 
 
 class ListProducer:

@@ -1,10 +1,10 @@
-"""Transactional ids per replica generation (services/ingest_service.py), on fakeredis."""
+"""Transactional ids per replica generation (services/serve_ingest.py), on fakeredis."""
 
 from __future__ import annotations
 
 import fakeredis
 
-from services.ingest_service import TransactionalIds, transactional_id
+from services.serve_ingest import TransactionalIds, transactional_id
 
 
 def test_unique_per_process_without_instance_id() -> None:

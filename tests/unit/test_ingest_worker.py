@@ -14,12 +14,12 @@ from kafka.errors import KafkaTimeoutError
 from kafka.structs import TopicPartition
 from pydantic import SecretStr
 
+from ingest.adapters.memory import MemoryDedupStore
 from ingest.auth import sign
-from ingest.dedup import MemoryDedupStore
 from ingest.events import EditAccepted
-from services.ingest_service import IngestWorker
-from services.observability import Health
-from services.settings import AuthSettings, Settings
+from services.runtime.health import Health
+from services.runtime.settings import AuthSettings, Settings
+from services.serve_ingest import IngestWorker
 
 NOW = datetime(2026, 11, 22, 10, 0, tzinfo=UTC)
 SETTINGS = Settings(auth=AuthSettings(keys={"gw": SecretStr("k")}))
@@ -138,7 +138,7 @@ def test_failed_commit_aborts_rewinds_and_the_replay_is_not_a_duplicate() -> Non
 
 
 def test_dedup_store_down_holds_the_batch_until_stopped() -> None:
-    from services.runtime import Stopper
+    from services.runtime.process import Stopper
 
     w, prod, cons = worker(store=BrokenStore())
     stopper = Stopper()

@@ -1,6 +1,6 @@
 """Every metric an alert or a dashboard panel uses is one the services really export:
 the names are read from the PromQL and looked up in the prometheus_client registry that
-services/metrics.py fills (with the suffixes the exposition adds)."""
+services/runtime/metrics.py fills (with the suffixes the exposition adds)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-import services.metrics  # noqa: F401 - registers the catalogue
+import services.runtime.metrics  # noqa: F401 - registers the catalogue
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helm"))
 import chart_tools as ct
@@ -84,4 +84,4 @@ def test_every_metric_used_is_exported(where: str, expr: str) -> None:
     used = metric_names(expr)
     assert used, f"{where}: no metric found in {expr!r}"
     missing = used - exported_names()
-    assert not missing, f"{where} uses {sorted(missing)}: not in services/metrics.py"
+    assert not missing, f"{where} uses {sorted(missing)}: not in services/runtime/metrics.py"

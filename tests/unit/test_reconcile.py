@@ -1,8 +1,8 @@
-"""The reconciler's accounting (services/reconcile.py) on plain hand-built topic contents."""
+"""The reconciler's accounting (services/cli/reconcile.py) on plain hand-built topic contents."""
 
 from __future__ import annotations
 
-from services.reconcile import DeadLetter, ForwardedEvent, RawRecord, RewardSeen, Timing, reconcile
+from services.cli.reconcile import DeadLetter, ForwardedEvent, RawRecord, RewardSeen, Timing, reconcile
 
 RAW = "raw"
 

@@ -15,8 +15,8 @@ from ingest.events import (
     FollowupDissatisfied,
     ModelRef,
 )
-from ingest.join import Window, apply, apply_batch, close, close_at, due_at, early_close, supersedes
-from ingest.reward_spec import load_spec
+from ingest.reward.join import Window, apply, apply_batch, close, close_at, due_at, early_close, supersedes
+from ingest.reward.spec import load_spec
 
 SPEC = load_spec()  # horizons 30/600/3600, grace 30, followup 60
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

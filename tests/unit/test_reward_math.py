@@ -8,8 +8,7 @@ from typing import Literal
 
 import pytest
 
-from ingest.reward_spec import NoEditSpec, RewardSpec, load_spec
-from ingest.rewards import (
+from ingest.reward.maths import (
     COMPONENTS,
     Feedback,
     compute_reward,
@@ -17,6 +16,7 @@ from ingest.rewards import (
     persistence_ratio,
     tool_call_penalty,
 )
+from ingest.reward.spec import NoEditSpec, RewardSpec, load_spec
 
 SPEC = load_spec()  # default-v1: accepted .75, rejected -.25, slo 2000 ms w .1 cap 1,
 # dissatisfied .5 max 1, invalid .25 max 1, no-edit 0 / 0, default 0, primary horizon 600

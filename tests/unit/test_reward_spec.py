@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ingest.reward_spec import SpecError, default_spec_text, load_spec, parse_spec
+from ingest.reward.spec import SpecError, default_spec_text, load_spec, parse_spec
 
 
 def test_packaged_default_loads_with_version() -> None:

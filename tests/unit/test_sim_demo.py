@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ingest.reward_spec import default_spec_text, parse_spec
-from services.demo import MARKER, demo_spec_text, prepare_data_dir, service_env, write_corpus
-from services.demo_runtime import ProcSpec, RewardsTracker, Supervisor
-from services.report import (
+from ingest.reward.spec import default_spec_text, parse_spec
+from services.local.demo import MARKER, demo_spec_text, prepare_data_dir, service_env, write_corpus
+from services.local.report import (
     Cohort,
     Decision,
     Row,
@@ -30,7 +29,8 @@ from services.report import (
     series,
     write_report,
 )
-from services.settings import DemoSettings, Settings
+from services.local.supervisor import ProcSpec, RewardsTracker, Supervisor
+from services.runtime.settings import DemoSettings, Settings
 from trainer.tokens import EOS
 
 
@@ -266,7 +266,7 @@ def test_rows_keep_version_and_arm() -> None:
 
 
 def test_leftovers_of_a_killed_run_are_stopped_from_the_pid_file(tmp_path: Path) -> None:
-    from services.demo_runtime import stop_recorded
+    from services.local.supervisor import stop_recorded
 
     sup = Supervisor(tmp_path / "logs", pid_file=tmp_path / "pids.json")
     proc = sup.start(ProcSpec("orphan", [sys.executable, "-c", "import time; time.sleep(60)"]))
@@ -278,7 +278,7 @@ def test_leftovers_of_a_killed_run_are_stopped_from_the_pid_file(tmp_path: Path)
 
 
 def test_side_by_side_uses_only_the_canary_window() -> None:
-    from services.report import side_by_side
+    from services.local.report import side_by_side
 
     t = 1_700_000_000.0
     rows = [row_from_record(r, 600) for r in (
@@ -293,7 +293,7 @@ def test_side_by_side_uses_only_the_canary_window() -> None:
 
 
 def test_chain_compounds_side_by_side_changes_along_the_lineage() -> None:
-    from services.report import chain_comparison
+    from services.local.report import chain_comparison
 
     t = 1_700_000_000.0
 

@@ -10,10 +10,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from services.runtime import Stopper
-from services.settings import AuthSettings, Settings, SimulatorSettings
-from services.sim_users import Outcome
-from services.simulator import (
+from services.local.sim_users import Outcome
+from services.local.simulator import (
     EventScheduler,
     GatewayError,
     RateLimiter,
@@ -21,6 +19,8 @@ from services.simulator import (
     plan_events,
     user_types_with_mix,
 )
+from services.runtime.process import Stopper
+from services.runtime.settings import AuthSettings, Settings, SimulatorSettings
 from trainer.tokens import ASK, EOS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

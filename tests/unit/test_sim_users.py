@@ -9,9 +9,9 @@ from statistics import mean
 
 import pytest
 
-from ingest.reward_spec import RewardSpec, load_spec
-from ingest.rewards import Feedback, compute_reward
-from services.sim_users import (
+from ingest.reward.maths import Feedback, compute_reward
+from ingest.reward.spec import RewardSpec, load_spec
+from services.local.sim_users import (
     Task,
     UserType,
     WorldConfig,
@@ -208,8 +208,8 @@ def test_the_demo_spec_no_edit_penalty_takes_the_profit_out_of_not_editing() -> 
     """Under the demo's spec (0.5 per question or empty completion) neither beats the
     bootstrap's kind of edit on ambiguous tasks, and both are far worse on clear ones; without
     the penalty both would beat it on ambiguous tasks."""
-    from ingest.reward_spec import default_spec_text, parse_spec
-    from services.demo import demo_spec_text
+    from ingest.reward.spec import default_spec_text, parse_spec
+    from services.local.demo import demo_spec_text
 
     demo = parse_spec(demo_spec_text(default_spec_text()), "demo")
     free = parse_spec(demo_spec_text(default_spec_text(), no_edit_penalty=0.0), "demo")

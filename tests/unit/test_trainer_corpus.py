@@ -6,17 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from services.settings import Settings
-from services.trainer_cli import default_corpus, increment_config
+from services.local.sim_users import bootstrap_corpus
+from services.runtime.settings import Settings
+from services.trainer_job import increment_config
 from trainer.corpus import read_corpus, write_corpus
 from trainer.tokens import BOS, EOS, VOCAB_SIZE
 
 
 def test_round_trip_and_default_corpus_shape(tmp_path: Path) -> None:
-    pairs = default_corpus(50, seed=0)
+    pairs = bootstrap_corpus(50, seed=0)
     assert len(pairs) == 50
     assert all(p[0] == BOS and c[-1] == EOS for p, c in pairs)
-    assert pairs == default_corpus(50, seed=0)  # deterministic
+    assert pairs == bootstrap_corpus(50, seed=0)  # deterministic
     path = tmp_path / "c.jsonl"
     assert write_corpus(path, pairs) == 50
     assert read_corpus(path, VOCAB_SIZE) == pairs

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployer.registry import CANDIDATE, CHAMPION, InMemoryRegistry, Tag
+from deployer.adapters.memory import InMemoryRegistry
+from deployer.registry import CANDIDATE, CHAMPION, Tag
 from ingest.events import ModelRef, RewardRecord
+from trainer.adapters.memory import InMemoryRewardLog
 from trainer.gate import GateConfig
 from trainer.increment import (
     IncrementConfig,
@@ -27,7 +29,7 @@ from trainer.increment import (
 from trainer.loop import LoopConfig, Sample, load_training_state, plan_batches, rl_train, save_training_state
 from trainer.policy import TinyConfig, TinyTransformer, load_policy
 from trainer.tokens import BOS, EOS
-from trainer.window import InMemoryRewardLog, PendingWindow
+from trainer.window import PendingWindow
 
 SMALL = TinyConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=32)
 GOOD = 20

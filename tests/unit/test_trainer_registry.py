@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, InMemoryRegistry, Registry, Tag, offer_candidate
+from deployer.adapters.memory import InMemoryRegistry
+from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry, Tag, offer_candidate
 
 
 def make_policy_dir(root: Path, marker: str) -> Path:

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ingest.events import ModelRef, RewardRecord
+from trainer.adapters.memory import InMemoryRewardLog
 from trainer.window import (
-    InMemoryRewardLog,
     PartitionRange,
     PendingWindow,
     Window,

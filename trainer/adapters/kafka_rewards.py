@@ -5,27 +5,27 @@ end offset read under ``read_committed`` (the last stable offset), so an open re
 transaction holds the watermark back instead of leaking uncommitted records into a window.
 The consumer never subscribes: it assigns the partitions, seeks to each range's start and
 reads until its position passes the range's end (transaction markers occupy offsets too).
+The caller opens the consumer (services/trainer_job.py) and hands it over; ``close`` closes it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
-from kafka import TopicPartition
+from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from services.kafka_io import make_consumer
-from services.settings import KafkaSettings
-from trainer.window import Window
+from trainer.window import PartitionRange, Window
 
 
 class KafkaRewardLog:
-    def __init__(self, kafka: KafkaSettings, topic: str, group_id: str, read_timeout_s: float = 60.0) -> None:
+    def __init__(self, consumer: KafkaConsumer, topic: str, read_timeout_s: float = 60.0) -> None:
+        """``consumer``: in the trainer's consumer group, ``read_committed``, auto-commit off."""
         self.topic = topic
         self.read_timeout_s = read_timeout_s
-        self.consumer = make_consumer(kafka, group_id, isolation_level="read_committed",
-                                      max_poll_records=2000)
+        self.consumer = consumer
 
     def _partitions(self) -> list[TopicPartition]:
         deadline = time.monotonic() + 30
@@ -54,13 +54,7 @@ class KafkaRewardLog:
         deadline = time.monotonic() + self.read_timeout_s
         while todo:
             batch = self.consumer.poll(timeout_ms=500)
-            for tp, records in batch.items():
-                if tp not in todo:
-                    continue
-                lo, hi = todo[tp].start, todo[tp].end
-                for rec in records:
-                    if lo <= rec.offset < hi and rec.value is not None:
-                        yield tp.partition, rec.offset, rec.value
+            yield from _in_ranges(batch, todo)
             for tp in list(todo):
                 if self.consumer.position(tp) >= todo[tp].end:
                     del todo[tp]
@@ -81,3 +75,15 @@ class KafkaRewardLog:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def _in_ranges(batch: Mapping[TopicPartition, Sequence[Any]], todo: Mapping[TopicPartition, PartitionRange]
+               ) -> Iterator[tuple[int, int, bytes]]:
+    """(partition, offset, value) of the polled records that fall inside their range."""
+    for tp, records in batch.items():
+        r = todo.get(tp)
+        if r is None:
+            continue
+        for rec in records:
+            if r.start <= rec.offset < r.end and rec.value is not None:
+                yield tp.partition, rec.offset, rec.value

@@ -1,0 +1,212 @@
+"""Operator commands for the canary controller: status, history, promote, rollback, pause, resume.
+
+``rtrl status``                    champion, candidate, phase, weight, cohorts, verdict so far
+``rtrl history [--limit N]``       the decision ledger (MLflow), newest first
+``rtrl promote VERSION``           promote by hand (the running canary, or any gated version)
+``rtrl rollback [--to VERSION]``   roll back the running canary, or the champion to VERSION/previous
+``rtrl pause`` / ``rtrl resume``   hold / release the canary's weight and promotion
+
+Manual commands are queued in Redis and handled by the controller on its next tick, through
+the same state machine and ledger as automatic decisions, with ``decided_by`` = the operator
+(``--by``, default ``$USER``). When no controller runs, the command runs one controller tick
+itself (holding the controller lease meanwhile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from deployer.canary import CanaryStatus, Command
+from deployer.ledger import TAG_GATE
+from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
+from services.runtime.settings import Settings
+
+COHORT_ROWS = ("n", "users", "reward_mean", "acceptance", "persistence", "latency_mean_ms",
+               "latency_p95_ms", "dissatisfied_rate", "edit_rate", "invalid_tool_rate", "error_rate")
+
+
+def _operator() -> str:
+    try:
+        return os.environ.get("USER") or getpass.getuser() or "operator"
+    except (KeyError, OSError):
+        return "operator"
+
+
+def _ago(ts: float, now: float) -> str:
+    s = int(max(0.0, now - ts))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 100 or value == int(value) else f"{value:.3f}"
+
+
+# ---------------------------------------------------------------------------- status
+def render_status(status: CanaryStatus, aliases: Mapping[str, str | None], gates: Mapping[str, str],
+                  routing: Mapping[str, str | None], holder: str | None, now: float) -> str:
+    """The ``rtrl status`` table (pure, so it is tested without any service)."""
+    def version(alias: str) -> str:
+        v = aliases.get(alias)
+        return "-" if v is None else f"v{v}" + (f" (gate {gates[v]})" if gates.get(v) else "")
+
+    phase = status.phase.value + (f" for {_ago(status.phase_since, now)}" if status.phase_since else "")
+    weight = float(routing.get("canary_weight") or 0.0)
+    stable_v, canary_v = routing.get("stable_version") or "-", routing.get("canary_version") or "-"
+    rows = [
+        ("champion", version(CHAMPION)),
+        ("candidate", version(CANDIDATE)),
+        ("previous", version(PREVIOUS)),
+        ("phase", phase + ("  [PAUSED]" if status.paused else "")),
+        ("canary", f"{status.canary_id or '-'}  v{status.candidate or '-'} vs stable v{status.stable or '-'}"
+                   + (f"  step {status.step + 1}" if status.step >= 0 else "")),
+        ("weight", f"{weight:.1%} of users on the canary (routing: stable v{stable_v}, canary v{canary_v})"),
+        ("verdict", f"{status.verdict or '-'} after {status.ticks} judged ticks"),
+        ("controller", holder or "none running (commands run one tick themselves)"),
+    ]
+    if status.outcome:
+        rows.append(("decision", f"{status.outcome} by {status.decided_by}: {status.reason}"))
+    if status.note:
+        rows.append(("note", status.note))
+    if status.handled:
+        rows.append(("last command", f"{status.handled[-1][0]}: {status.handled[-1][1]}"))
+    lines = [f"{k:<13}{v}" for k, v in rows]
+    lines += [f"  - {r}" for r in status.reasons[:6]]
+    if status.cohorts:
+        lines += ["", f"{'cohort':<20}{'stable':>12}{'canary':>12}"]
+        for key in COHORT_ROWS:
+            s, c = status.cohorts.get(f"stable.{key}"), status.cohorts.get(f"canary.{key}")
+            if s is not None or c is not None:
+                lines.append(f"{key:<20}{_fmt(s) if s is not None else '-':>12}"
+                             f"{_fmt(c) if c is not None else '-':>12}")
+    return "\n".join(lines)
+
+
+def render_history(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no canaries recorded yet"
+    out = [f"{'started (UTC)':<18}{'canary':<38}{'decision':<10}{'by':<12}reason"]
+    for r in rows:
+        started = datetime.fromtimestamp((r["started_ms"] or 0) / 1000, UTC).strftime("%Y-%m-%d %H:%M")
+        reason = (r["reason"] or r["outcome"] or "running")[:90]
+        out.append(f"{started:<18}{r['canary_id']:<38}{r['decision'] or '-':<10}{r['decided_by'] or '-':<12}"
+                   f"{reason}")
+    return "\n".join(out)
+
+
+def _status(settings: Settings, as_json: bool) -> int:
+    from services.serve_deployer import build_ports
+
+    ports = build_ports(settings)
+    status, holder = ports.state.load(), ports.state.holder()
+    routing = ports.routing.read()  # type: ignore[attr-defined]
+    aliases: dict[str, str | None] = {}
+    gates: dict[str, str] = {}
+    try:
+        aliases = {a: ports.registry.alias_version(a) for a in (CHAMPION, CANDIDATE, PREVIOUS)}
+        for v in {x for x in aliases.values() if x}:
+            gates[v] = ports.registry.get_tags(v).get(TAG_GATE, "")
+    except Exception as exc:  # show what Redis knows even when MLflow is down
+        print(f"rtrl status: registry unreachable at {settings.mlflow.tracking_uri}: {exc}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"status": status.to_json(), "aliases": aliases, "gates": gates,
+                          "routing": routing, "controller": holder}, indent=2))
+    else:
+        print(render_status(status, aliases, gates, routing, holder, time.time()))
+    return 0
+
+
+def _history(settings: Settings, limit: int, as_json: bool) -> int:
+    from deployer.adapters.ledger_mlflow import MlflowLedger
+
+    rows = MlflowLedger(settings.mlflow.tracking_uri, settings.mlflow.deployments_experiment).history(limit)
+    print(json.dumps(rows, indent=2) if as_json else render_history(rows))
+    return 0
+
+
+# ---------------------------------------------------------------------------- commands
+def send(settings: Settings, command: Command, timeout_s: float) -> tuple[int, str]:
+    """Queue ``command`` and wait for its result; run a tick here when no controller runs."""
+    from services.serve_deployer import Controller, RewardReader, build_ports
+
+    ports = build_ports(settings, owner=f"cli-{command.by}-{command.id}")
+    ports.state.push(command)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = dict(ports.state.load().handled).get(command.id)
+        if result is not None:
+            return (1 if result.startswith("rejected") else 0), result
+        if ports.state.holder() is None:
+            rewards = None
+            try:
+                rewards = RewardReader(settings)
+            except Exception as exc:  # the command still runs; a canary then sees an error tick
+                print(f"warning: rewards topic unavailable ({exc})", file=sys.stderr)
+            try:
+                Controller(settings, ports, rewards).step()
+            finally:
+                ports.state.release()
+                if rewards is not None:
+                    rewards.close()
+            continue
+        time.sleep(0.2)
+    return 3, (f"queued as {command.id}; the controller ({ports.state.holder()}) has not handled it "
+               f"within {timeout_s:g}s")
+
+
+def _parser(name: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"rtrl {name}")
+    if name in ("status", "history"):
+        ap.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "history":
+            ap.add_argument("--limit", type=int, default=20, help="most recent canaries to show")
+        return ap
+    if name == "promote":
+        ap.add_argument("version", help="model version to promote (needs rtrl.gate.result=pass)")
+    if name == "rollback":
+        ap.add_argument("--to", dest="version", default=None,
+                        help="with no canary running: the version to restore (default: previous)")
+    ap.add_argument("--by", default=None, help="who decides (default: $USER); recorded in the ledger")
+    ap.add_argument("--reason", default="", help="why; recorded in the ledger")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the controller")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    """``argv[0]`` is the command name (status, history, promote, rollback, pause, resume)."""
+    from services.runtime.settings import get_settings
+
+    if not argv or argv[0] not in ("status", "history", "promote", "rollback", "pause", "resume"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    name, args = argv[0], _parser(argv[0]).parse_args(argv[1:])
+    settings = get_settings()
+    import redis
+
+    try:
+        return _run(name, args, settings)
+    except (redis.RedisError, ConnectionError, TimeoutError) as exc:
+        where = settings.redis.url.get_secret_value().split("@")[-1]
+        print(f"rtrl {name}: cannot reach Redis at {where} or MLflow at {settings.mlflow.tracking_uri}: "
+              f"{exc}", file=sys.stderr)
+        return 2
+
+
+def _run(name: str, args: argparse.Namespace, settings: Settings) -> int:
+    if name == "status":
+        return _status(settings, args.json)
+    if name == "history":
+        return _history(settings, args.limit, args.json)
+    command = Command(id=uuid.uuid4().hex[:12], kind=name, by=args.by or _operator(),  # type: ignore[arg-type]
+                      version=getattr(args, "version", None), reason=args.reason)
+    code, result = send(settings, command, args.timeout)
+    print(result)
+    return code

@@ -1,0 +1,334 @@
+"""The gateway's HTTP server: serve completions, route users to arms, log every exposure.
+
+One HTTP port (``RTRL_GATEWAY__PORT``, default 8080) serves the API of
+docs/gateway.md and ``/metrics``, ``/healthz``, ``/readyz``. The server is the standard
+library's threaded HTTP/1.1 server with keep-alive: for small JSON bodies it adds well
+under a millisecond (see docs/benchmarks.md), needs no event loop around a CPU-bound
+policy, and has nothing to configure.
+
+The request path is: parse and validate (pydantic) -> read the routing table in force ->
+pick the arm -> generate -> answer -> queue the served event. Everything slow (Redis,
+MLflow, Kafka) runs in background threads: :class:`RoutingPoller`, :class:`ModelSlots`'
+loader and :class:`ExposureLogger`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Annotated, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from deployer.routing import Arm, RoutingTable
+from ingest.events import Id, TokenId
+from services.gateway.models import Backend, Generation, ModelSlots
+from services.gateway.upstream import UpstreamError
+from services.runtime.health import Health
+from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
+from services.runtime.settings import GatewaySettings
+from trainer.tokens import completion_kind
+
+log = logging.getLogger(__name__)
+
+MAX_TOKENS_LIMIT = 256
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions body. Unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    user_key: Id
+    session_id: Id
+    prompt_tokens: Annotated[list[TokenId], Field(min_length=1, max_length=32_768)]
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    request_id: Id | None = None
+    temperature: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 1.0
+
+
+@dataclass(frozen=True)
+class Response:
+    code: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+def _json(code: int, body: dict[str, Any]) -> Response:
+    return Response(code, json.dumps(body, separators=(",", ":")).encode())
+
+
+def _error(code: int, message: str) -> Response:
+    return _json(code, {"error": message})
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """True for ``application/json`` (any parameters, e.g. charset) and ``application/*+json``.
+    A request without a Content-Type is taken as JSON: many clients send none."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def validation_message(exc: ValidationError) -> str:
+    """One readable line from a pydantic error: 'malformed JSON: ...' or 'field: problem; ...'."""
+    errors = exc.errors(include_url=False)
+    if any(e["type"] == "json_invalid" for e in errors):
+        return "malformed JSON: " + str(errors[0].get("ctx", {}).get("error", errors[0]["msg"]))
+    parts = []
+    for e in errors[:5]:
+        where = ".".join(str(p) for p in e["loc"]) or "body"
+        parts.append(f"{where}: {e['msg']}")
+    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "invalid request: " + "; ".join(parts) + more
+
+
+class Gateway:
+    """The HTTP-independent core: ``handle(method, path, body)`` -> :class:`Response`."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        slots: ModelSlots,
+        table: Callable[[], RoutingTable],
+        log_exposure: Callable[[dict[str, Any]], object],
+        model_name: str,
+        health: Health | None = None,
+        registry: CollectorRegistry = REGISTRY,
+        count: Callable[[str, str, bool], object] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._count = count or (lambda _version, _arm, _error: None)
+        """Per (version, arm) request/error counts for the judge (services/gateway/counts.py)."""
+        self.slots = slots
+        self._table = table
+        self._log_exposure = log_exposure
+        self.model_name = model_name
+        self.health = health or Health()
+        self._registry = registry
+
+    # ----------------------------------------------------------------- routing
+    def handle(self, method: str, path: str, body: bytes, content_type: str | None = None) -> Response:
+        """``content_type``: the request's Content-Type header (None when absent)."""
+        path = path.split("?", 1)[0]
+        routes: dict[str, tuple[str, Callable[[bytes], Response]]] = {
+            "/v1/completions": ("POST", self.complete),
+            "/v1/routing": ("GET", lambda _b: self.routing()),
+            "/metrics": ("GET", lambda _b: self.metrics()),
+            "/healthz": ("GET", lambda _b: self._probe(*self.health.live())),
+            "/readyz": ("GET", lambda _b: self._probe(*self.health.ready())),
+        }
+        if path not in routes:
+            return _error(404, f"no such path {path}; the API is POST /v1/completions")
+        allowed, fn = routes[path]
+        if method != allowed:
+            return _error(405, f"{method} not allowed on {path}; use {allowed}")
+        if method == "POST" and content_type and not is_json_media_type(content_type):
+            GATEWAY_REQUESTS.labels("none", "none", "415").inc()
+            return _error(415, f"unsupported Content-Type {content_type[:100]!r}; send application/json")
+        return fn(body)
+
+    def metrics(self) -> Response:
+        return Response(200, generate_latest(self._registry), CONTENT_TYPE_LATEST)
+
+    @staticmethod
+    def _probe(ok: bool, body: dict[str, object]) -> Response:
+        return _json(200 if ok else 503, {"ok": ok, **body})
+
+    def routing(self) -> Response:
+        table = self._table()
+        stable, canary = self.slots.get("stable"), self.slots.get("canary")
+        return _json(200, {
+            "canary_weight": table.canary_weight,
+            "stable": {"version": stable[0]} if stable else None,
+            "canary": {"version": canary[0]} if canary else None,
+            "salt": table.salt,
+        })
+
+    # ----------------------------------------------------------------- completions
+    def complete(self, body: bytes) -> Response:
+        started = time.perf_counter()
+        try:
+            req = CompletionRequest.model_validate_json(body)
+        except ValidationError as exc:
+            GATEWAY_REQUESTS.labels("none", "none", "400").inc()
+            return _error(400, validation_message(exc))
+        stable, canary = self.slots.get("stable"), self.slots.get("canary")
+        if stable is None:
+            GATEWAY_REQUESTS.labels("none", "none", "503").inc()
+            wanted = self.slots.wanted("stable")
+            why = f"version {wanted} is loading or failed to load" if wanted else "no champion yet"
+            return _error(503, f"no champion model loaded yet ({why})")
+        arm: Arm = self._table().arm_for(req.user_key, canary is not None)
+        version, backend = canary if arm == "canary" and canary is not None else stable
+        result = self._generate(arm, version, backend, req)
+        if isinstance(result, Response):
+            if result.code >= 500:
+                self._count(version, arm, True)
+            return result
+        gen, gen_s = result
+        if arm == "canary" and gen is None:  # canary raised: stable serves, counted
+            GATEWAY_FALLBACKS.inc()
+            self._count(version, "canary", True)  # the canary cohort is counted by assignment
+            arm, (version, backend) = "stable", stable
+            retry = self._generate(arm, version, backend, req)
+            if isinstance(retry, Response):
+                return retry
+            gen, gen_s = retry
+        else:
+            self._count(version, arm, False)
+        assert gen is not None
+        return self._served(req, arm, version, gen, gen_s, started)
+
+    def _generate(
+        self, arm: Arm, version: str, backend: Backend, req: CompletionRequest
+    ) -> tuple[Generation | None, float] | Response:
+        """(generation, seconds); (None, _) when a canary failed; a Response for errors."""
+        vocab = backend.vocab_size
+        if vocab is not None and max(req.prompt_tokens) >= vocab:
+            GATEWAY_REQUESTS.labels(arm, version, "400").inc()
+            return _error(400, f"invalid request: prompt_tokens must be below the vocabulary size {vocab}")
+        max_tokens = req.max_tokens or self.settings.default_max_tokens
+        t0 = time.perf_counter()
+        try:
+            gen = backend.generate(req.prompt_tokens, max_tokens, req.temperature)
+            if len(gen.tokens) != len(gen.logprobs):
+                raise ValueError(f"model returned {len(gen.tokens)} tokens but {len(gen.logprobs)} logprobs")
+        except Exception as exc:
+            kind = "upstream" if isinstance(exc, UpstreamError) else "generate"
+            GATEWAY_ERRORS.labels(arm, version, kind).inc()
+            if arm == "canary":
+                log.warning("canary %s failed, serving from stable: %s", version, exc)
+                return None, 0.0
+            code = exc.status if isinstance(exc, UpstreamError) else 500
+            GATEWAY_REQUESTS.labels(arm, version, str(code)).inc()
+            log.error("stable %s failed: %s", version, exc)
+            return _error(code, f"model {version} failed: {exc}")
+        return gen, time.perf_counter() - t0
+
+    def _served(
+        self, req: CompletionRequest, arm: Arm, version: str, gen: Generation, gen_s: float, started: float
+    ) -> Response:
+        sim_ms = self.settings.simulated_ms_per_token * len(gen.tokens)
+        if sim_ms and self.settings.sleep_simulated_latency:
+            time.sleep(sim_ms / 1000.0)
+        latency_ms = round(gen_s * 1000.0 + sim_ms, 3)
+        request_id = req.request_id or uuid.uuid4().hex
+        kind = completion_kind(gen.tokens)
+        invalid = min(gen.invalid_tool_calls, gen.tool_calls)
+        model = {"name": self.model_name, "version": version}
+        payload = _json(200, {
+            "request_id": request_id, "model": model, "arm": arm,
+            "completion_tokens": gen.tokens, "logprobs": gen.logprobs, "completion_kind": kind,
+            "latency_ms": latency_ms, "tool_calls": gen.tool_calls, "invalid_tool_calls": invalid,
+        })
+        self._log_exposure({
+            "event_id": uuid.uuid4().hex, "request_id": request_id, "ts": datetime.now(UTC),
+            "session_id": req.session_id, "user_key": req.user_key, "model": model, "arm": arm,
+            "prompt_tokens": req.prompt_tokens, "completion_tokens": gen.tokens,
+            "logprobs": gen.logprobs, "latency_ms": latency_ms, "tool_calls": gen.tool_calls,
+            "invalid_tool_calls": invalid, "completion_kind": kind,
+        })
+        GATEWAY_REQUESTS.labels(arm, version, "200").inc()
+        GATEWAY_SECONDS.labels(arm).observe(time.perf_counter() - started)
+        return payload
+
+
+# --------------------------------------------------------------------- HTTP server
+
+
+class GatewayServer:
+    """The threaded HTTP/1.1 server around a :class:`Gateway`."""
+
+    def __init__(self, gateway: Gateway, host: str, port: int) -> None:
+        self.gateway = gateway
+        self.inflight = 0
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer((host, port), _handler(self))
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def start(self) -> GatewayServer:
+        self._thread.start()
+        return self
+
+    def stop(self, drain_s: float = 5.0) -> None:
+        """Stop accepting, then wait up to ``drain_s`` for requests in flight."""
+        self._server.shutdown()
+        deadline = time.monotonic() + drain_s
+        while self.inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._server.server_close()
+
+    def _enter(self, delta: int) -> None:
+        with self._lock:
+            self.inflight += delta
+
+
+def _handler(server: GatewayServer) -> type[BaseHTTPRequestHandler]:
+    gateway = server.gateway
+    max_body = gateway.settings.max_body_bytes
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: clients reuse one connection
+        disable_nagle_algorithm = True  # small responses go out at once
+
+        def _dispatch(self) -> None:
+            server._enter(1)
+            try:
+                self._respond(self._handle())
+            finally:
+                server._enter(-1)
+
+        def _handle(self) -> Response:
+            length_header = self.headers.get("Content-Length")
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                self.close_connection = True
+                return _error(411, "chunked bodies are not supported; send Content-Length")
+            try:
+                length = int(length_header or 0)
+            except ValueError:
+                self.close_connection = True
+                return _error(400, f"invalid Content-Length {length_header!r}")
+            if length > max_body:
+                self.close_connection = True  # the body stays unread
+                GATEWAY_REQUESTS.labels("none", "none", "413").inc()
+                return _error(413, f"request body of {length} bytes exceeds the limit of {max_body}")
+            body = self.rfile.read(length) if length > 0 else b""
+            try:
+                return gateway.handle(self.command, self.path, body, self.headers.get("Content-Type"))
+            except Exception as exc:  # a bug must not kill the connection thread silently
+                log.exception("unhandled error on %s %s", self.command, self.path)
+                GATEWAY_ERRORS.labels("none", "none", "internal").inc()
+                return _error(500, f"internal error: {type(exc).__name__}")
+
+        def _respond(self, resp: Response) -> None:
+            self.send_response(resp.code)
+            self.send_header("Content-Type", resp.content_type)
+            self.send_header("Content-Length", str(len(resp.body)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            # headers and body in one write: no Nagle/delayed-ACK stall on the client
+            buffer: list[bytes] = self._headers_buffer  # type: ignore[attr-defined]
+            buffer += [b"\r\n", resp.body]
+            self.flush_headers()
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch  # noqa: N815
+
+        def log_message(self, format: str, *args: object) -> None:
+            return  # per-request logs would cost latency; metrics count requests
+
+    return Handler

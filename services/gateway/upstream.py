@@ -1,0 +1,161 @@
+"""Upstream mode: the gateway forwards each arm to an OpenAI-compatible inference server.
+
+The request sent to ``{base_url}/v1/completions`` is::
+
+    {"model": <model>, "prompt": [<token ids>], "max_tokens": n, "temperature": t,
+     "logprobs": 1, "return_tokens_as_token_ids": true}
+
+Token-id prompts are part of the OpenAI completions API; ``return_tokens_as_token_ids``
+is vLLM's switch that makes ``choices[0].logprobs.tokens`` come back as ``"token_id:123"``
+strings. The gateway reads the sampled tokens and ``token_logprobs`` from there, so the
+served event carries real token ids and the server's behavior log-probabilities.
+
+Servers that return text tokens instead are handled by ``token_ids``:
+
+* ``require`` (default): the request fails with 502 and a message saying how to fix the
+  server; training on made-up ids would be worse than no data.
+* ``hash``: each text token becomes ``blake2b(token, 4 bytes) & 0x7fffffff``, a stable id
+  that keeps the event valid and the exposure attributable; such ids are fine for the
+  judge and the rewards but not for training a policy on them.
+
+A logprob that is missing or ``-inf`` is logged as ``LOGPROB_FLOOR``; positive values
+(rounding) are clipped to 0, so the event always satisfies the contract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from services.gateway.models import Generation
+from services.runtime.settings import UpstreamSettings
+
+LOGPROB_FLOOR = -1000.0
+TOKEN_ID_PREFIX = "token_id:"  # noqa: S105 (vLLM's token id marker, not a secret)
+
+
+class UpstreamError(Exception):
+    """The upstream failed; ``status`` is the code the gateway answers with (502 or 504)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def token_id(token: str, mode: Literal["require", "hash"]) -> int:
+    """The id of one upstream token string (``"token_id:123"`` or text, per ``mode``)."""
+    if token.startswith(TOKEN_ID_PREFIX):
+        try:
+            return int(token[len(TOKEN_ID_PREFIX):])
+        except ValueError:
+            pass
+    if mode == "hash":
+        digest = hashlib.blake2b(token.encode("utf-8"), digest_size=4).digest()
+        return int.from_bytes(digest, "big") & 0x7FFFFFFF
+    raise UpstreamError(
+        502,
+        f"upstream returned text token {token[:40]!r} instead of a token id; enable "
+        "return_tokens_as_token_ids on the server (vLLM) or set RTRL_GATEWAY__UPSTREAM_TOKEN_IDS=hash",
+    )
+
+
+def clean_logprob(value: object) -> float:
+    if not isinstance(value, int | float) or value != value:  # None or NaN
+        return LOGPROB_FLOOR
+    return max(LOGPROB_FLOOR, min(0.0, float(value)))
+
+
+def parse_completion(data: Any, mode: Literal["require", "hash"]) -> Generation:
+    """Tokens and logprobs of the first choice of an OpenAI completions response."""
+    try:
+        choice = data["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise UpstreamError(502, "upstream response has no choices") from None
+    lp = choice.get("logprobs") if isinstance(choice, dict) else None
+    if not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list):
+        raise UpstreamError(502, "upstream response has no logprobs.tokens; does it support logprobs?")
+    tokens = [token_id(str(t), mode) for t in lp["tokens"]]
+    raw = lp.get("token_logprobs")
+    raw_list = raw if isinstance(raw, list) else []
+    logprobs = [clean_logprob(raw_list[i] if i < len(raw_list) else None) for i in range(len(tokens))]
+    return Generation(tokens=tokens, logprobs=logprobs)
+
+
+class UpstreamBackend:
+    """Forwards generations to one OpenAI-compatible endpoint over persistent connections
+    (one per gateway thread)."""
+
+    vocab_size: int | None = None
+
+    def __init__(
+        self,
+        cfg: UpstreamSettings,
+        timeout_s: float = 30.0,
+        token_ids: Literal["require", "hash"] = "require",  # noqa: S107 (a mode, not a secret)
+    ) -> None:
+        parts = urlsplit(cfg.base_url)
+        if parts.scheme not in {"http", "https"} or not parts.hostname:
+            raise ValueError(f"upstream base_url {cfg.base_url!r} must be http(s)://host[:port][/path]")
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port
+        self._path = parts.path.rstrip("/") + "/v1/completions"
+        self._cfg = cfg
+        self._timeout = timeout_s
+        self._mode = token_ids
+        self._local = threading.local()
+        self._headers = {"Content-Type": "application/json"}
+        if cfg.api_key is not None:
+            self._headers["Authorization"] = f"Bearer {cfg.api_key.get_secret_value()}"
+
+    def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None or fresh:
+            if conn is not None:
+                conn.close()
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            conn = cls(self._host, self._port, timeout=self._timeout)
+            self._local.conn = conn
+        return conn
+
+    def generate(self, prompt_tokens: Sequence[int], max_tokens: int, temperature: float) -> Generation:
+        body = json.dumps({
+            "model": self._cfg.model, "prompt": list(prompt_tokens), "max_tokens": max_tokens,
+            "temperature": temperature, "logprobs": 1, "return_tokens_as_token_ids": True,
+        }).encode()
+        status, payload = self._post(body)
+        if status != 200:
+            detail = payload[:200].decode("utf-8", "replace")
+            raise UpstreamError(502, f"upstream answered {status}: {detail}")
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            raise UpstreamError(502, "upstream answered with invalid JSON") from None
+        return parse_completion(data, self._mode)
+
+    def _post(self, body: bytes) -> tuple[int, bytes]:
+        for attempt in (0, 1):
+            conn = self._conn(fresh=attempt > 0)
+            try:
+                conn.request("POST", self._path, body=body, headers=self._headers)
+                resp = conn.getresponse()
+                return resp.status, resp.read()
+            except TimeoutError:
+                conn.close()
+                raise UpstreamError(504, f"upstream did not answer within {self._timeout}s") from None
+            except (http.client.HTTPException, ConnectionError, OSError) as exc:
+                conn.close()
+                # a kept-alive connection the server closed: retry once on a fresh one
+                if attempt == 1:
+                    raise UpstreamError(502, f"upstream unreachable: {exc}") from None
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()

@@ -1,0 +1,416 @@
+"""``rtrl serve simulator``: simulated users that use the product through the real gateway.
+
+Each worker thread picks a user and a task (services/local/sim_users.py), asks the gateway for a
+completion over HTTP (GATEWAY_API.md), lets the user react, and schedules the client
+events of the contract at compressed times:
+
+    edit.accepted / edit.rejected   accept_delay_s after the completion
+    edit.persistence                at each horizon of the reward spec after acceptance
+    followup.dissatisfied           followup_delay_s after the reaction
+
+All delays are multiplied by ``simulator.time_scale`` (use the same value as
+``reward.time_scale``), so a 1 h horizon can pass in seconds. Events are signed and sent to
+the raw topic through EventProducer, like any client's. Everything random is seeded from
+``simulator.seed`` and the request's sequence number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import http.client
+import itertools
+import json
+import logging
+import random
+import threading
+import time
+import urllib.parse
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pydantic import BaseModel
+
+from ingest.events import EditAccepted, EditPersistence, EditRejected, FollowupDissatisfied
+from ingest.reward.spec import load_spec
+from services.local.sim_users import (
+    DEFAULT_USER_TYPES,
+    Outcome,
+    SimUser,
+    Task,
+    UserType,
+    World,
+    WorldConfig,
+    draw_task,
+    make_population,
+    make_prompt,
+    make_world,
+    react,
+)
+from services.runtime.metrics import SIM_EVENTS, SIM_REQUESTS, SIM_SCHEDULED
+from services.runtime.process import Stopper, setup_logging
+from services.runtime.settings import Settings, SimulatorSettings
+
+log = logging.getLogger("rtrl.simulator")
+
+
+# --------------------------------------------------------------------------- pure planning
+
+
+def user_types_with_mix(mix: dict[str, float]) -> tuple[UserType, ...]:
+    """The default user types with their shares overridden by name."""
+    known = {u.name for u in DEFAULT_USER_TYPES}
+    unknown = set(mix) - known
+    if unknown:
+        raise ValueError(
+            f"unknown user types in simulator.user_mix: {sorted(unknown)}; known: {sorted(known)}"
+        )
+    return tuple(
+        UserType(**{**u.__dict__, "share": float(mix.get(u.name, u.share))}) for u in DEFAULT_USER_TYPES
+    )
+
+
+def _eid() -> str:
+    return uuid.uuid4().hex
+
+
+def plan_events(
+    outcome: Outcome, request_id: str, served_at: datetime, sim: SimulatorSettings,
+) -> list[tuple[datetime, BaseModel]]:
+    """The client events for one reaction, each with the wall time it is due.
+
+    Horizons in ``outcome.retained`` are the reward spec's (nominal) seconds; every delay is
+    multiplied by ``sim.time_scale``. The event's ``ts`` is its due time.
+    """
+    scale = sim.time_scale
+    react_at = served_at + timedelta(seconds=sim.accept_delay_s * scale)
+    out: list[tuple[datetime, BaseModel]] = []
+    if outcome.accepted is True:
+        out.append((react_at, EditAccepted(
+            event_id=_eid(), request_id=request_id, ts=react_at, inserted_chars=outcome.inserted_chars)))
+        for horizon, kept in sorted(outcome.retained.items()):
+            at = react_at + timedelta(seconds=horizon * scale)
+            out.append((at, EditPersistence(
+                event_id=_eid(), request_id=request_id, ts=at, horizon_s=horizon,
+                retained_chars=kept, inserted_chars=outcome.inserted_chars)))
+    elif outcome.accepted is False:
+        out.append((react_at, EditRejected(
+            event_id=_eid(), request_id=request_id, ts=react_at, inserted_chars=outcome.inserted_chars)))
+    if outcome.dissatisfied:
+        at = react_at + timedelta(seconds=sim.followup_delay_s * scale)
+        out.append((at, FollowupDissatisfied(
+            event_id=_eid(), request_id=request_id, ts=at, reason=f"simulated:{outcome.kind}")))
+    return out
+
+
+# --------------------------------------------------------------------------- I/O pieces
+
+
+class GatewayClient:
+    """POST /v1/completions with one keep-alive connection per thread."""
+
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        url = urllib.parse.urlsplit(base_url)
+        if url.scheme not in {"http", "https"} or not url.hostname:
+            raise ValueError(f"simulator.gateway_url must be http(s)://host:port, got {base_url!r}")
+        self._host, self._port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+        self._https = url.scheme == "https"
+        self._timeout = timeout_s
+        self._local = threading.local()
+
+    def _conn(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            conn = cls(self._host, self._port, timeout=self._timeout)
+            self._local.conn = conn
+        return conn
+
+    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        payload = json.dumps(body).encode()
+        for attempt in (0, 1):
+            conn = self._conn()
+            try:
+                conn.request("POST", "/v1/completions", payload, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                data = resp.read()
+                try:
+                    parsed = json.loads(data) if data else {}
+                except ValueError:
+                    parsed = {"error": data[:200].decode(errors="replace")}
+                return resp.status, parsed
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                self._local.conn = None
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+
+@dataclass(order=True)
+class _Due:
+    at: float
+    seq: int
+    event: BaseModel = field(compare=False)
+
+
+class EventScheduler:
+    """Sends events when they fall due (a heap and one thread)."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self._heap: list[_Due] = []
+        self._cv = threading.Condition()
+        self._seq = itertools.count()
+
+    def schedule(self, at: datetime, event: BaseModel) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, _Due(at.timestamp(), next(self._seq), event))
+            SIM_SCHEDULED.set(len(self._heap))
+            self._cv.notify()
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._heap)
+
+    def run(self, stopper: Stopper, drain_s: float = 30.0) -> int:
+        """Send events as they fall due until stopped; then keep sending those due within
+        ``drain_s`` of the stop and drop the rest (returned, and logged). Never sends an
+        event before its time: its ``ts`` is its due time."""
+        stop_at: float | None = None
+        while True:
+            with self._cv:
+                now = time.time()
+                if stopper.stopping and stop_at is None:
+                    stop_at = now
+                if stop_at is not None and (not self._heap or self._heap[0].at > stop_at + drain_s):
+                    dropped = len(self._heap)
+                    self._heap.clear()
+                    SIM_SCHEDULED.set(0)
+                    if dropped:
+                        log.info("dropped %d client events due more than %.0fs after the stop",
+                                 dropped, drain_s)
+                    return dropped
+                due = []
+                while self._heap and self._heap[0].at <= now:
+                    due.append(heapq.heappop(self._heap))
+                SIM_SCHEDULED.set(len(self._heap))
+                if not due:
+                    wait = min(0.2, self._heap[0].at - now) if self._heap else 0.2
+                    self._cv.wait(max(0.001, wait))
+                    continue
+            for item in due:
+                self._send(item.event)
+                SIM_EVENTS.labels(type=getattr(item.event, "type", "?")).inc()
+
+
+class RateLimiter:
+    """Spaces calls evenly at ``rate`` per second across threads (0: no limit)."""
+
+    def __init__(self, rate: float) -> None:
+        self._interval = 1.0 / rate if rate > 0 else 0.0
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def wait(self, stopper: Stopper) -> None:
+        if not self._interval:
+            return
+        with self._lock:
+            now = time.monotonic()
+            slot = max(self._next, now)
+            self._next = slot + self._interval
+        if slot > now:
+            stopper.wait(slot - now)
+
+
+# --------------------------------------------------------------------------- the service
+
+
+@dataclass
+class Tally:
+    """Running counts per served version (for the progress log)."""
+
+    served: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    questions: dict[str, int] = field(default_factory=dict)
+    errors: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, version: str, outcome: Outcome) -> None:
+        with self.lock:
+            self.served[version] = self.served.get(version, 0) + 1
+            self.accepted[version] = self.accepted.get(version, 0) + int(outcome.accepted is True)
+            self.questions[version] = self.questions.get(version, 0) + int(outcome.kind == "question")
+
+    def summary(self) -> str:
+        with self.lock:
+            parts = [
+                f"v{v}: {n} served, {self.accepted[v] / n:.0%} accepted, "
+                f"{self.questions[v] / n:.0%} questions"
+                for v, n in sorted(self.served.items())
+            ]
+        return "; ".join(parts) + f"; errors {self.errors}"
+
+
+class Simulator:
+    def __init__(self, settings: Settings, send: Any, gateway: GatewayClient | None = None) -> None:
+        sim = settings.simulator
+        self.settings = settings
+        self.sim = sim
+        cfg = WorldConfig(ambiguous_share=sim.ambiguous_share)
+        self.world: World = make_world(sim.seed, cfg, user_types_with_mix(sim.user_mix))
+        self.users: list[SimUser] = make_population(self.world, sim.n_users, sim.seed)
+        self.horizons = tuple(load_spec(settings.reward_spec).persistence.horizons_s)
+        self.gateway = gateway or GatewayClient(sim.gateway_url, sim.request_timeout_s)
+        self.scheduler = EventScheduler(send)
+        self.limiter = RateLimiter(sim.rate_per_s)
+        self.tally = Tally()
+        self._seq = itertools.count()
+        self.last_ok = 0.0
+        self.requests = 0
+
+    def one_request(self, n: int) -> None:
+        """Request ``n``: pick a user and task, call the gateway, schedule the reaction."""
+        rng = random.Random(f"{self.sim.seed}-req-{n}")
+        user = rng.choice(self.users)
+        task: Task = draw_task(self.world, rng)
+        prompt = make_prompt(task, self.world, rng)
+        request_id = f"sim-{self.sim.seed}-{n}-{uuid.uuid4().hex[:8]}"
+        body = {
+            "user_key": user.key, "session_id": f"{user.key}-s{n // 50}", "prompt_tokens": prompt,
+            "max_tokens": self.sim.max_tokens, "request_id": request_id,
+            "temperature": self.sim.temperature,
+        }
+        served_at = datetime.now(UTC)
+        status, resp = self.gateway.complete(body)
+        if status != 200:
+            SIM_REQUESTS.labels(arm="none", code=str(status)).inc()
+            with self.tally.lock:
+                self.tally.errors += 1
+            raise GatewayError(status, str(resp.get("error", resp)))
+        arm = str(resp.get("arm", "stable"))
+        SIM_REQUESTS.labels(arm=arm, code="200").inc()
+        self.last_ok = time.monotonic()
+        outcome = react(user, task, resp["completion_tokens"], float(resp["latency_ms"]),
+                        self.horizons, self.world, rng)
+        self.tally.add(str(resp.get("model", {}).get("version", "?")), outcome)
+        for at, event in plan_events(outcome, str(resp.get("request_id", request_id)), served_at, self.sim):
+            self.scheduler.schedule(at, event)
+
+    def worker(self, stopper: Stopper) -> None:
+        backoff = 0.2
+        while not stopper.stopping:
+            self.limiter.wait(stopper)
+            if stopper.stopping:
+                return
+            n = next(self._seq)
+            if self.sim.max_requests and n >= self.sim.max_requests:
+                return
+            try:
+                self.one_request(n)
+                self.requests += 1
+                backoff = 0.2
+            except GatewayError as exc:
+                level = logging.INFO if exc.status == 503 else logging.WARNING
+                log.log(level, "gateway answered %s: %s", exc.status, exc.message)
+                stopper.wait(backoff)
+                backoff = min(5.0, backoff * 2)
+            except (OSError, http.client.HTTPException) as exc:
+                with self.tally.lock:
+                    self.tally.errors += 1
+                log.warning("gateway unreachable at %s: %s", self.sim.gateway_url, exc)
+                stopper.wait(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    def run(self, stopper: Stopper, health: Any = None, log_every_s: float = 10.0) -> None:
+        """Run the workers until stopped (or max_requests), then send what is still due."""
+        workers = [
+            threading.Thread(target=self.worker, args=(stopper,), name=f"sim-{i}", daemon=True)
+            for i in range(self.sim.concurrency)
+        ]
+        sched_stop = Stopper()
+        sender = threading.Thread(target=self.scheduler.run, args=(sched_stop,), name="sim-events",
+                                  daemon=True)
+        sender.start()
+        for w in workers:
+            w.start()
+        last_log = time.monotonic()
+        while any(w.is_alive() for w in workers):
+            if health is not None:
+                health.beat()
+            stopper.wait(0.5)
+            if time.monotonic() - last_log >= log_every_s:
+                log.info("%d requests, %d events pending; %s", self.requests,
+                         self.scheduler.pending(), self.tally.summary())
+                last_log = time.monotonic()
+        for w in workers:
+            w.join()
+        # Events due soon are still sent; a stop does not wait for uncompressed 1 h horizons.
+        sched_stop.stop()
+        sender.join()
+        log.info("simulator done: %d requests; %s", self.requests, self.tally.summary())
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def _secret(settings: Settings) -> bytes | None:
+    sim = settings.simulator
+    if sim.key_id is None:
+        return None
+    if sim.secret is not None:
+        return sim.secret.get_secret_value().encode()
+    key = settings.auth.keys.get(sim.key_id)
+    if key is None:
+        raise SystemExit(
+            f"simulator: no secret for key id {sim.key_id!r}: set RTRL_SIMULATOR__SECRET, add it to "
+            "RTRL_AUTH__KEYS, or set RTRL_SIMULATOR__KEY_ID= (empty) to send unsigned events (dev)"
+        )
+    return key.get_secret_value().encode()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rtrl serve simulator", description=__doc__.split("\n")[0])
+    parser.add_argument("--max-requests", type=int, help="stop after this many requests")
+    parser.add_argument("--rate", type=float, help="requests per second (0: as fast as possible)")
+    parser.add_argument("--gateway-url", help="gateway base URL (default: simulator.gateway_url)")
+    args = parser.parse_args(argv)
+
+    from services.runtime.event_producer import EventProducer
+    from services.runtime.health import Health, HttpEndpoints
+    from services.runtime.settings import get_settings
+
+    settings = get_settings()
+    overrides: dict[str, Any] = {}
+    if args.max_requests is not None:
+        overrides["max_requests"] = args.max_requests
+    if args.rate is not None:
+        overrides["rate_per_s"] = args.rate
+    if args.gateway_url:
+        overrides["gateway_url"] = args.gateway_url
+    if overrides:
+        settings = settings.model_copy(
+            update={"simulator": settings.simulator.model_copy(update=overrides)})
+    setup_logging(settings.log_level, "simulator")
+    stopper = Stopper().install()
+    producer = EventProducer(settings, settings.simulator.key_id, _secret(settings))
+    sim = Simulator(settings, producer.send)
+    health = Health()
+    health.add_check("gateway_answered_recently", lambda: time.monotonic() - sim.last_ok < 30)
+    endpoints = HttpEndpoints(health, settings.http.host, settings.http.port).start()
+    log.info("simulating %d users against %s at %s req/s (time scale %g)", len(sim.users),
+             settings.simulator.gateway_url, settings.simulator.rate_per_s or "max",
+             settings.simulator.time_scale)
+    try:
+        sim.run(stopper, health)
+    finally:
+        producer.flush(10)
+        producer.close(10)
+        endpoints.stop()
+    return 0

@@ -1,0 +1,212 @@
+"""Kafka adapters: producer, consumer and admin factories built from settings.
+
+Only this module and the service entry points import kafka-python; domain code never does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+
+from services.runtime.settings import KafkaSettings, Settings, TopicSettings
+
+log = logging.getLogger(__name__)
+
+
+def make_producer(kafka: KafkaSettings, **overrides: Any) -> KafkaProducer:
+    """A producer with safe defaults: acks=all, idempotent, keys and values as bytes."""
+    kw: dict[str, Any] = {
+        **kafka.client_kwargs(),
+        "acks": "all",
+        "enable_idempotence": True,
+        "linger_ms": 5,
+        "retries": 2**31 - 1,
+    }
+    kw.update(overrides)
+    return KafkaProducer(**kw)
+
+
+def make_consumer(
+    kafka: KafkaSettings, group_id: str | None, topics: Iterable[str] = (), **overrides: Any
+) -> KafkaConsumer:
+    """A consumer that never auto-commits and reads only committed transactional data."""
+    kw: dict[str, Any] = {
+        **kafka.client_kwargs(),
+        "group_id": group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "isolation_level": "read_committed",
+        "max_poll_records": 500,
+        "session_timeout_ms": 6000,
+        "heartbeat_interval_ms": 1500,
+    }
+    kw.update(overrides)
+    return KafkaConsumer(*topics, **kw)
+
+
+def make_admin(kafka: KafkaSettings) -> KafkaAdminClient:
+    return KafkaAdminClient(**kafka.client_kwargs())
+
+
+def wait_for_broker(kafka: KafkaSettings, timeout_s: float = 30.0) -> None:
+    """Block until the broker answers a metadata request; raise TimeoutError otherwise."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            admin = make_admin(kafka)
+            try:
+                admin.list_topics()
+                return
+            finally:
+                admin.close()
+        except (KafkaError, OSError, ValueError) as exc:
+            last = exc
+            time.sleep(0.2)
+    raise TimeoutError(f"Kafka at {kafka.bootstrap_servers} did not answer in {timeout_s}s: {last}")
+
+
+def topic_names(topics: TopicSettings) -> list[str]:
+    return [topics.raw, topics.events, topics.rewards, topics.dlq]
+
+
+def ensure_topics(settings: Settings, names: Iterable[str] | None = None) -> list[str]:
+    """Create missing topics with the configured partitions; return the ones created."""
+    topics = settings.topics
+    wanted = list(names) if names is not None else topic_names(topics)
+    if not topics.create:
+        return []
+    admin = make_admin(settings.kafka)
+    try:
+        existing = set(admin.list_topics())
+        missing = [n for n in wanted if n not in existing]
+        if missing:
+            try:
+                admin.create_topics(
+                    [NewTopic(n, topics.partitions, topics.replication_factor) for n in missing]
+                )
+            except TopicAlreadyExistsError:
+                pass
+            log.info("created topics %s", missing)
+        return missing
+    finally:
+        admin.close()
+
+
+# ---------------------------------------------------------------------- transactions with a deadline
+# kafka-python 3.0.12 waits for commit/abort/send_offsets without a deadline. After a broker
+# restart its transaction manager can fail inside the producer's I/O thread (an
+# OutOfOrderSequence on a batch that was in flight, then an invalid READY -> READY
+# transition) and never complete the request: the caller would block for good. These
+# helpers wait at most ``timeout_s`` and raise; the caller then replaces the producer.
+
+
+def _await(producer: KafkaProducer, result: Any, what: str, timeout_s: float) -> None:
+    producer._sender.wakeup()
+    if not result.wait(timeout_ms=int(timeout_s * 1000)):
+        raise KafkaTimeoutError(f"{what} did not complete in {timeout_s:.0f}s")
+
+
+def end_transaction(producer: KafkaProducer, commit: bool, timeout_s: float) -> None:
+    """``commit_transaction()`` (or ``abort_transaction()``) that gives up after ``timeout_s``."""
+    tm = getattr(producer, "_transaction_manager", None)
+    if tm is None:  # not kafka-python's producer (a test double): its own calls
+        producer.commit_transaction() if commit else producer.abort_transaction()
+        return
+    result = tm.begin_commit() if commit else tm.begin_abort()
+    _await(producer, result, "commit" if commit else "abort", timeout_s)
+
+
+def send_offsets(producer: KafkaProducer, offsets: Any, group_metadata: Any, timeout_s: float) -> None:
+    """``send_offsets_to_transaction`` that gives up after ``timeout_s``."""
+    tm = getattr(producer, "_transaction_manager", None)
+    if tm is None:
+        producer.send_offsets_to_transaction(offsets, group_metadata)
+        return
+    result = tm.send_offsets_to_transaction(offsets, group_metadata)
+    _await(producer, result, "send_offsets_to_transaction", timeout_s)
+
+
+def check_sent(producer: KafkaProducer, futures: Iterable[Any], timeout_s: float) -> None:
+    """Flush and raise the first send error. Commit only after this: after a broker restart
+    kafka-python can complete a commit although some of the transaction's batches failed."""
+    if hasattr(producer, "flush"):
+        producer.flush(timeout=timeout_s)
+    for fut in futures:
+        if fut is None:  # a test double's send
+            continue
+        if not fut.is_done:
+            raise KafkaTimeoutError(f"a send did not complete in {timeout_s:.0f}s")
+        if fut.failed():
+            raise fut.exception
+
+
+def close_quietly(producer: KafkaProducer | None) -> None:
+    """Close a producer that may be broken, without waiting for its buffered records."""
+    if producer is None:
+        return
+    try:
+        producer.close(timeout=0)
+    except Exception as exc:  # a broken producer may fail to close; it is dropped either way
+        log.info("closing a broken producer: %s", exc)
+
+
+class Backoff:
+    """Delays between retries of an unreachable dependency: 0.2 s doubling up to ``cap``."""
+
+    def __init__(self, first: float = 0.2, cap: float = 5.0) -> None:
+        self.first, self.cap = first, cap
+        self.delay = first
+
+    def next(self) -> float:
+        d = self.delay
+        self.delay = min(self.delay * 2, self.cap)
+        return d
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+
+def read_topic(kafka: KafkaSettings, topic: str, idle_timeout_s: float = 10.0) -> list[Any]:
+    """Every record of ``topic`` (read_committed) from the beginning to the end offsets seen
+    now, as kafka-python ``ConsumerRecord``s. Stops early when nothing arrives for
+    ``idle_timeout_s`` (aborted data at the end). Never creates the topic: an audit or a report
+    must not auto-create one with the broker's default of one partition."""
+    c = make_consumer(kafka, None, fetch_max_bytes=16 * 1024 * 1024, allow_auto_create_topics=False)
+    try:
+        parts = c.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        if not tps:
+            return []
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        ends = c.end_offsets(tps)
+        out: list[Any] = []
+        idle_since = time.monotonic()
+        while any(c.position(tp) < ends[tp] for tp in tps):
+            got = c.poll(timeout_ms=500, max_records=10_000)
+            for tp, recs in got.items():
+                out += [r for r in recs if r.offset < ends[tp]]
+            if got:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > idle_timeout_s:
+                break
+        return out
+    finally:
+        c.close(autocommit=False)
+
+
+def committed_offsets(admin: KafkaAdminClient, group: str, topic: str) -> dict[int, int]:
+    """The group's committed offset per partition of ``topic`` ({} when it has none)."""
+    try:
+        offs = admin.list_group_offsets(group).get(group, {}) or {}
+    except Exception:  # an unknown group has no offsets
+        return {}
+    return {tp.partition: int(getattr(om, "offset", om)) for tp, om in offs.items()
+            if getattr(tp, "topic", None) == topic and int(getattr(om, "offset", om)) >= 0}

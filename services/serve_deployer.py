@@ -1,0 +1,314 @@
+"""rtrl serve deployer: the canary controller.
+
+Every ``deployer.tick_s`` seconds, while it holds the controller lease in Redis (so at most
+one controller, hence one canary, acts at a time): load the persisted status, read the
+observations (registry aliases and gate tags, queued operator commands, and for a canary in
+progress the reward records of its window from the rewards topic, judged by the rollback
+judge), run the pure transition ``deployer.canary.next_state``, apply its actions (routing
+keys in Redis, aliases and tags in the MLflow registry, the decision ledger in MLflow) and
+persist the status. SIGTERM finishes the current tick, releases the lease and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from deployer import cohorts
+from deployer.actions import Action, LedgerPort, RoutingPort, apply_actions
+from deployer.canary import RESTING, CanaryPolicy, CanaryStatus, Command, Observations, Phase
+from deployer.controller import tick
+from deployer.ledger import CONTROLLER, TAG_GATE
+from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
+from ingest.events import RewardRecord
+from rollback.judge import judge
+from rollback.types import GuardrailPolicy, JudgePolicy, default_metrics
+from services.runtime import metrics as m
+from services.runtime.settings import DeployerSettings, Settings
+
+if TYPE_CHECKING:
+    from deployer.adapters.redis_state import ControllerState
+
+SERVICE = "deployer"
+log = logging.getLogger("rtrl.deployer")
+
+
+def canary_policy(d: DeployerSettings) -> CanaryPolicy:
+    return CanaryPolicy(steps=tuple(d.steps), bake_s=d.bake_s, max_duration_s=d.max_duration_s,
+                        max_errors=d.max_errors)
+
+
+def judge_policy(d: DeployerSettings) -> JudgePolicy:
+    specs = default_metrics()
+    unknown = set(d.judge_mde) - {s.name for s in specs}
+    if unknown:
+        raise ValueError(f"deployer.judge_mde names unknown metrics {sorted(unknown)}; "
+                         f"known: {[s.name for s in specs]}")
+    return JudgePolicy(
+        metrics=tuple(replace(s, mde=d.judge_mde.get(s.name, s.mde)) for s in specs),
+        alpha=d.judge_alpha, min_users=d.judge_min_users, max_users=d.judge_max_users,
+        max_duration_s=d.max_duration_s,
+        guardrails=GuardrailPolicy(max_error_rate=d.judge_max_error_rate,
+                                   max_p99_latency_ms=d.judge_max_p99_latency_ms,
+                                   min_requests=d.judge_min_requests),
+    )
+
+
+class RewardReader:
+    """Reward records of the current canary's window, re-read from the rewards topic from
+    the canary's start time whenever the canary changes (also after a restart)."""
+
+    def __init__(self, settings: Settings) -> None:
+        from services.runtime.kafka_io import make_consumer
+
+        self.topic = settings.topics.rewards
+        self.poll_ms = settings.deployer.poll_timeout_ms
+        self.consumer = make_consumer(settings.kafka, group_id=None)
+        self.window: cohorts.CohortWindow | None = None
+        self.canary_id: str | None = None
+        self.invalid = 0
+        self._redis_settings = settings.redis
+        self._redis: object | None = None
+
+    def served_counts(self, status: CanaryStatus) -> tuple[dict[str, int], dict[str, int]]:
+        """The gateway's per-arm request and error counts since the canary started
+        (services/gateway/counts.py): failed requests never make a reward record, so the
+        error-rate guardrail needs them."""
+        from services.gateway.counts import read_counts
+        from services.runtime.redis_io import make_redis
+
+        assert status.stable is not None and status.candidate is not None
+        if self._redis is None:
+            self._redis = make_redis(self._redis_settings)
+        versions = {"stable": status.stable, "canary": status.candidate}
+        return read_counts(self._redis, self._redis_settings.key_prefix, versions, status.started_at)
+
+    def _reset(self, status: CanaryStatus) -> None:
+        from kafka import TopicPartition
+
+        assert status.stable is not None and status.candidate is not None
+        parts = self.consumer.partitions_for_topic(self.topic) or set()
+        if not parts:
+            raise RuntimeError(f"rewards topic {self.topic} has no partitions (does it exist?)")
+        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+        self.consumer.assign(tps)
+        found = self.consumer.offsets_for_times({tp: int(status.started_at * 1000) for tp in tps})
+        for tp in tps:
+            hit = found.get(tp)
+            if hit is None:
+                self.consumer.seek_to_end(tp)
+            else:
+                self.consumer.seek(tp, hit.offset)
+        self.window = cohorts.CohortWindow(status.stable, status.candidate, status.started_at)
+        self.canary_id = status.canary_id
+
+    def read(self, status: CanaryStatus) -> cohorts.CohortWindow:
+        if self.window is None or status.canary_id != self.canary_id:
+            self._reset(status)
+        assert self.window is not None
+        for _ in range(100):  # bounded: a tick never spins forever on a busy topic
+            batch = self.consumer.poll(timeout_ms=self.poll_ms, max_records=5000)
+            if not batch:
+                break
+            for records in batch.values():
+                for rec in records:
+                    try:
+                        self.window.add(RewardRecord.model_validate_json(rec.value))
+                    except ValidationError:
+                        self.invalid += 1
+        return self.window
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+@dataclass
+class Ports:
+    routing: RoutingPort
+    registry: Registry
+    """Aliases and version tags."""
+    ledger: LedgerPort
+    state: ControllerState
+    """Status, lease and operator commands."""
+
+
+class Controller:
+    """One tick at a time; ``step`` is what the loop, the operator CLI and tests call."""
+
+    def __init__(self, settings: Settings, ports: Ports, rewards: RewardReader | None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings, self.ports, self.rewards, self.clock = settings, ports, rewards, clock
+        self.policy = canary_policy(settings.deployer)
+        self.judge_policy = judge_policy(settings.deployer)
+
+    def step(self) -> CanaryStatus | None:
+        """Run one tick if this controller holds (or takes) the lease; None otherwise."""
+        st = self.ports.state
+        if not st.acquire(self.settings.deployer.lease_ttl_s):
+            log.info("another controller (%s) holds the lease; waiting", st.holder())
+            return None
+        before = st.load()
+        obs = self.observe(before, st.pending())
+
+        def apply(actions: list[Action]) -> None:
+            apply_actions(actions, self.ports.routing, self.ports.registry, self.ports.ledger)
+
+        after = tick(before, obs, self.policy, apply, st.save)
+        st.trim({cid for cid, _ in after.handled})
+        export_metrics(before, after, obs)
+        if after.phase != before.phase:
+            log.info("canary %s: %s -> %s %s", after.canary_id, before.phase, after.phase, after.reason)
+        return after
+
+    def observe(self, status: CanaryStatus, commands: tuple[Command, ...]) -> Observations:
+        reg = self.ports.registry
+        champion, candidate, previous = (reg.alias_version(a) for a in (CHAMPION, CANDIDATE, PREVIOUS))
+        wanted = {candidate, previous, *(c.version for c in commands)} - {None}
+        tags = {v: self._tags(v) for v in wanted if v}
+        obs = Observations(now=self.clock(), champion=champion, candidate=candidate, previous=previous,
+                           gate={v: t.get(TAG_GATE, "") for v, t in tags.items()}, lineage=tags,
+                           commands=commands)
+        if status.phase != Phase.PROGRESSING:
+            return obs
+        if self.rewards is None:
+            return replace(obs, error="no rewards reader in this process")
+        try:
+            window = self.rewards.read(status)
+            stable, canary = window.cohorts(*self.rewards.served_counts(status))
+            verdict = judge(stable, canary, self.judge_policy, dict(status.judge_state),
+                            elapsed_s=obs.now - status.started_at)
+        except Exception as exc:  # any failure to observe is counted by the state machine
+            log.exception("observing canary %s failed", status.canary_id)
+            return replace(obs, error=f"{type(exc).__name__}: {exc}")
+        return replace(obs, judgement=cohorts.judgement(verdict),
+                       cohorts=cohorts.cohort_metrics(stable, canary))
+
+    def _tags(self, version: str) -> dict[str, str]:
+        try:
+            return self.ports.registry.get_tags(version)
+        except KeyError:  # an alias or command naming a version that does not exist
+            return {}
+
+
+def reason_kind(status: CanaryStatus) -> str:
+    """A low-cardinality label for why a canary ended."""
+    if status.decided_by not in (None, CONTROLLER):
+        return "operator"
+    text = status.reason.lower()
+    for kind in ("guardrail", "budget", "errors", "outside the controller", "inconclusive"):
+        if kind in text:
+            return kind.replace("outside the controller", "alias_moved")
+    return "judge"
+
+
+def export_metrics(before: CanaryStatus, after: CanaryStatus, obs: Observations) -> None:
+    for phase in Phase:
+        m.CANARY_PHASE.labels(phase.value).set(1.0 if phase == after.phase else 0.0)
+    m.CANARY_WEIGHT.set(after.weight)
+    m.CANARY_PHASE_AGE.set(max(0.0, obs.now - after.phase_since) if after.phase_since else 0.0)
+    j = obs.judgement
+    if j is not None:
+        m.CANARY_VERDICTS.labels(j.decision).inc()
+        for key, value in j.stats.items():
+            metric, _, stat = key.rpartition(".")
+            m.JUDGE_STAT.labels(metric, stat).set(value)
+    ended = after.phase in RESTING and after.phase != Phase.IDLE
+    if not ended or (after.phase, after.canary_id) == (before.phase, before.canary_id):
+        return
+    by = "controller" if after.decided_by in (None, CONTROLLER) else "operator"
+    if after.phase == Phase.SUCCEEDED:
+        m.CANARY_PROMOTIONS.labels(by).inc()
+    elif after.phase == Phase.ROLLED_BACK:
+        m.CANARY_ROLLBACKS.labels(reason_kind(after), by).inc()
+    elif after.phase == Phase.ABORTED:
+        m.CANARY_ABORTS.labels(reason_kind(after)).inc()
+    if j is not None and after.outcome == "rolled_back":
+        for key, value in j.stats.items():
+            if key.startswith("detector.") and key.endswith(".fired") and value:
+                m.HACKING_DETECTIONS.labels(key.split(".")[1]).inc()
+
+
+def run_tick(controller: Controller) -> CanaryStatus | None:
+    """One tick of the service loop. A failed tick changes nothing persisted and the next one
+    retries it; a failure of MLflow, Redis or Kafka is counted in
+    ``rtrl_dependency_retries_total{service="deployer"}``."""
+    from services.runtime.mlflow_http import dependency_of
+
+    try:
+        return controller.step()
+    except Exception as exc:
+        dep = dependency_of(exc)
+        if dep is not None:
+            m.DEPENDENCY_RETRIES.labels(SERVICE, dep).inc()
+            log.warning("tick failed: %s unavailable (%s: %s); the next tick retries", dep,
+                        type(exc).__name__, str(exc)[:300])
+        else:
+            log.exception("tick failed; the next tick retries")
+        return None
+
+
+def build_ports(settings: Settings, owner: str | None = None) -> Ports:
+    from deployer.adapters.ledger_mlflow import MlflowLedger
+    from deployer.adapters.mlflow_registry import MlflowRegistry
+    from deployer.adapters.redis_state import ControllerState, RedisRouting
+    from services.runtime.redis_io import make_redis
+
+    r = make_redis(settings.redis)
+    prefix = settings.redis.key_prefix
+    ml = settings.mlflow
+    return Ports(
+        routing=RedisRouting(r, prefix),
+        registry=MlflowRegistry(ml.tracking_uri, ml.registered_model, ml.training_experiment),
+        ledger=MlflowLedger(ml.tracking_uri, ml.deployments_experiment),
+        state=ControllerState(r, prefix, owner),
+    )
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rtrl serve deployer", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--once", action="store_true", help="run one tick and exit")
+    ap.add_argument("--tick-s", type=float, default=None, help="seconds between ticks (default: settings)")
+    ap.add_argument("--metrics-port", type=int, default=None, help="port for /metrics /healthz /readyz")
+    args = ap.parse_args(argv)
+    from services.runtime.health import Health, HttpEndpoints
+    from services.runtime.kafka_io import ensure_topics, wait_for_broker
+    from services.runtime.mlflow_http import bound_mlflow_http
+    from services.runtime.process import Stopper, setup_logging
+    from services.runtime.settings import get_settings
+
+    settings = get_settings()
+    setup_logging(settings.log_level, SERVICE)
+    bound_mlflow_http(settings.mlflow)  # a tick never waits minutes in MLflow's own retries
+    tick_s = args.tick_s or settings.deployer.tick_s
+    m.BUILD_INFO.info({"service": SERVICE})
+    stopper = Stopper().install()
+    wait_for_broker(settings.kafka)
+    ensure_topics(settings, [settings.topics.rewards])
+    ports = build_ports(settings)
+    rewards = RewardReader(settings)
+    controller = Controller(settings, ports, rewards)
+    health = Health(liveness_timeout_s=max(60.0, 3 * tick_s))
+    health.add_check("redis", lambda: bool(ports.state.r.ping()))
+    port = args.metrics_port if args.metrics_port is not None else settings.http.port
+    http = HttpEndpoints(health, settings.http.host, port).start()
+    log.info("deployer %s: tick every %.1fs, steps %s, bake %.0fs", ports.state.owner, tick_s,
+             settings.deployer.steps, settings.deployer.bake_s)
+    try:
+        while not stopper.stopping:
+            run_tick(controller)
+            health.beat()
+            if args.once:
+                break
+            stopper.wait(tick_s)
+    finally:
+        ports.state.release()
+        rewards.close()
+        http.stop()
+    log.info("deployer stopped")
+    return 0
