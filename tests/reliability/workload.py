@@ -306,14 +306,11 @@ class Worker:
         return int(self.proc.returncode)
 
     def partitions(self) -> list[int]:
-        """The input partitions of its last assignment, from its log (ingest:
-        ``assigned t[0], t[1]``; reward: ``partitions assigned: [0, 1]``)."""
+        """The input partitions of its last assignment, from its log (the exactly-once
+        loop logs ``rtrl.<kind>: assigned <topic>[0], <topic>[1]``)."""
         last: list[int] = []
         for line in self.log.read_text(errors="replace").splitlines():
-            if "partitions assigned: [" in line:
-                inner = line.split("partitions assigned: [", 1)[1].split("]", 1)[0]
-                last = [int(x) for x in inner.split(",") if x.strip()]
-            elif "rtrl.ingest: assigned " in line:
+            if f"rtrl.{self.kind}: assigned " in line:
                 last = [int(x) for x in re.findall(r"\[(\d+)\]", line.split(" assigned ", 1)[1])]
         return last
 
@@ -424,7 +421,8 @@ def drain_and_stop(workers: list[Worker], rewards: RewardCounter, requests: int,
 
 def reconcile_topics(settings: Settings) -> tuple[Any, Any]:
     """The reconciler's inputs read from ``settings``' topics, and its report."""
-    from services.cli.reconcile import read_inputs, reconcile
+    from services.cli.reconcile import read_inputs
+    from services.cli.reconcile_accounting import reconcile
 
     inp = read_inputs(settings)
     rep = reconcile(inp.raw, inp.forwarded, inp.dlq, inp.rewards, raw_topic=settings.topics.raw,
