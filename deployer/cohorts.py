@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from deployer.canary import Judgement
+from deployer.status import Judgement
 from ingest.events import RewardRecord
 from rollback.stats import quantile
 from rollback.types import CohortData, RequestOutcome, Verdict, outcome_from_reward

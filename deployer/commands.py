@@ -10,16 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from deployer.actions import Action, LedgerNote
-from deployer.canary import (
-    RESTING,
-    TRANSIENT,
-    CanaryPolicy,
-    CanaryStatus,
-    Command,
-    Observations,
-    _decide,
-    _start,
-)
+from deployer.status import RESTING, TRANSIENT, CanaryPolicy, CanaryStatus, Command, Observations
+from deployer.transitions import decide, start
 
 Handled = tuple[CanaryStatus, list[Action], str]
 
@@ -56,12 +48,12 @@ def _promote(status: CanaryStatus, obs: Observations, policy: CanaryPolicy, cmd:
         if version != status.candidate:
             return status, [], (f"rejected: the canary of v{status.candidate} is in progress; "
                                 "roll it back first (rtrl rollback)")
-        st, actions = _decide(status, obs.now, "promoted", _said(cmd, "promoted by hand"), cmd.by)
+        st, actions = decide(status, obs.now, "promoted", _said(cmd, "promoted by hand"), cmd.by)
         return st, actions, f"promoting v{version}"
     refusal = _refuse_version(obs, version)
     if refusal:
         return status, [], refusal
-    st, actions = _start(status, obs, policy, version, kind="manual_promote")
+    st, actions = start(status, obs, policy, version, kind="manual_promote")
     st = replace(st, outcome="promoted", reason=_said(cmd, "promoted by hand"), decided_by=cmd.by)
     return st, actions, f"promoting v{version}"
 
@@ -71,7 +63,7 @@ def _rollback(status: CanaryStatus, obs: Observations, policy: CanaryPolicy, cmd
         if cmd.version is not None:
             return status, [], (f"rejected: the canary of v{status.candidate} is in progress; roll it "
                                 "back first (rtrl rollback), then rtrl rollback --to VERSION")
-        st, actions = _decide(status, obs.now, "rolled_back", _said(cmd, "rolled back by hand"), cmd.by)
+        st, actions = decide(status, obs.now, "rolled_back", _said(cmd, "rolled back by hand"), cmd.by)
         return st, actions, f"rolling back v{status.candidate}"
     target = cmd.version or obs.previous
     if target is None:
@@ -80,7 +72,7 @@ def _rollback(status: CanaryStatus, obs: Observations, policy: CanaryPolicy, cmd
     if refusal:
         return status, [], refusal
     reason = _said(cmd, f"champion v{obs.champion} rolled back to v{target} by hand")
-    st, actions = _start(status, obs, policy, target, kind="manual_rollback")
+    st, actions = start(status, obs, policy, target, kind="manual_rollback")
     st = replace(st, outcome="rolled_back", reason=reason, decided_by=cmd.by)
     return st, actions, f"rolling back the champion v{obs.champion} to v{target}"
 

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from deployer.actions import Action
-from deployer.canary import TRANSIENT, CanaryPolicy, CanaryStatus, Observations, next_state
+from deployer.canary import next_state
+from deployer.status import TRANSIENT, CanaryPolicy, CanaryStatus, Observations
 
 
 def tick(

@@ -19,10 +19,10 @@ from deployer.actions import (
     LedgerStep,
     apply_actions,
 )
-from deployer.canary import CanaryPolicy, CanaryStatus, Command, Judgement, Observations
 from deployer.controller import tick
 from deployer.ledger import TAG_GATE
 from deployer.routing import ROUTING_FIELDS
+from deployer.status import CanaryPolicy, CanaryStatus, Command, Judgement, Observations
 
 
 @dataclass

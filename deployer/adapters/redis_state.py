@@ -17,9 +17,9 @@ from typing import Any, cast
 
 import redis
 
-from deployer.canary import CanaryStatus, Command
 from deployer.registry import LockUnavailableError
 from deployer.routing import routing_keys
+from deployer.status import CanaryStatus, Command
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then

@@ -1,0 +1,155 @@
+"""The canary's vocabulary: the phase enum (a comment per value), the persisted status,
+the policy it runs under and what the controller observes each tick.
+
+The transition over them is deployer/canary.py; the status is persisted after every tick
+(deployer/adapters/redis_state.py), so a restarted controller resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+from deployer.actions import Action
+
+
+class Phase(StrEnum):
+    IDLE = "idle"  # no canary yet: the champion serves everyone; waiting for a candidate
+    PENDING = "pending"  # candidate passed the gate; routing keys written with weight 0
+    PROGRESSING = "progressing"  # weight steps up after each bake; the judge runs every tick
+    PROMOTING = "promoting"  # decided to promote; moving aliases and routing to the candidate
+    ROLLING_BACK = "rolling_back"  # weight already 0; removing the candidate, tagging, closing
+    SUCCEEDED = "succeeded"  # rest: the candidate is the champion (previous = old champion)
+    ROLLED_BACK = "rolled_back"  # rest: the candidate lost (judge, guardrail or operator)
+    ABORTED = "aborted"  # rest: inconclusive at the budget, or repeated errors; not promoted
+
+
+RESTING = frozenset({Phase.IDLE, Phase.SUCCEEDED, Phase.ROLLED_BACK, Phase.ABORTED})
+"""Phases without a canary in flight: a new candidate may start."""
+TRANSIENT = frozenset({Phase.PROMOTING, Phase.ROLLING_BACK})
+"""Phases that finish on their next tick; the controller runs it at once."""
+RESULT_PHASE = {"promoted": Phase.SUCCEEDED, "rolled_back": Phase.ROLLED_BACK, "aborted": Phase.ABORTED}
+
+
+@dataclass(frozen=True)
+class CanaryPolicy:
+    """How a canary progresses (built from DeployerSettings)."""
+
+    steps: tuple[float, ...] = (0.01, 0.05, 0.25, 0.5)
+    """Canary weights in order. Promotion is the final 100%: the candidate becomes stable."""
+    bake_s: float = 600.0
+    """Least time on each step before moving on (and before promoting from the last)."""
+    max_duration_s: float = 6 * 3600.0
+    """Budget: a canary still undecided after this long is aborted (inconclusive)."""
+    max_errors: int = 5
+    """Consecutive ticks whose observations failed before the canary is aborted."""
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ValueError("canary steps must not be empty")
+        if any(not 0 < w < 1 for w in self.steps):
+            raise ValueError(f"canary steps must lie in (0, 1): {self.steps}; promotion is the 100% step")
+        if list(self.steps) != sorted(set(self.steps)):
+            raise ValueError(f"canary steps must increase strictly: {self.steps}")
+        if self.bake_s < 0 or self.max_duration_s <= 0 or self.max_errors < 1:
+            raise ValueError("bake_s >= 0, max_duration_s > 0 and max_errors >= 1 are required")
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The judge's verdict on the current cohorts, in the controller's terms."""
+
+    decision: Literal["continue", "promote", "rollback", "inconclusive"]
+    reasons: tuple[str, ...] = ()
+    stats: Mapping[str, float] = field(default_factory=dict)
+    """Flat statistics for the ledger and metrics, e.g. ``reward.effect``, ``reward.p_value``."""
+    state: Mapping[str, Any] = field(default_factory=dict)
+    """The judge's serialisable state to carry to the next tick."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """An operator's request, queued by the CLI and handled on the controller's next tick."""
+
+    id: str
+    kind: Literal["pause", "resume", "promote", "rollback"]
+    by: str
+    version: str | None = None
+    """promote: the version to promote; rollback: ``--to`` version (None: the canary)."""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Observations:
+    """What the controller saw this tick."""
+
+    now: float
+    champion: str | None
+    candidate: str | None
+    gate: Mapping[str, str] = field(default_factory=dict)
+    """version -> rtrl.gate.result for the candidate and versions named by commands."""
+    previous: str | None = None
+    lineage: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """version -> its lineage tags (parent, data window, reward spec, training run)."""
+    judgement: Judgement | None = None
+    """None: no verdict this tick (not progressing, or no cohort data yet)."""
+    cohorts: Mapping[str, float] = field(default_factory=dict)
+    """Cohort metrics for the ledger, e.g. ``stable.n``, ``canary.reward_mean``."""
+    commands: tuple[Command, ...] = ()
+    error: str | None = None
+    """Set when reading observations failed (e.g. the rewards topic was unreachable)."""
+
+
+@dataclass(frozen=True)
+class CanaryStatus:
+    """Everything the controller needs to resume; persisted as JSON after every tick."""
+
+    phase: Phase = Phase.IDLE
+    paused: bool = False
+    kind: str = "canary"
+    """canary | manual_promote | manual_rollback (an operator restoring an older champion)."""
+    canary_id: str | None = None
+    candidate: str | None = None
+    stable: str | None = None
+    """The champion when the canary started (the stable cohort's version)."""
+    step: int = -1
+    weight: float = 0.0
+    started_at: float = 0.0
+    phase_since: float = 0.0
+    step_since: float = 0.0
+    ticks: int = 0
+    """Judged ticks of this canary (the ledger's step index)."""
+    errors: int = 0
+    """Consecutive ticks with an observation error."""
+    outcome: str | None = None
+    reason: str = ""
+    decided_by: str | None = None
+    verdict: str | None = None
+    reasons: tuple[str, ...] = ()
+    cohorts: Mapping[str, float] = field(default_factory=dict)
+    judge_state: Mapping[str, Any] = field(default_factory=dict)
+    note: str = ""
+    """Why the controller is waiting, e.g. a candidate that failed its gate."""
+    handled: tuple[tuple[str, str], ...] = ()
+    """(command id, result) of the latest operator commands, newest last."""
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        out["phase"] = self.phase.value
+        out["reasons"] = list(self.reasons)
+        out["handled"] = [list(h) for h in self.handled]
+        out["cohorts"], out["judge_state"] = dict(self.cohorts), dict(self.judge_state)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CanaryStatus:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        known["phase"] = Phase(known.get("phase", "idle"))
+        known["reasons"] = tuple(known.get("reasons", ()))
+        known["handled"] = tuple((str(a), str(b)) for a, b in known.get("handled", ()))
+        return cls(**known)
+
+
+Result = tuple[CanaryStatus, list[Action]]
