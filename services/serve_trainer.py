@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import threading
 import time
+from datetime import UTC, datetime
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -84,9 +86,7 @@ def schedule(scheduler: BackgroundScheduler, settings: Settings) -> None:
         scheduler.modify_job(JOB_ID, next_run_time=_now())
 
 
-def _now() -> object:
-    from datetime import UTC, datetime
-
+def _now() -> datetime:
     return datetime.now(UTC)
 
 
@@ -151,11 +151,9 @@ def _terminate_local_ray() -> int:
     ray.shutdown() while the increment's thread still waits in ray.get tears the driver down
     under it, and Ray then ends the process with exit code 1 as soon as that thread touches
     an object reference. Returns how many processes were signalled."""
-    import sys
-
     if "ray" not in sys.modules:
         return 0
-    from ray._private import worker as ray_worker
+    from ray._private import worker as ray_worker  # only once an increment has imported Ray
 
     node = getattr(ray_worker, "_global_node", None)
     if node is None:

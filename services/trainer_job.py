@@ -20,21 +20,31 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from deployer.adapters.redis_state import candidate_lock
 from deployer.registry import CHAMPION, PREVIOUS, Tag
 from services.runtime import metrics
+from services.runtime.kafka_io import ensure_topics, make_consumer
+from services.runtime.mlflow_http import bound_mlflow_http
+from services.runtime.redis_io import make_redis
 from services.runtime.settings import Settings
+from trainer.adapters.kafka_rewards import KafkaRewardLog
 from trainer.corpus import read_corpus
 from trainer.gate import GateConfig
-from trainer.increment import IncrementConfig, Outcome, TrainJob, run_increment
+from trainer.increment import IncrementConfig, Outcome, run_increment
 from trainer.loop import LoopConfig, sft_train
 from trainer.objective import ObjectiveConfig
 from trainer.policy import TinyConfig, TinyTransformer, TrainablePolicy, n_parameters
+from trainer.train_job import TrainJob
 from trainer.window import PendingWindow
 
 if TYPE_CHECKING:
     from deployer.adapters.mlflow_registry import MlflowRegistry
 
 log = logging.getLogger("rtrl.trainer")
+
+# MLflow, Ray and transformers are imported in the functions that use them
+# (deployer.adapters.mlflow_registry, trainer.adapters.mlflow_runs, trainer.adapters.ray_train,
+# trainer.hf_policy, ray): the commands that do not need them do not pay for their import.
 
 
 # ------------------------------------------------------------------ wiring
@@ -101,11 +111,6 @@ def increment_lock(data_dir: Path) -> Iterator[None]:
 
 def run_once(settings: Settings, job: TrainJob | None = None) -> Outcome:
     """One increment against the configured stack, with metrics. Raises on failure."""
-    from deployer.adapters.redis_state import candidate_lock
-    from services.runtime.kafka_io import ensure_topics, make_consumer
-    from services.runtime.mlflow_http import bound_mlflow_http
-    from services.runtime.redis_io import make_redis
-    from trainer.adapters.kafka_rewards import KafkaRewardLog
     from trainer.adapters.mlflow_runs import MlflowRunTracker
 
     t = settings.trainer

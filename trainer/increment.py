@@ -1,4 +1,4 @@
-"""One RL increment, end to end, over ports: window -> train -> gate -> register -> commit.
+"""One RL increment, end to end, over ports: plan -> train -> gate -> register -> commit.
 
 ::
 
@@ -15,36 +15,41 @@ A crash between registering and committing is repaired on the next run: the pend
 is found on a registered version's ``rtrl.window`` tag, so its cut is committed instead of
 training the window again.
 
-The registry calls after training (step metrics, register, offer, close the run) are retried
-with a bounded backoff, up to ``registry_retry_s`` per call, so a registry outage shorter than
-that costs a wait, not the training. Before registering again after a failed attempt the
-window's version is looked up first (the failed attempt may have registered it), so a window
-never gets two versions. An outage outlasting the budget fails the increment with the window
-pending, and the next run registers it.
+The registry calls after training are retried within ``registry_retry_s`` per call, and a
+window never gets two versions (trainer/registration.py). The training job's port and the
+in-process job are in trainer/train_job.py.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar
+from typing import Literal
 
 import torch
-from torch.optim import Optimizer
 
-from deployer.registry import CHAMPION, LockUnavailableError, Registry, Tag, offer_candidate
+from deployer.registry import CHAMPION, Registry, Tag
 from ingest.events import RewardRecord
 from trainer.gate import GateConfig, GateResult, HeldoutScore, evaluate
-from trainer.loop import LoopConfig, Sample
+from trainer.loop import LoopConfig, Sample, summarize
 from trainer.objective import assign_groups, group_advantages, reward_stats
 from trainer.policy import TrainablePolicy, load_policy
+from trainer.registration import (
+    Retrying,
+    RunTracker,
+    close_run,
+    mark_failed,
+    offer,
+    register_candidate,
+    registered_window_version,
+)
+from trainer.train_job import TrainJob, TrainRequest, TrainResult
 from trainer.window import (
+    ParsedWindow,
     PendingWindow,
     RewardLog,
     Window,
@@ -55,50 +60,6 @@ from trainer.window import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-# ------------------------------------------------------------------ ports
-
-
-@dataclass(frozen=True)
-class TrainRequest:
-    name: str
-    """Run name; the same window always gets the same name, so a retry resumes."""
-    parent_dir: Path
-    samples: list[Sample]
-    loop: LoopConfig
-    workdir: Path
-
-
-@dataclass
-class TrainResult:
-    policy_dir: Path
-    history: list[dict[str, float]]
-    resumed_from_step: int = 0
-    """Steps already done by an earlier, killed attempt (0: trained from the parent)."""
-
-
-class TrainJob(Protocol):
-    def run(self, request: TrainRequest) -> TrainResult:
-        """Train and return the candidate's saved directory; raise on failure."""
-        ...
-
-
-class RunTracker(Protocol):
-    """Experiment tracking: one run per increment (MLflow in production)."""
-
-    def start(self, name: str, params: dict[str, str], tags: dict[str, str]) -> str:
-        """Open a run; return its id."""
-        ...
-
-    def log_steps(self, run_id: str, history: Sequence[dict[str, float]]) -> None:
-        """Metrics over steps."""
-        ...
-
-    def finish(self, run_id: str, status: str, metrics: dict[str, float], tags: dict[str, str]) -> None:
-        """Final metrics and tags; status FINISHED or FAILED."""
-        ...
 
 
 # ------------------------------------------------------------------ config and outcome
@@ -141,6 +102,238 @@ class Outcome:
     resumed_from_step: int = 0
 
 
+# ------------------------------------------------------------------ what each step hands on
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The plan step's decision: which window, its records, and whether to train on them."""
+
+    parent: str
+    """The champion's version: the candidate's starting point."""
+    window: Window
+    retry: bool
+    """The window was pending: an earlier attempt at it failed."""
+    records: ParsedWindow
+    skip: str | None
+    """Why the window is not trained on (too few records); None: train."""
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """The opened tracking run and what the training job needs."""
+
+    run_id: str
+    name: str
+    """``increment-<window id>``: the same window always gets the same name, so a retry resumes."""
+    parent_dir: Path
+    samples: list[Sample]
+    lineage: dict[str, str]
+    """The registry tags that tie the version to its parent, window and reward spec."""
+    reward_stats: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Trained:
+    """The train step's result: the candidate, how long the job took, per-increment statistics."""
+
+    result: TrainResult
+    train_s: float
+    stats: dict[str, float]
+
+
+# ------------------------------------------------------------------ the increment
+
+
+def run_increment(
+    cfg: IncrementConfig,
+    rewards: RewardLog,
+    registry: Registry,
+    job: TrainJob,
+    runs: RunTracker,
+    pending: PendingWindow,
+    workdir: Path,
+    offer_lock: AbstractContextManager[object] | None = None,
+    on_registry_retry: Callable[[BaseException], None] | None = None,
+) -> Outcome:
+    """One increment, in steps:
+
+    1. **plan**: the parent is the champion (none: ``failed``); a pending window already
+       registered is committed; the window to train is the pending one or cut..watermark;
+       its records are read and split; too few -> ``skipped`` (recorded, cut not moved).
+    2. **train**: the window is saved as pending, the parent downloaded, the run opened and
+       the job run on the samples.
+    3. **gate**: candidate and parent are scored on the held-out records.
+    4. **register**: the version is registered with lineage and gate tags, and offered as the
+       ``candidate`` if it passed (under ``offer_lock``, see :func:`offer_candidate`).
+    5. **commit**: the window's cut is committed and the pending window cleared; the run is
+       closed.
+
+    Returns ``failed`` (no champion), ``skipped`` or ``success``; raises when training or the
+    registry fails (the run is marked failed and the pending window is retried by the next
+    run). ``on_registry_retry`` is called for each failed registry call that is retried.
+    """
+    t0 = time.monotonic()
+    parent = registry.alias_version(CHAMPION)
+    if parent is None:
+        return Outcome("failed", "no champion in the registry: run `rtrl bootstrap` first")
+    plan = plan_increment(cfg, rewards, registry, pending, parent)
+    if plan.skip is not None:
+        return record_skip(plan, plan.skip, runs, pending)
+
+    pending.save(plan.window)  # from here on a crash retries this window
+    run = start_run(cfg, plan, registry, runs, workdir)
+    retrying = Retrying(cfg.registry_retry_s, on_registry_retry)
+    try:
+        trained = train(job, run, cfg.loop, workdir, runs, retrying)
+        gate = gate_candidate(trained.result, run.parent_dir, plan.records.heldout, cfg.gate)
+        version = register_candidate(registry, retrying, run.run_id, plan.window.id,
+                                     trained.result.policy_dir, {**run.lineage, **gate_tags(gate)})
+        if gate.passed:
+            retrying("offer the candidate", lambda: offer(registry, version, offer_lock))
+        commit_window(rewards, pending, plan.window)
+    except BaseException:
+        mark_failed(runs, run.run_id)
+        raise
+
+    timings = {"total_s": time.monotonic() - t0, "train_s": trained.train_s,
+               "steps_s": trained.stats.get("steps_seconds", 0.0)}
+    close_run(runs, retrying, run.run_id, version, gate, trained.stats, timings)
+    log.info("increment %s -> version %s (gate %s%s) in %.1fs", plan.window.id, version, gate.result,
+             "" if gate.passed else f": {'; '.join(gate.reasons)}", timings["total_s"])
+    return Outcome("success", "" if gate.passed else "; ".join(gate.reasons), window=plan.window,
+                   version=version, parent=parent, run_id=run.run_id, gate=gate, stats=trained.stats,
+                   timings=timings, resumed_from_step=trained.result.resumed_from_step)
+
+
+# ------------------------------------------------------------------ plan
+
+
+def plan_increment(
+    cfg: IncrementConfig, rewards: RewardLog, registry: Registry, pending: PendingWindow, parent: str
+) -> Plan:
+    """Pick the window (the pending one, or cut..watermark), read its records and decide
+    whether there are enough to train on."""
+    window, retry = resume_or_plan(cfg.topic, rewards, window_to_retry(registry, rewards, pending),
+                                   cfg.max_records)
+    records = read_records(cfg, rewards, registry, window, parent)
+    window = window.with_counts(len(records.train) + len(records.heldout), records.invalid,
+                                len(records.heldout))
+    log.info("window %s%s: %d records (%d held out, %d invalid, %d from versions never champion) "
+             "over %d offsets", window.id, " (retry)" if retry else "", window.records, window.heldout,
+             window.invalid, records.excluded, window.offsets)
+    return Plan(parent, window, retry, records, skip_reason(window, len(records.train), cfg.min_records))
+
+
+def window_to_retry(registry: Registry, rewards: RewardLog, pending: PendingWindow) -> Window | None:
+    """The pending window, to train again; None when there is none, or when it was already
+    registered (a crash between registering and committing): its cut is committed now."""
+    stale = pending.load()
+    if stale is None:
+        return None
+    done = registered_window_version(registry, stale.id)
+    if done is None:
+        return stale
+    log.warning("window %s was registered as version %s but not committed: committing", stale.id, done)
+    commit_window(rewards, pending, stale)
+    return None
+
+
+def read_records(
+    cfg: IncrementConfig, rewards: RewardLog, registry: Registry, window: Window, parent: str
+) -> ParsedWindow:
+    """The window's records, parsed and split; with ``train_on="champions"`` only those served
+    by versions that were champion."""
+    records = parse_records((v for _, _, v in rewards.read(window)), cfg.heldout_fraction)
+    if cfg.train_on == "champions":
+        records = keep_served_by(records, served_as_champion(registry, parent))
+    return records
+
+
+def served_as_champion(registry: Registry, champion: str) -> Callable[[str], bool]:
+    """Whether a version has served as champion: the current one, a bootstrap or a promoted
+    version (looked up once per version)."""
+    seen: dict[str, bool] = {champion: True}
+
+    def keep(version: str) -> bool:
+        if version not in seen:
+            try:
+                tags = registry.get_tags(version)
+            except KeyError:
+                tags = {}
+            seen[version] = tags.get(Tag.KIND) == "bootstrap" or tags.get(Tag.CANARY_OUTCOME) == "promoted"
+        return seen[version]
+
+    return keep
+
+
+def record_skip(plan: Plan, reason: str, runs: RunTracker, pending: PendingWindow) -> Outcome:
+    """A skipped window leaves a finished run saying why; its cut does not move."""
+    tags = {"rtrl.outcome": "skipped", "rtrl.skip_reason": reason,
+            Tag.WINDOW: plan.window.to_json(), Tag.PARENT_VERSION: plan.parent}
+    run_id = runs.start(f"skipped-{plan.window.id}", {}, tags)
+    runs.finish(run_id, "FINISHED", {"records": float(plan.window.records)}, {})
+    pending.clear()
+    return Outcome("skipped", reason, window=plan.window, parent=plan.parent, run_id=run_id)
+
+
+# ------------------------------------------------------------------ train
+
+
+def start_run(cfg: IncrementConfig, plan: Plan, registry: Registry, runs: RunTracker,
+              workdir: Path) -> TrainingRun:
+    """Download the parent, build the samples and open the tracking run."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    parent_dir = registry.download(plan.parent, workdir / f"parent-{plan.parent}")
+    train_records = plan.records.train
+    samples = build_samples(train_records, cfg.group_size, cfg.normalize_std)
+    rstats = reward_stats([r.reward for r in train_records], [r.arm for r in train_records])
+    lineage = {
+        Tag.PARENT_VERSION: plan.parent,
+        Tag.WINDOW: plan.window.to_json(),
+        Tag.REWARD_SPEC_VERSION: ",".join(sorted({r.reward_spec_version for r in train_records})),
+        Tag.KIND: "increment",
+    }
+    name = f"increment-{plan.window.id}"
+    run_id = runs.start(name, _params(cfg, len(samples)), {**lineage, "rtrl.retry": str(plan.retry)})
+    return TrainingRun(run_id, name, parent_dir, samples, lineage, rstats)
+
+
+def train(job: TrainJob, run: TrainingRun, loop: LoopConfig, workdir: Path, runs: RunTracker,
+          retrying: Retrying) -> Trained:
+    """Run the training job and log its steps on the run."""
+    t_train = time.monotonic()
+    result = job.run(TrainRequest(run.name, run.parent_dir, run.samples, loop, workdir))
+    train_s = time.monotonic() - t_train
+    retrying("log the training steps", lambda: runs.log_steps(run.run_id, result.history))
+    return Trained(result, train_s, {**summarize(result.history), **run.reward_stats})
+
+
+# ------------------------------------------------------------------ gate
+
+
+def gate_candidate(result: TrainResult, parent_dir: Path, heldout: Sequence[RewardRecord],
+                   cfg: GateConfig) -> GateResult:
+    """The offline gate on the held-out records (trainer/gate.py)."""
+    candidate = load_policy(result.policy_dir)
+    scores = score_heldout(candidate, load_policy(parent_dir), heldout)
+    return evaluate(scores, [h["loss"] for h in result.history], cfg)
+
+
+def gate_tags(gate: GateResult) -> dict[str, str]:
+    """The gate's verdict as registry tags, beside the lineage."""
+    return {Tag.GATE_RESULT: gate.result, Tag.GATE_REASONS: gate.reasons_json()}
+
+
+# ------------------------------------------------------------------ commit
+
+
+def commit_window(rewards: RewardLog, pending: PendingWindow, window: Window) -> None:
+    """Move the cut past the window: its records are never trained on again."""
+    rewards.commit(window)
+    pending.clear()
+
+
 # ------------------------------------------------------------------ pure helpers
 
 
@@ -173,206 +366,6 @@ def score_heldout(
     return out
 
 
-def summarize(history: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Per-increment statistics: means over steps, plus the last loss and token counts."""
-    if not history:
-        return {}
-    keys = ["loss", "pg_loss", "kl", "kl_per_token", "clip_fraction", "ess", "truncated_fraction",
-            "ratio_mean", "behavior_ratio_mean", "grad_norm"]
-    out = {k: math.fsum(h[k] for h in history) / len(history) for k in keys if k in history[0]}
-    out["ratio_max"] = max(h.get("ratio_max", 1.0) for h in history)
-    out["behavior_ratio_max"] = max(h.get("behavior_ratio_max", 1.0) for h in history)
-    out["final_loss"] = history[-1]["loss"]
-    out["steps"] = float(len(history))
-    out["tokens"] = math.fsum(h.get("seq_tokens", 0.0) for h in history)
-    steps_s = math.fsum(h.get("step_seconds", 0.0) for h in history)
-    out["steps_seconds"] = steps_s
-    out["tokens_per_s"] = out["tokens"] / steps_s if steps_s > 0 else 0.0
-    return out
-
-
-class Retrying:
-    """Calls a registry operation until it succeeds or ``budget_s`` has passed since its
-    first failure (backoff 1 s, doubling, at most 15 s). ``failures`` counts failed attempts
-    of every operation; ``on_retry`` is told about each one that will be retried."""
-
-    def __init__(self, budget_s: float, on_retry: Callable[[BaseException], None] | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.budget_s, self.on_retry, self.sleep = budget_s, on_retry, sleep
-        self.failures = 0
-
-    def __call__(self, what: str, fn: Callable[[], T]) -> T:
-        deadline: float | None = None
-        pause = 1.0
-        while True:
-            try:
-                return fn()
-            except Exception as exc:
-                self.failures += 1
-                now = time.monotonic()
-                deadline = now + self.budget_s if deadline is None else deadline
-                if now >= deadline:
-                    log.error("registry: could not %s within %.0fs: %s", what, self.budget_s, exc)
-                    raise
-                log.warning("registry: could not %s (%s: %s); retrying in %.0fs", what,
-                            type(exc).__name__, str(exc)[:200], min(pause, deadline - now))
-                if self.on_retry is not None:
-                    self.on_retry(exc)
-                self.sleep(min(pause, deadline - now))
-                pause = min(15.0, pause * 2)
-
-
-def registered_window_version(registry: Registry, window_id: str, look_back: int = 20) -> str | None:
-    """The version (among the newest ``look_back``) trained on window ``window_id``."""
-    for version in reversed(registry.versions()[-look_back:]):
-        raw = registry.get_tags(version).get(Tag.WINDOW)
-        if raw and json.loads(raw).get("id") == window_id:
-            return version
-    return None
-
-
-# ------------------------------------------------------------------ the increment
-
-
-def run_increment(
-    cfg: IncrementConfig,
-    rewards: RewardLog,
-    registry: Registry,
-    job: TrainJob,
-    runs: RunTracker,
-    pending: PendingWindow,
-    workdir: Path,
-    offer_lock: AbstractContextManager[object] | None = None,
-    on_registry_retry: Callable[[BaseException], None] | None = None,
-) -> Outcome:
-    """One increment. Returns ``skipped`` or ``success``; raises when training or the
-    registry fails (the pending window is then retried by the next run). ``offer_lock``
-    serialises the writers of the ``candidate`` alias (see :func:`offer_candidate`);
-    ``on_registry_retry`` is called for each failed registry call that is retried."""
-    t0 = time.monotonic()
-    parent = registry.alias_version(CHAMPION)
-    if parent is None:
-        return Outcome("failed", "no champion in the registry: run `rtrl bootstrap` first")
-
-    stale = pending.load()
-    if stale is not None and (done := registered_window_version(registry, stale.id)) is not None:
-        log.warning("window %s was registered as version %s but not committed: committing", stale.id, done)
-        rewards.commit(stale)
-        pending.clear()
-        stale = None
-
-    window, retry = resume_or_plan(cfg.topic, rewards, stale, cfg.max_records)
-    parsed = parse_records((v for _, _, v in rewards.read(window)), cfg.heldout_fraction)
-    if cfg.train_on == "champions":
-        parsed = keep_served_by(parsed, served_as_champion(registry, parent))
-    window = window.with_counts(len(parsed.train) + len(parsed.heldout), parsed.invalid, len(parsed.heldout))
-    log.info("window %s%s: %d records (%d held out, %d invalid, %d from versions never champion) "
-             "over %d offsets", window.id, " (retry)" if retry else "", window.records, window.heldout,
-             window.invalid, parsed.excluded, window.offsets)
-    reason = skip_reason(window, len(parsed.train), cfg.min_records)
-    if reason is not None:
-        skip_tags = {"rtrl.outcome": "skipped", "rtrl.skip_reason": reason,
-                     Tag.WINDOW: window.to_json(), Tag.PARENT_VERSION: parent}
-        run_id = runs.start(f"skipped-{window.id}", {}, skip_tags)
-        runs.finish(run_id, "FINISHED", {"records": float(window.records)}, {})
-        pending.clear()
-        return Outcome("skipped", reason, window=window, parent=parent, run_id=run_id)
-
-    pending.save(window)
-    workdir.mkdir(parents=True, exist_ok=True)
-    parent_dir = registry.download(parent, workdir / f"parent-{parent}")
-    samples = build_samples(parsed.train, cfg.group_size, cfg.normalize_std)
-    spec_versions = ",".join(sorted({r.reward_spec_version for r in parsed.train}))
-    rstats = reward_stats([r.reward for r in parsed.train], [r.arm for r in parsed.train])
-    lineage = {
-        Tag.PARENT_VERSION: parent,
-        Tag.WINDOW: window.to_json(),
-        Tag.REWARD_SPEC_VERSION: spec_versions,
-        Tag.KIND: "increment",
-    }
-    run_tags = {**lineage, "rtrl.retry": str(retry)}
-    run_id = runs.start(f"increment-{window.id}", _params(cfg, len(samples)), run_tags)
-    retrying = Retrying(cfg.registry_retry_s, on_registry_retry)
-    try:
-        t_train = time.monotonic()
-        result = job.run(TrainRequest(f"increment-{window.id}", parent_dir, samples, cfg.loop, workdir))
-        train_s = time.monotonic() - t_train
-        retrying("log the training steps", lambda: runs.log_steps(run_id, result.history))
-        stats = {**summarize(result.history), **rstats}
-
-        candidate = load_policy(result.policy_dir)
-        gate = evaluate(
-            score_heldout(candidate, load_policy(parent_dir), parsed.heldout),
-            [h["loss"] for h in result.history],
-            cfg.gate,
-        )
-        tags = {**lineage, Tag.GATE_RESULT: gate.result, Tag.GATE_REASONS: gate.reasons_json()}
-
-        def register_once() -> str:
-            if retrying.failures:  # a failed attempt may have registered the window already
-                done = registered_window_version(registry, window.id)
-                if done is not None:
-                    return done
-            return registry.register(run_id, result.policy_dir, tags)
-
-        version = retrying("register the candidate", register_once)
-        if gate.passed:
-            retrying("offer the candidate", lambda: _offer(registry, version, offer_lock))
-        rewards.commit(window)
-        pending.clear()
-    except BaseException:
-        try:
-            runs.finish(run_id, "FAILED", {}, {"rtrl.outcome": "failed"})
-        except Exception as exc:  # the registry may be what failed; keep the original error
-            log.warning("could not mark run %s failed: %s: %s", run_id, type(exc).__name__, exc)
-        raise
-    total_s = time.monotonic() - t0
-    timings = {"total_s": total_s, "train_s": train_s, "steps_s": stats.get("steps_seconds", 0.0)}
-    try:
-        retrying("close the training run", lambda: runs.finish(
-            run_id, "FINISHED", {**stats, **{f"gate_{k}": v for k, v in gate.figures.items()}, **timings},
-            {"rtrl.outcome": "success", "rtrl.version": version, Tag.GATE_RESULT: gate.result}))
-    except Exception:  # registered and committed: the increment did its work
-        log.exception("version %s is registered and its window committed, but run %s was not closed",
-                      version, run_id)
-    log.info("increment %s -> version %s (gate %s%s) in %.1fs", window.id, version, gate.result,
-             "" if gate.passed else f": {'; '.join(gate.reasons)}", total_s)
-    return Outcome("success", "" if gate.passed else "; ".join(gate.reasons), window=window, version=version,
-                   parent=parent, run_id=run_id, gate=gate, stats=stats, timings=timings,
-                   resumed_from_step=result.resumed_from_step)
-
-
-def served_as_champion(registry: Registry, champion: str) -> Callable[[str], bool]:
-    """Whether a version has served as champion: the current one, a bootstrap or a promoted
-    version (looked up once per version)."""
-    seen: dict[str, bool] = {champion: True}
-
-    def keep(version: str) -> bool:
-        if version not in seen:
-            try:
-                tags = registry.get_tags(version)
-            except KeyError:
-                tags = {}
-            seen[version] = tags.get(Tag.KIND) == "bootstrap" or tags.get(Tag.CANARY_OUTCOME) == "promoted"
-        return seen[version]
-
-    return keep
-
-
-def _offer(registry: Registry, version: str, lock: AbstractContextManager[object] | None) -> None:
-    """Offer a version that passed the gate as the candidate. A canary in flight keeps the
-    alias (moving it would abort that canary), and so does a lock that cannot be taken: a
-    later increment offers a fresher candidate either way."""
-    try:
-        held = offer_candidate(registry, version, lock)
-    except LockUnavailableError as exc:
-        log.warning("version %s passed the gate but was not offered as candidate: %s", version, exc)
-        return
-    if held is not None:
-        log.info("version %s passed the gate but v%s is still under canary: the candidate "
-                 "alias stays; a later increment offers a fresher candidate", version, held)
-
-
 def _params(cfg: IncrementConfig, n: int) -> dict[str, str]:
     o = cfg.loop.objective
     return {k: str(v) for k, v in {
@@ -382,31 +375,3 @@ def _params(cfg: IncrementConfig, n: int) -> dict[str, str]:
         "truncate_is": o.truncate_is, "kl_coef": o.kl_coef, "seed": cfg.loop.seed,
         "heldout_fraction": cfg.heldout_fraction, "min_records": cfg.min_records,
     }.items()}
-
-
-# ------------------------------------------------------------------ an in-process job
-
-
-class LocalTrainJob:
-    """Runs :func:`trainer.loop.rl_train` in this process, checkpointing under
-    ``workdir/<name>/`` and resuming from there. Used by unit tests and the benchmark's
-    baseline; production uses the Ray Train job."""
-
-    def run(self, request: TrainRequest) -> TrainResult:
-        from trainer.loop import load_training_state, rl_train, save_training_state
-
-        ckpt = request.workdir / request.name / "checkpoint"
-        if (ckpt / "train_state.pt").exists():
-            policy, opt_state, start = load_training_state(ckpt)
-        else:
-            policy, opt_state, start = load_policy(request.parent_dir), None, 0
-        parent = load_policy(request.parent_dir)
-
-        def on_step(step: int, _s: dict[str, float], pol: TrainablePolicy, opt: Optimizer) -> None:
-            if step % request.loop.checkpoint_every == 0:
-                save_training_state(ckpt, pol, opt, step)
-
-        history = rl_train(policy, parent, request.samples, request.loop, start, opt_state, on_step)
-        out = request.workdir / request.name / "final"
-        policy.save(out)
-        return TrainResult(out, history, start)

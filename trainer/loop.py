@@ -9,6 +9,7 @@ progress logs and checkpoints. A resumed run skips the steps it already took.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -100,7 +101,7 @@ def rl_train(
         adv = torch.tensor([s.advantage for s in batch])
         loss, stats = grpo_loss(logp, parent_logp, behavior, mask, adv, cfg.objective)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         if after_backward is not None:
             after_backward(policy)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.module.parameters(), cfg.max_grad_norm)
@@ -115,6 +116,25 @@ def rl_train(
             on_step(step, stats, policy, optimizer)
         stats["t_end"] = time.time()  # after the callback: checkpoints count in wall-clock rates
     return history
+
+
+def summarize(history: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per-increment statistics from :func:`rl_train`'s history: means over steps, plus the last
+    loss and token counts."""
+    if not history:
+        return {}
+    keys = ["loss", "pg_loss", "kl", "kl_per_token", "clip_fraction", "ess", "truncated_fraction",
+            "ratio_mean", "behavior_ratio_mean", "grad_norm"]
+    out = {k: math.fsum(h[k] for h in history) / len(history) for k in keys if k in history[0]}
+    out["ratio_max"] = max(h.get("ratio_max", 1.0) for h in history)
+    out["behavior_ratio_max"] = max(h.get("behavior_ratio_max", 1.0) for h in history)
+    out["final_loss"] = history[-1]["loss"]
+    out["steps"] = float(len(history))
+    out["tokens"] = math.fsum(h.get("seq_tokens", 0.0) for h in history)
+    steps_s = math.fsum(h.get("step_seconds", 0.0) for h in history)
+    out["steps_seconds"] = steps_s
+    out["tokens_per_s"] = out["tokens"] / steps_s if steps_s > 0 else 0.0
+    return out
 
 
 def sft_train(
@@ -134,7 +154,7 @@ def sft_train(
         logp, mask = policy.batch_logprobs([pairs[i][0] for i in idx], [pairs[i][1] for i in idx])
         loss = next_token_loss(logp, mask)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         torch.nn.utils.clip_grad_norm_(policy.module.parameters(), cfg.max_grad_norm)
         optimizer.step()
         stats = {"loss": float(loss.detach()), "tokens": float(mask.sum()), "step": float(step),
@@ -163,3 +183,4 @@ def save_training_state(
 def load_training_state(directory: Path) -> tuple[TrainablePolicy, dict[str, Any], int]:
     state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
     return load_policy(directory / "policy"), state["optimizer"], int(state["step"])
+

@@ -50,34 +50,40 @@ def assign_groups(prompt_keys: Sequence[Hashable], group_size: int) -> list[int]
     """
     if group_size < 2:
         raise ValueError("group_size must be >= 2")
+    repeated, pool = _split_by_prompt(prompt_keys)
+    same_prompt = [chunk for members in repeated for chunk in _chunks(members, group_size)]
+    pooled = _chunks(sorted(pool), group_size)
+    if same_prompt and len(pooled) == 1 and len(pooled[0]) == 1:
+        same_prompt[-1].extend(pooled.pop())  # a lone record joins the last group
+    return _label(same_prompt + pooled, len(prompt_keys))
+
+
+def _split_by_prompt(prompt_keys: Sequence[Hashable]) -> tuple[list[list[int]], list[int]]:
+    """Indices of each prompt seen at least twice (in order of first appearance), and the
+    indices of prompts seen once."""
     by_prompt: dict[Hashable, list[int]] = defaultdict(list)
     for i, key in enumerate(prompt_keys):
         by_prompt[key].append(i)
-    groups = [-1] * len(prompt_keys)
-    next_id = 0
-    pool: list[int] = []
-    for members in by_prompt.values():
-        if len(members) < 2:
-            pool.extend(members)
-            continue
-        chunks = [members[i : i + group_size] for i in range(0, len(members), group_size)]
-        if len(chunks) > 1 and len(chunks[-1]) == 1:
-            chunks[-2].extend(chunks.pop())
-        for chunk in chunks:
-            for i in chunk:
-                groups[i] = next_id
-            next_id += 1
-    pool.sort()
-    chunks = [pool[i : i + group_size] for i in range(0, len(pool), group_size)]
+    repeated = [members for members in by_prompt.values() if len(members) >= 2]
+    pool = [members[0] for members in by_prompt.values() if len(members) < 2]
+    return repeated, pool
+
+
+def _chunks(members: list[int], size: int) -> list[list[int]]:
+    """``members`` cut into runs of ``size``; a single trailing member joins the run before it."""
+    chunks = [members[i : i + size] for i in range(0, len(members), size)]
     if len(chunks) > 1 and len(chunks[-1]) == 1:
         chunks[-2].extend(chunks.pop())
-    if len(chunks) == 1 and len(chunks[0]) == 1 and next_id > 0:
-        groups[chunks.pop()[0]] = next_id - 1  # a lone record joins the last group
-    for chunk in chunks:
-        for i in chunk:
-            groups[i] = next_id
-        next_id += 1
-    return groups
+    return chunks
+
+
+def _label(groups: list[list[int]], n: int) -> list[int]:
+    """Per-index group ids: the position of the group each index belongs to."""
+    ids = [-1] * n
+    for group_id, members in enumerate(groups):
+        for i in members:
+            ids[i] = group_id
+    return ids
 
 
 def group_advantages(

@@ -253,7 +253,8 @@ class TinyTransformer(nn.Module):
         x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))[None]
         for block in self.blocks:
             x, _ = block(x)
-        return self.head(self.ln_f(x))
+        logits: Tensor = self.head(self.ln_f(x))
+        return logits
 
     @property
     def module(self) -> nn.Module:

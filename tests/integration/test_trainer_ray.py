@@ -26,7 +26,8 @@ from services import trainer_job
 from services.cli import train as train_cli
 from services.local.sim_users import bootstrap_corpus
 from services.runtime.kafka_io import ensure_topics, make_producer
-from services.runtime.settings import Settings, TrainerSettings
+from services.runtime.service_settings import TrainerSettings
+from services.runtime.settings import Settings, get_settings
 from trainer.corpus import write_corpus
 from trainer.policy import load_policy
 from trainer.tokens import BOS
@@ -64,7 +65,7 @@ def use_env(monkeypatch: pytest.MonkeyPatch, s: Settings, tmp_path: Path) -> Non
     monkeypatch.setenv("RTRL_TOPICS__REWARDS", s.topics.rewards)
     monkeypatch.setenv("RTRL_MLFLOW__TRACKING_URI", s.mlflow.tracking_uri)
     monkeypatch.setenv("RTRL_TRAINER", s.trainer.model_dump_json())
-    trainer_job.get_settings.cache_clear()
+    get_settings.cache_clear()
 
 
 def bootstrap_champion(s: Settings, tmp_path: Path) -> str:

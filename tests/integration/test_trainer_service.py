@@ -121,9 +121,9 @@ def test_sigterm_during_an_increment_exits_0_and_leaves_the_window_pending(
     failure-signal handler for SIGTERM that arms a 3 s abort (the trainer died of SIGABRT), and
     ``ray.shutdown()`` under the increment's thread made Ray end the process with exit code 1."""
     from deployer.adapters.mlflow_registry import MlflowRegistry
-    from services import trainer_job
     from services.runtime.kafka_io import ensure_topics
-    from services.runtime.settings import MlflowSettings, TrainerSettings
+    from services.runtime.service_settings import TrainerSettings
+    from services.runtime.settings import MlflowSettings, get_settings
     from tests.integration.test_trainer_ray import bootstrap_champion, produce_rewards
     from trainer.window import PendingWindow
 
@@ -135,7 +135,7 @@ def test_sigterm_during_an_increment_exits_0_and_leaves_the_window_pending(
     champion = bootstrap_champion(s, tmp_path)
     registry = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
     produce_rewards(s, registry.download(champion, tmp_path / "champ"), 1500, start=0)
-    trainer_job.get_settings.cache_clear()
+    get_settings.cache_clear()
 
     port = free_port()
     env_extra = {"RTRL_TRAINER": trainer.model_dump_json(), "RAY_AUTH_MODE": "disabled",

@@ -18,17 +18,19 @@ from deployer.registry import CANDIDATE, CHAMPION, Tag
 from ingest.events import ModelRef, RewardRecord
 from trainer.adapters.memory import InMemoryRewardLog
 from trainer.gate import GateConfig
-from trainer.increment import (
-    IncrementConfig,
-    LocalTrainJob,
-    TrainRequest,
-    build_samples,
-    run_increment,
+from trainer.increment import IncrementConfig, build_samples, run_increment
+from trainer.loop import (
+    LoopConfig,
+    Sample,
+    load_training_state,
+    plan_batches,
+    rl_train,
+    save_training_state,
     summarize,
 )
-from trainer.loop import LoopConfig, Sample, load_training_state, plan_batches, rl_train, save_training_state
 from trainer.policy import TinyConfig, TinyTransformer, load_policy
 from trainer.tokens import BOS, EOS
+from trainer.train_job import LocalTrainJob, TrainRequest
 from trainer.window import PendingWindow
 
 SMALL = TinyConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=32)

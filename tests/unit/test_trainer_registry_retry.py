@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.increment import Retrying
+from trainer.registration import Retrying
 
 
 def test_retry_returns_after_failures_and_reports_each() -> None:

@@ -15,7 +15,7 @@ STEP_KEYS = ("loss", "pg_loss", "kl", "kl_per_token", "clip_fraction", "ess", "t
 
 
 class MlflowRunTracker:
-    """:class:`trainer.increment.RunTracker` on MLflow."""
+    """:class:`trainer.registration.RunTracker` on MLflow."""
 
     def __init__(self, tracking_uri: str, experiment: str) -> None:
         self.client = MlflowClient(tracking_uri=tracking_uri)

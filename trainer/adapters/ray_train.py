@@ -28,9 +28,9 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from trainer.increment import TrainRequest, TrainResult
 from trainer.loop import load_training_state, rl_train, save_training_state
 from trainer.policy import TrainablePolicy, load_policy
+from trainer.train_job import TrainRequest, TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 
 class RayTrainJob:
-    """:class:`trainer.increment.TrainJob` on Ray Train."""
+    """:class:`trainer.train_job.TrainJob` on Ray Train."""
 
     def __init__(
         self,
