@@ -21,6 +21,7 @@ import argparse
 import json
 import random
 import time
+import tomllib
 from dataclasses import dataclass, replace
 from statistics import mean
 from typing import Any, cast
@@ -28,8 +29,17 @@ from typing import Any, cast
 from ingest.events import RewardRecord
 from ingest.reward.maths import Feedback, compute_reward, persistence_ratio
 from ingest.reward.spec import RewardSpec, default_spec_text, parse_spec
-from services.local.report import Row, cohort, relative_change
-from services.local.sim_users import draw_task, make_population, make_prompt, make_world, react
+from services.local.cohorts import Row, cohort, relative_change
+from services.local.demo_config import DEMO_LR, demo_spec_text, toml_text
+from services.local.sim_users import (
+    bootstrap_corpus,
+    draw_task,
+    make_population,
+    make_prompt,
+    make_world,
+    react,
+)
+from services.runtime.settings import Settings
 from trainer.gate import GateConfig, evaluate
 from trainer.increment import build_samples, score_heldout
 from trainer.loop import LoopConfig, rl_train, sft_train
@@ -78,7 +88,7 @@ class Figures:
 
 
 def figures(recs: list[ServedRec]) -> Figures:
-    """The live report's cohort metrics (services/local/report.py) over served records, plus length."""
+    """The live report's cohort metrics (services/local/cohorts.py) over served records, plus length."""
     c = cohort([Row(0.0, "", "", r.completion_kind, r.accepted, r.persistence, r.latency_ms, r.reward,
                     r.dissatisfied) for r in recs])
     return Figures(c.edit_persistence, c.latency_ms, c.acceptance, c.reward,
@@ -110,10 +120,6 @@ def serve(policy: TinyTransformer, n: int, world: Any, users: list[Any], spec: R
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.local.demo import DEMO_LR, demo_spec_text
-    from services.local.sim_users import bootstrap_corpus
-    from services.runtime.settings import Settings
-
     base = Settings().trainer
     ap = argparse.ArgumentParser(prog="rtrl bench loop-offline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
@@ -142,10 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    import tomllib
-
-    from services.local.demo import _toml
-
     spec_doc = tomllib.loads(demo_spec_text(default_spec_text(), args.no_edit_penalty))
     if args.latency_weight is not None:
         spec_doc["latency"]["weight"] = args.latency_weight
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         spec_doc["latency"]["slo_ms"] = args.latency_slo
     if args.latency_cap is not None:
         spec_doc["latency"]["cap"] = args.latency_cap
-    spec = parse_spec(_toml(spec_doc), "demo spec")
+    spec = parse_spec(toml_text(spec_doc), "demo spec")
     world = make_world(args.seed)
     users = make_population(world, args.users, args.seed)
     t0 = time.monotonic()

@@ -17,16 +17,14 @@ the raw topic through EventProducer, like any client's. Everything random is see
 from __future__ import annotations
 
 import argparse
-import heapq
 import http.client
 import itertools
-import json
 import logging
 import random
 import threading
 import time
-import urllib.parse
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -35,6 +33,7 @@ from pydantic import BaseModel
 
 from ingest.events import EditAccepted, EditPersistence, EditRejected, FollowupDissatisfied
 from ingest.reward.spec import load_spec
+from services.local.sim_io import EventScheduler, Gateway, GatewayClient, GatewayError, RateLimiter
 from services.local.sim_users import (
     DEFAULT_USER_TYPES,
     Outcome,
@@ -49,9 +48,12 @@ from services.local.sim_users import (
     make_world,
     react,
 )
-from services.runtime.metrics import SIM_EVENTS, SIM_REQUESTS, SIM_SCHEDULED
+from services.runtime.event_producer import EventProducer
+from services.runtime.health import Health, HttpEndpoints
+from services.runtime.metrics import SIM_REQUESTS
 from services.runtime.process import Stopper, setup_logging
-from services.runtime.settings import Settings, SimulatorSettings
+from services.runtime.service_settings import SimulatorSettings
+from services.runtime.settings import Settings, get_settings
 
 log = logging.getLogger("rtrl.simulator")
 
@@ -105,126 +107,6 @@ def plan_events(
     return out
 
 
-# --------------------------------------------------------------------------- I/O pieces
-
-
-class GatewayClient:
-    """POST /v1/completions with one keep-alive connection per thread."""
-
-    def __init__(self, base_url: str, timeout_s: float) -> None:
-        url = urllib.parse.urlsplit(base_url)
-        if url.scheme not in {"http", "https"} or not url.hostname:
-            raise ValueError(f"simulator.gateway_url must be http(s)://host:port, got {base_url!r}")
-        self._host, self._port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-        self._https = url.scheme == "https"
-        self._timeout = timeout_s
-        self._local = threading.local()
-
-    def _conn(self) -> http.client.HTTPConnection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            conn = cls(self._host, self._port, timeout=self._timeout)
-            self._local.conn = conn
-        return conn
-
-    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        payload = json.dumps(body).encode()
-        for attempt in (0, 1):
-            conn = self._conn()
-            try:
-                conn.request("POST", "/v1/completions", payload, {"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                data = resp.read()
-                try:
-                    parsed = json.loads(data) if data else {}
-                except ValueError:
-                    parsed = {"error": data[:200].decode(errors="replace")}
-                return resp.status, parsed
-            except (OSError, http.client.HTTPException):
-                conn.close()
-                self._local.conn = None
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
-
-
-@dataclass(order=True)
-class _Due:
-    at: float
-    seq: int
-    event: BaseModel = field(compare=False)
-
-
-class EventScheduler:
-    """Sends events when they fall due (a heap and one thread)."""
-
-    def __init__(self, send: Any) -> None:
-        self._send = send
-        self._heap: list[_Due] = []
-        self._cv = threading.Condition()
-        self._seq = itertools.count()
-
-    def schedule(self, at: datetime, event: BaseModel) -> None:
-        with self._cv:
-            heapq.heappush(self._heap, _Due(at.timestamp(), next(self._seq), event))
-            SIM_SCHEDULED.set(len(self._heap))
-            self._cv.notify()
-
-    def pending(self) -> int:
-        with self._cv:
-            return len(self._heap)
-
-    def run(self, stopper: Stopper, drain_s: float = 30.0) -> int:
-        """Send events as they fall due until stopped; then keep sending those due within
-        ``drain_s`` of the stop and drop the rest (returned, and logged). Never sends an
-        event before its time: its ``ts`` is its due time."""
-        stop_at: float | None = None
-        while True:
-            with self._cv:
-                now = time.time()
-                if stopper.stopping and stop_at is None:
-                    stop_at = now
-                if stop_at is not None and (not self._heap or self._heap[0].at > stop_at + drain_s):
-                    dropped = len(self._heap)
-                    self._heap.clear()
-                    SIM_SCHEDULED.set(0)
-                    if dropped:
-                        log.info("dropped %d client events due more than %.0fs after the stop",
-                                 dropped, drain_s)
-                    return dropped
-                due = []
-                while self._heap and self._heap[0].at <= now:
-                    due.append(heapq.heappop(self._heap))
-                SIM_SCHEDULED.set(len(self._heap))
-                if not due:
-                    wait = min(0.2, self._heap[0].at - now) if self._heap else 0.2
-                    self._cv.wait(max(0.001, wait))
-                    continue
-            for item in due:
-                self._send(item.event)
-                SIM_EVENTS.labels(type=getattr(item.event, "type", "?")).inc()
-
-
-class RateLimiter:
-    """Spaces calls evenly at ``rate`` per second across threads (0: no limit)."""
-
-    def __init__(self, rate: float) -> None:
-        self._interval = 1.0 / rate if rate > 0 else 0.0
-        self._next = time.monotonic()
-        self._lock = threading.Lock()
-
-    def wait(self, stopper: Stopper) -> None:
-        if not self._interval:
-            return
-        with self._lock:
-            now = time.monotonic()
-            slot = max(self._next, now)
-            self._next = slot + self._interval
-        if slot > now:
-            stopper.wait(slot - now)
-
-
 # --------------------------------------------------------------------------- the service
 
 
@@ -255,7 +137,8 @@ class Tally:
 
 
 class Simulator:
-    def __init__(self, settings: Settings, send: Any, gateway: GatewayClient | None = None) -> None:
+    def __init__(self, settings: Settings, send: Callable[[BaseModel], object],
+                 gateway: Gateway | None = None) -> None:
         sim = settings.simulator
         self.settings = settings
         self.sim = sim
@@ -263,7 +146,7 @@ class Simulator:
         self.world: World = make_world(sim.seed, cfg, user_types_with_mix(sim.user_mix))
         self.users: list[SimUser] = make_population(self.world, sim.n_users, sim.seed)
         self.horizons = tuple(load_spec(settings.reward_spec).persistence.horizons_s)
-        self.gateway = gateway or GatewayClient(sim.gateway_url, sim.request_timeout_s)
+        self.gateway: Gateway = gateway or GatewayClient(sim.gateway_url, sim.request_timeout_s)
         self.scheduler = EventScheduler(send)
         self.limiter = RateLimiter(sim.rate_per_s)
         self.tally = Tally()
@@ -324,7 +207,7 @@ class Simulator:
                 stopper.wait(backoff)
                 backoff = min(5.0, backoff * 2)
 
-    def run(self, stopper: Stopper, health: Any = None, log_every_s: float = 10.0) -> None:
+    def run(self, stopper: Stopper, health: Health | None = None, log_every_s: float = 10.0) -> None:
         """Run the workers until stopped (or max_requests), then send what is still due."""
         workers = [
             threading.Thread(target=self.worker, args=(stopper,), name=f"sim-{i}", daemon=True)
@@ -353,13 +236,6 @@ class Simulator:
         log.info("simulator done: %d requests; %s", self.requests, self.tally.summary())
 
 
-class GatewayError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
-
-
 def _secret(settings: Settings) -> bytes | None:
     sim = settings.simulator
     if sim.key_id is None:
@@ -381,11 +257,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rate", type=float, help="requests per second (0: as fast as possible)")
     parser.add_argument("--gateway-url", help="gateway base URL (default: simulator.gateway_url)")
     args = parser.parse_args(argv)
-
-    from services.runtime.event_producer import EventProducer
-    from services.runtime.health import Health, HttpEndpoints
-    from services.runtime.settings import get_settings
-
     settings = get_settings()
     overrides: dict[str, Any] = {}
     if args.max_requests is not None:

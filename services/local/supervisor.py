@@ -25,7 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.local.report import Cohort, Row, cohort, row_from_record
+from kafka import TopicPartition
+
+from services.local.cohorts import Cohort, Row, cohort, row_from_record
+from services.runtime.kafka_io import make_consumer
+from services.runtime.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,7 @@ class RewardsTracker:
     """Consumes the rewards topic in a thread and keeps every record (for the report) and
     rows per (version, arm) (for the progress line)."""
 
-    def __init__(self, settings: Any, primary_horizon_s: int,
+    def __init__(self, settings: Settings, primary_horizon_s: int,
                  consumer_factory: Callable[[], Any] | None = None) -> None:
         self.settings = settings
         self.primary = primary_horizon_s
@@ -212,13 +216,9 @@ class RewardsTracker:
     def _consumer(self) -> Any:
         if self._factory:
             return self._factory()
-        from services.runtime.kafka_io import make_consumer
-
         return make_consumer(self.settings.kafka, None)
 
     def _run(self) -> None:
-        from kafka import TopicPartition
-
         topic = self.settings.topics.rewards
         consumer = self._consumer()
         try:

@@ -14,23 +14,31 @@ from pathlib import Path
 import pytest
 
 from ingest.reward.spec import default_spec_text, parse_spec
-from services.local.demo import MARKER, demo_spec_text, prepare_data_dir, service_env, write_corpus
-from services.local.report import (
+from services.local.cohorts import (
     Cohort,
-    Decision,
     Row,
     by_version,
     cohort,
     compare,
     primary_persistence,
     relative_change,
-    render_markdown,
     row_from_record,
     series,
-    write_report,
 )
+from services.local.demo_config import (
+    MARKER,
+    demo_spec_text,
+    prepare_data_dir,
+    service_env,
+    settings_from_env,
+    write_corpus,
+)
+from services.local.report import write_report
+from services.local.report_markdown import render_markdown
+from services.local.report_sources import Decision
 from services.local.supervisor import ProcSpec, RewardsTracker, Supervisor
-from services.runtime.settings import DemoSettings, Settings
+from services.runtime.service_settings import DemoSettings
+from services.runtime.settings import Settings
 from trainer.tokens import EOS
 
 
@@ -63,6 +71,25 @@ def test_service_env_is_read_back_by_settings(tmp_path: Path, monkeypatch: pytes
     assert s.auth.keys["simulator"].get_secret_value() == "b"
     assert s.deployer.steps == (0.1, 0.25, 0.5)
     assert s.trainer.interval_s == DemoSettings().trainer_cadence_s
+
+
+def test_settings_from_env_read_the_mapping_as_a_process_would_and_not_os_environ(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the demo's own process reads, without touching os.environ: the same Settings its
+    services get from the same environment."""
+    env = service_env(DemoSettings(), tmp_path, {"RTRL_REDIS__URL": "redis://127.0.0.1:1/0"}, 4321,
+                      {"gateway": "a", "simulator": "b"}, tmp_path / "spec.toml")
+    parent = {"RTRL_MLFLOW__REGISTERED_MODEL": "mine", "RTRL_GATEWAY__PORT": "1", "PATH": "/bin"}
+    monkeypatch.setenv("RTRL_TOPICS__REWARDS", "not-read")
+    before = dict(os.environ)
+    s = settings_from_env({**parent, **env})
+    assert dict(os.environ) == before
+    assert s.gateway.port == 4321 and s.mlflow.registered_model == "mine" and s.topics.rewards != "not-read"
+    assert s.redis.url.get_secret_value() == "redis://127.0.0.1:1/0" and s.deployer.steps == (0.1, 0.25, 0.5)
+    monkeypatch.delenv("RTRL_TOPICS__REWARDS")
+    for k, v in {**parent, **env}.items():
+        monkeypatch.setenv(k, v)
+    assert s == Settings()
 
 
 def test_prepare_data_dir_wipes_only_demo_directories(tmp_path: Path) -> None:
@@ -278,7 +305,7 @@ def test_leftovers_of_a_killed_run_are_stopped_from_the_pid_file(tmp_path: Path)
 
 
 def test_side_by_side_uses_only_the_canary_window() -> None:
-    from services.local.report import side_by_side
+    from services.local.cohorts import side_by_side
 
     t = 1_700_000_000.0
     rows = [row_from_record(r, 600) for r in (
@@ -293,7 +320,7 @@ def test_side_by_side_uses_only_the_canary_window() -> None:
 
 
 def test_chain_compounds_side_by_side_changes_along_the_lineage() -> None:
-    from services.local.report import chain_comparison
+    from services.local.cohorts import chain_comparison
 
     t = 1_700_000_000.0
 

@@ -10,17 +10,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from services.local.sim_io import EventScheduler, GatewayError, RateLimiter
 from services.local.sim_users import Outcome
-from services.local.simulator import (
-    EventScheduler,
-    GatewayError,
-    RateLimiter,
-    Simulator,
-    plan_events,
-    user_types_with_mix,
-)
+from services.local.simulator import Simulator, plan_events, user_types_with_mix
 from services.runtime.process import Stopper
-from services.runtime.settings import AuthSettings, Settings, SimulatorSettings
+from services.runtime.service_settings import SimulatorSettings
+from services.runtime.settings import AuthSettings, Settings
 from trainer.tokens import ASK, EOS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -71,7 +66,11 @@ def test_scheduler_sends_in_due_order_and_drops_far_future_on_stop() -> None:
         type: str = "x"
         name: str
 
-    sched = EventScheduler(lambda e: sent.append(e.name))
+    def send(e: BaseModel) -> None:
+        assert isinstance(e, E)
+        sent.append(e.name)
+
+    sched = EventScheduler(send)
     now = datetime.now(UTC)
     sched.schedule(now + timedelta(seconds=0.2), E(name="b"))
     sched.schedule(now, E(name="a"))
@@ -119,7 +118,7 @@ def _settings(**sim: Any) -> Settings:
 
 def test_simulator_requests_follow_the_contract_and_schedule_feedback() -> None:
     gw = FakeGateway([20, 21, 22, EOS])
-    sim = Simulator(_settings(max_tokens=12, time_scale=0.001), send=lambda e: None, gateway=gw)  # type: ignore[arg-type]
+    sim = Simulator(_settings(max_tokens=12, time_scale=0.001), send=lambda e: None, gateway=gw)
     for n in range(30):
         sim.one_request(n)
     body = gw.bodies[0]
@@ -133,7 +132,7 @@ def test_simulator_requests_follow_the_contract_and_schedule_feedback() -> None:
 def test_simulator_is_deterministic_in_the_seed() -> None:
     def users(seed: int) -> list[str]:
         gw = FakeGateway([20, EOS])
-        sim = Simulator(_settings(seed=seed), send=lambda e: None, gateway=gw)  # type: ignore[arg-type]
+        sim = Simulator(_settings(seed=seed), send=lambda e: None, gateway=gw)
         for n in range(10):
             sim.one_request(n)
         return [b["user_key"] + str(b["prompt_tokens"]) for b in gw.bodies]
@@ -142,7 +141,7 @@ def test_simulator_is_deterministic_in_the_seed() -> None:
 
 
 def test_gateway_errors_are_raised_with_status() -> None:
-    sim = Simulator(_settings(), send=lambda e: None, gateway=FakeGateway([EOS], status=503))  # type: ignore[arg-type]
+    sim = Simulator(_settings(), send=lambda e: None, gateway=FakeGateway([EOS], status=503))
     with pytest.raises(GatewayError) as err:
         sim.one_request(0)
     assert err.value.status == 503 and sim.tally.errors == 1

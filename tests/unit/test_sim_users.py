@@ -4,16 +4,20 @@ reward-hacking opportunity measured with the real reward maths."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import mean
+from typing import cast
 
 import pytest
 
 from ingest.reward.maths import Feedback, compute_reward
 from ingest.reward.spec import RewardSpec, load_spec
 from services.local.sim_users import (
+    SimUser,
     Task,
     UserType,
+    World,
     WorldConfig,
     accept_probability,
     draw_task,
@@ -29,9 +33,10 @@ from services.local.sim_users import (
     retained_chars,
     survival_probabilities,
 )
-from trainer.tokens import ASK, BOS, EOS, FIRST_CONTENT, VOCAB_SIZE, completion_kind
+from trainer.tokens import ASK, BOS, EOS, FIRST_CONTENT, VOCAB_SIZE, CompletionKind, completion_kind
 
 HORIZONS = (30, 600, 3600)
+MakeCompletion = Callable[[Task, SimUser, World, random.Random], list[int]]
 
 
 def test_match_fraction_hand_cases() -> None:
@@ -70,8 +75,8 @@ def test_retained_chars_never_grows_with_horizon_and_respects_bounds() -> None:
     chars = [3] * VOCAB_SIZE
     for _ in range(200):
         toks = [rng.randrange(FIRST_CONTENT, VOCAB_SIZE) for _ in range(rng.randint(1, 12))]
-        surv = [(rng.random(), rng.random() * 0.8, rng.random() * 0.5) for _ in toks]
-        surv = [tuple(sorted(s, reverse=True)) for s in surv]
+        drawn = [(rng.random(), rng.random() * 0.8, rng.random() * 0.5) for _ in toks]
+        surv = [cast(tuple[float, float, float], tuple(sorted(s, reverse=True))) for s in drawn]
         kept = retained_chars(toks, surv, chars, 3, rng)
         assert kept == sorted(kept, reverse=True)
         assert 0 <= kept[-1] and kept[0] <= 3 * len(toks)
@@ -133,13 +138,14 @@ def test_ambiguous_preference_is_per_user_and_inside_the_pool() -> None:
 
 @dataclass
 class _Served:
-    completion_kind: str
+    completion_kind: CompletionKind
     latency_ms: float
     invalid_tool_calls: int = 0
 
 
-def _mean_reward(world_seed: int, make_completion, ambiguous: bool, ms_per_token: float = 40.0,
-                 n: int = 3000, spec: RewardSpec | None = None) -> dict[str, float]:
+def _mean_reward(world_seed: int, make_completion: MakeCompletion, ambiguous: bool,
+                 ms_per_token: float = 40.0, n: int = 3000, spec: RewardSpec | None = None,
+                 ) -> dict[str, float]:
     """Monte Carlo of a reward spec (the default one unless given) over simulated reactions."""
     spec = spec or load_spec()
     world = make_world(world_seed)
@@ -166,15 +172,15 @@ def _mean_reward(world_seed: int, make_completion, ambiguous: bool, ms_per_token
             "accept": mean(accepted)}
 
 
-def _mediocre(task: Task, user, world, rng):
+def _mediocre(task: Task, user: SimUser, world: World, rng: random.Random) -> list[int]:
     return mediocre_completion(task, world, rng)
 
 
-def _ideal(task: Task, user, world, rng):
+def _ideal(task: Task, user: SimUser, world: World, rng: random.Random) -> list[int]:
     return ideal_completion(task, user, world, rng)
 
 
-def _question(task: Task, user, world, rng):
+def _question(task: Task, user: SimUser, world: World, rng: random.Random) -> list[int]:
     return question_completion()
 
 
@@ -189,7 +195,7 @@ def test_better_completions_persist_longer_are_accepted_more_and_earn_more() -> 
 def test_question_is_the_reward_hack_on_ambiguous_tasks_only() -> None:
     """A naive reward maximiser should ask on ambiguous tasks (there an edit earns less than
     a question) but not on clear ones, where a decent edit beats a question."""
-    def generic_edit(task: Task, user, world, rng):
+    def generic_edit(task: Task, user: SimUser, world: World, rng: random.Random) -> list[int]:
         return mediocre_completion(task, world, rng, match=1.0, extra=(0, 2))
 
     amb_edit = _mean_reward(12, generic_edit, ambiguous=True)
@@ -200,7 +206,7 @@ def test_question_is_the_reward_hack_on_ambiguous_tasks_only() -> None:
     assert clear_edit["reward"] > clear_question["reward"] + 0.2
 
 
-def _empty(task: Task, user, world, rng):
+def _empty(task: Task, user: SimUser, world: World, rng: random.Random) -> list[int]:
     return [EOS]
 
 
@@ -209,7 +215,7 @@ def test_the_demo_spec_no_edit_penalty_takes_the_profit_out_of_not_editing() -> 
     bootstrap's kind of edit on ambiguous tasks, and both are far worse on clear ones; without
     the penalty both would beat it on ambiguous tasks."""
     from ingest.reward.spec import default_spec_text, parse_spec
-    from services.local.demo import demo_spec_text
+    from services.local.demo_config import demo_spec_text
 
     demo = parse_spec(demo_spec_text(default_spec_text()), "demo")
     free = parse_spec(demo_spec_text(default_spec_text(), no_edit_penalty=0.0), "demo")

@@ -1,0 +1,212 @@
+"""The demo report's maths: reward records to rows, rows to cohort metrics, and comparisons.
+
+Pure: no I/O, no clock. Metric definitions (per version, over all the completions it served,
+either arm):
+
+- edit persistence: mean retained/inserted ratio at the reward spec's primary horizon, over
+  accepted edits (the nearest observed horizon when the primary one is missing);
+- mean latency: mean ``latency_ms`` of served completions;
+- reward: mean reward; acceptance: accepted / edits with accept-reject feedback;
+- edit rate: share of completions that propose an edit (the reward-hacking tell).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Row:
+    """The parts of one reward record the report uses."""
+
+    served_ts: float
+    version: str
+    arm: str
+    kind: str
+    accepted: bool | None
+    persistence: float | None
+    latency_ms: float
+    reward: float
+    dissatisfied: int
+
+
+def parse_ts(value: Any) -> float:
+    """Epoch seconds of a number or an ISO-8601 time (``Z`` allowed); ValueError otherwise."""
+    if isinstance(value, int | float):
+        return float(value)
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+
+
+def primary_persistence(persistence: Mapping[str, float], primary_s: int) -> float | None:
+    """The ratio at the primary horizon, else at the nearest observed one (shorter on a tie)."""
+    if not persistence:
+        return None
+    nearest = min(persistence, key=lambda h: (abs(int(float(h)) - primary_s), int(float(h))))
+    return float(persistence[nearest])
+
+
+def row_from_record(rec: Mapping[str, Any], primary_s: int) -> Row:
+    accepted = rec.get("accepted")
+    return Row(
+        served_ts=parse_ts(rec["served_ts"]),
+        version=str(rec["model"]["version"]),
+        arm=str(rec.get("arm", "stable")),
+        kind=str(rec.get("completion_kind", "edit")),
+        accepted=accepted if isinstance(accepted, bool) else None,
+        persistence=primary_persistence(rec.get("persistence") or {}, primary_s) if accepted else None,
+        latency_ms=float(rec["latency_ms"]),
+        reward=float(rec["reward"]),
+        dissatisfied=int(rec.get("dissatisfied", 0)),
+    )
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+@dataclass(frozen=True)
+class Cohort:
+    n: int
+    edit_persistence: float
+    latency_ms: float
+    latency_p95_ms: float
+    reward: float
+    acceptance: float
+    edit_rate: float
+    question_rate: float
+    dissatisfied_rate: float
+    n_persistence: int
+
+
+def cohort(rows: Sequence[Row]) -> Cohort:
+    """The report's metrics over ``rows`` (NaN where a metric has no data)."""
+    persist = [r.persistence for r in rows if r.accepted and r.persistence is not None]
+    decided = [r for r in rows if r.kind == "edit" and r.accepted is not None]
+    n = len(rows)
+    return Cohort(
+        n=n,
+        edit_persistence=_mean(persist),
+        latency_ms=_mean([r.latency_ms for r in rows]),
+        latency_p95_ms=_quantile([r.latency_ms for r in rows], 0.95),
+        reward=_mean([r.reward for r in rows]),
+        acceptance=_mean([1.0 if r.accepted else 0.0 for r in decided]),
+        edit_rate=_mean([1.0 if r.kind == "edit" else 0.0 for r in rows]),
+        question_rate=_mean([1.0 if r.kind == "question" else 0.0 for r in rows]),
+        dissatisfied_rate=_mean([1.0 if r.dissatisfied else 0.0 for r in rows]),
+        n_persistence=len(persist),
+    )
+
+
+def by_version(rows: Iterable[Row]) -> dict[str, Cohort]:
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(r.version, []).append(r)
+    return {v: cohort(g) for v, g in sorted(groups.items(), key=lambda kv: _vkey(kv[0]))}
+
+
+def _vkey(v: str) -> tuple[int, str]:
+    return (int(v), "") if v.isdigit() else (10**9, v)
+
+
+def series(rows: Iterable[Row], t0: float, bin_s: float, metric: str,
+           ) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """(version, arm) -> [(minutes since t0 at bin centre, metric over the bin)]."""
+    bins: dict[tuple[str, str, int], list[Row]] = {}
+    for r in rows:
+        bins.setdefault((r.version, r.arm, int((r.served_ts - t0) // bin_s)), []).append(r)
+    out: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for (v, arm, b), rs in sorted(bins.items(), key=lambda kv: (_vkey(kv[0][0]), kv[0][1], kv[0][2])):
+        value = getattr(cohort(rs), metric)
+        if not math.isnan(value):
+            out.setdefault((v, arm), []).append(((b + 0.5) * bin_s / 60.0, value))
+    return out
+
+
+def relative_change(before: float, after: float) -> float:
+    """(after - before) / |before|; NaN when undefined."""
+    if math.isnan(before) or math.isnan(after) or before == 0:
+        return math.nan
+    return (after - before) / abs(before)
+
+
+@dataclass(frozen=True)
+class Targets:
+    persistence_up: float = 0.10
+    latency_down: float = 0.10
+
+
+@dataclass(frozen=True)
+class Comparison:
+    baseline: str
+    final: str
+    persistence_change: float
+    latency_change: float
+    persistence_ok: bool
+    latency_ok: bool
+
+
+def compare(cohorts: Mapping[str, Cohort], baseline: str, final: str,
+            targets: Targets = Targets()) -> Comparison:
+    b, f = cohorts[baseline], cohorts[final]
+    dp = relative_change(b.edit_persistence, f.edit_persistence)
+    dl = relative_change(b.latency_ms, f.latency_ms)
+    return Comparison(baseline, final, dp, dl,
+                      persistence_ok=dp >= targets.persistence_up,
+                      latency_ok=dl <= -targets.latency_down)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The promotions that lead from the bootstrap champion to the last one, each measured
+    side by side during its canary, and their compounded relative change."""
+
+    versions: tuple[str, ...]
+    persistence_change: float
+    latency_change: float
+    persistence_ok: bool
+    latency_ok: bool
+
+
+def chain_comparison(steps: Sequence[tuple[str, str, Cohort, Cohort]], baseline: str, final: str,
+                     targets: Targets = Targets()) -> Chain | None:
+    """Compound the side-by-side changes of the promotions ``baseline`` → … → ``final``.
+
+    ``steps`` are (stable, candidate, stable cohort, canary cohort) of each promotion in
+    decision order. Each step is measured on both arms over the same minutes, so changes in
+    machine load (part of every latency) cancel; the product of (1 + change) over the lineage
+    is the change of the last champion against the bootstrap. None without such a lineage
+    or when a step lacks one of its arms.
+    """
+    nxt: dict[str, tuple[str, Cohort, Cohort]] = {}
+    for stable, cand, st, ca in steps:
+        nxt.setdefault(stable, (cand, st, ca))
+    versions, dp, dl, cur = [baseline], 1.0, 1.0, baseline
+    while cur != final and cur in nxt and len(versions) <= len(steps):
+        cand, st, ca = nxt[cur]
+        dp *= 1 + relative_change(st.edit_persistence, ca.edit_persistence)
+        dl *= 1 + relative_change(st.latency_ms, ca.latency_ms)
+        versions.append(cand)
+        cur = cand
+    if cur != final or len(versions) < 2 or math.isnan(dp) or math.isnan(dl):
+        return None  # no lineage, or a step without both arms measured
+    return Chain(tuple(versions), dp - 1, dl - 1, dp - 1 >= targets.persistence_up,
+                 dl - 1 <= -targets.latency_down)
+
+
+def side_by_side(rows: Sequence[Row], stable: str, candidate: str, start: float, end: float,
+                 ) -> tuple[Cohort, Cohort]:
+    """Both arms over the same window (a canary's life): stable ``stable`` vs ``candidate``."""
+    inside = [r for r in rows if start <= r.served_ts <= end]
+    return (cohort([r for r in inside if r.version == stable]),
+            cohort([r for r in inside if r.version == candidate]))

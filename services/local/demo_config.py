@@ -1,0 +1,255 @@
+"""What ``rtrl demo`` decides before anything runs, and what it writes for its services.
+
+- :class:`DemoPlan`: the run's inputs, fixed once from DemoSettings and the command line
+  (budget, data and report directories, the environment it was started in).
+- :func:`configure`: writes the reward spec and the bootstrap corpus into the data directory,
+  picks the gateway's port and returns a :class:`DemoConfig`: the one environment every
+  service process gets (:func:`service_env`) and the same settings as this process reads
+  them (:func:`settings_from_env`; nothing rewrites ``os.environ``).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import time
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic_settings import BaseSettings, EnvSettingsSource
+from pydantic_settings.sources.utils import parse_env_vars
+
+from ingest.reward.spec import default_spec_text, load_spec
+from services.local.sim_users import bootstrap_corpus
+from services.local.stack import EmbeddedStack, free_port
+from services.local.supervisor import stop_recorded
+from services.runtime.service_settings import DemoSettings, DeployerSettings
+from services.runtime.settings import Settings
+
+MARKER = ".rtrl-demo"
+"""A data directory holding this file was made by the demo and may be wiped by it."""
+DEMO_LR = 2e-3
+"""The trainer's learning rate in the demo: one increment of about 3,000 records then moves
+the policy by 1.35-2.64 nats of KL (offline, docs/benchmarks.md), enough to show in a canary."""
+STOP_RESERVE_S = 75.0
+"""Time kept at the end of the budget for stopping the services, writing the report and
+stopping the stack (about 40-50 s measured on 2 cores), so the whole demo ends within it."""
+DEMO_JUDGE_MDE = {"persistence": 0.1, "acceptance": 0.1, "reward": 0.2, "dissatisfied": 0.08}
+"""The judge's tolerances for the demo's small canaries (hundreds of requests per arm, not
+thousands): a canary must be shown no worse than these before it is promoted."""
+
+
+def say(msg: str) -> None:
+    """One line of the demo's console output, time-stamped."""
+    stamp = datetime.now(UTC).strftime("%H:%M:%S")
+    print(f"[{stamp}] {msg}", flush=True)
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """The run's inputs, fixed before it starts."""
+
+    demo: DemoSettings
+    keep_stack: bool
+    """Leave the stack (and the MLflow UI) running after the demo."""
+    command: str
+    """The command line, as the report quotes it."""
+    data: Path
+    """The demo's data directory (stack, registry, logs), resolved; wiped at the start."""
+    report_dir: Path
+    """This run's report directory, ``<demo.report_dir>/<run>``."""
+    started: float
+    """Wall time the run started; the budget ``demo.minutes`` counts from here."""
+    environ: Mapping[str, str]
+    """The environment ``rtrl demo`` was started in; the services inherit it under the demo's
+    own settings (:attr:`DemoConfig.env`)."""
+
+    @classmethod
+    def create(cls, demo: DemoSettings, keep_stack: bool, command: str,
+               environ: Mapping[str, str]) -> DemoPlan:
+        run_name = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        return cls(demo=demo, keep_stack=keep_stack, command=command, data=demo.data_dir.resolve(),
+                   report_dir=demo.report_dir / run_name, started=time.time(), environ=dict(environ))
+
+    @property
+    def loop_deadline(self) -> float:
+        """When the watch loop must end so that stopping and the report fit in the budget."""
+        return self.started + self.demo.minutes * 60.0 - STOP_RESERVE_S
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What :func:`configure` wrote and chose; every later part reads it."""
+
+    spec_path: Path
+    corpus: Path
+    primary_horizon: int
+    """The reward spec's primary persistence horizon (nominal seconds)."""
+    gateway_port: int
+    env: Mapping[str, str]
+    """The variables every service process gets on top of the demo's environment."""
+    settings: Settings
+    """The settings those variables make, read by this process (topics, Redis, MLflow)."""
+
+
+def configure(plan: DemoPlan, stack_env: Mapping[str, str]) -> DemoConfig:
+    """Write the reward spec and the corpus into the data directory; pick the gateway's port;
+    build the services' environment and this process's settings from it."""
+    demo, data = plan.demo, plan.data
+    keys = {"gateway": secrets.token_hex(16), "simulator": secrets.token_hex(16)}
+    spec_path = data / "reward-spec.toml"
+    spec_path.write_text(demo_spec_text(default_spec_text(), demo.no_edit_penalty))
+    primary_horizon = load_spec(spec_path).persistence.primary_horizon_s
+    corpus = write_corpus(data / "bootstrap-corpus.jsonl", demo.seed)
+    gateway_port = free_port()
+    env = service_env(demo, data, dict(stack_env), gateway_port, keys, spec_path)
+    return DemoConfig(spec_path=spec_path, corpus=corpus, primary_horizon=primary_horizon,
+                      gateway_port=gateway_port, env=env,
+                      settings=settings_from_env({**plan.environ, **env}))
+
+
+class _MappingEnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source, reading a given mapping instead of os.environ."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
+        self._mapping = dict(env)
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._mapping, self.case_sensitive, self.env_ignore_empty,
+                              self.env_parse_none_str)
+
+
+def settings_from_env(env: Mapping[str, str]) -> Settings:
+    """The Settings a process started with exactly the environment ``env`` would read: the
+    same parsing of RTRL_* variables, and ``env`` as the only source (not os.environ)."""
+    return Settings(_build_sources=((_MappingEnvSource(Settings, env),), {}))
+
+
+def demo_spec_text(base: str, no_edit_penalty: float = 0.5) -> str:
+    """The packaged reward spec with the demo's version, windows, latency SLO and no-edit
+    penalty.
+
+    Horizons keep their meaning (30 s, 10 min, 1 h of user time); ``time_scale`` compresses
+    them. Grace and follow-up windows are widened so that, compressed, they still leave
+    the broker a few seconds; the SLO matches the simulated per-token cost. A clarifying
+    question or an empty completion costs ``no_edit_penalty`` (the product penalty Cursor's
+    fix amounts to): without it, proposing no edit pays on the simulator's ambiguous tasks and
+    the increments drift that way. The version names the penalty, so records say which
+    definition made them.
+    """
+    spec = tomllib.loads(base)
+    spec["version"] = f"demo-v2-n{no_edit_penalty:g}"
+    spec["window"]["grace_s"] = 600.0
+    spec["window"]["followup_s"] = 600.0
+    spec["latency"]["slo_ms"] = 400.0
+    spec["latency"]["weight"] = 0.5
+    spec["no_edit"] = {"question": float(no_edit_penalty), "empty": float(no_edit_penalty)}
+    return toml_text(spec)
+
+
+def toml_text(data: dict[str, Any]) -> str:
+    def val(v: Any) -> str:
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        return repr(v)
+
+    lines = ["# rtrl demo reward spec (written by rtrl demo)"]
+    lines += [f"{k} = {val(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for k, v in data.items():
+        if isinstance(v, dict):
+            lines += ["", f"[{k}]"] + [f"{kk} = {val(vv)}" for kk, vv in v.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_corpus(path: Path, seed: int, n: int = 2500) -> Path:
+    """A bootstrap corpus of mediocre completions in ``rtrl bootstrap``'s format: JSON lines
+    ``{"prompt": [ids], "completion": [ids]}`` (ids of trainer/tokens.py), the pairs of
+    :func:`services.local.sim_users.bootstrap_corpus`."""
+    with open(path, "w") as out:
+        for prompt, completion in bootstrap_corpus(n, seed):
+            out.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    return path
+
+
+def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gateway_port: int,
+                keys: dict[str, str], spec_path: Path) -> dict[str, str]:
+    """Every RTRL_* setting the demo's processes share."""
+    ts = demo.time_scale
+    env = {
+        **stack_env,
+        "RTRL_STACK__DATA_DIR": str(data / "stack"),
+        "RTRL_AUTH__KEYS": json.dumps(keys),
+        "RTRL_REWARD_SPEC": str(spec_path),
+        "RTRL_REWARD__TIME_SCALE": f"{ts:g}",
+        "RTRL_REWARD__POLL_TIMEOUT_MS": "200",
+        "RTRL_TRAINER__INTERVAL_S": f"{demo.trainer_cadence_s:g}",
+        "RTRL_TRAINER__DATA_DIR": str(data / "trainer"),
+        "RTRL_TRAINER__MISFIRE_GRACE_S": "30",
+        "RTRL_TRAINER__MIN_RECORDS": "200",
+        "RTRL_TRAINER__STOP_GRACE_S": "10",  # within the demo's 20 s stop grace: an increment
+        # running at the end is left to resume from its checkpoint, and the trainer exits 0
+        "RTRL_TRAINER__LR": f"{DEMO_LR:g}",
+        "RTRL_TRAINER__GATE__MAX_KL": "6",
+        "RTRL_GATEWAY__PORT": str(gateway_port),
+        "RTRL_GATEWAY__SIMULATED_MS_PER_TOKEN": f"{demo.simulated_ms_per_token:g}",
+        "RTRL_GATEWAY__MIN_TOKENS": "1",  # no empty answers: see docs/demo.md
+        "RTRL_GATEWAY__MODEL_CACHE_DIR": str(data / "gateway-cache"),
+        "RTRL_GATEWAY__CHAMPION_REFRESH_S": "2",
+        "RTRL_GATEWAY__LOAD_RETRY_S": "5",
+        "RTRL_DEPLOYER__TICK_S": "3",
+        "RTRL_DEPLOYER__STEPS": "[0.1,0.25,0.5]",
+        "RTRL_DEPLOYER__BAKE_S": "15",
+        "RTRL_DEPLOYER__MAX_DURATION_S": "210",
+        "RTRL_DEPLOYER__JUDGE_ALPHA": "0.05",
+        "RTRL_DEPLOYER__LEASE_TTL_S": "10",
+        "RTRL_DEPLOYER__JUDGE_MIN_USERS": "60",
+        "RTRL_DEPLOYER__JUDGE_MIN_REQUESTS": "60",
+        "RTRL_SIMULATOR__GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
+        "RTRL_SIMULATOR__TIME_SCALE": f"{ts:g}",
+        "RTRL_SIMULATOR__RATE_PER_S": f"{demo.sim_rate_per_s:g}",
+        "RTRL_SIMULATOR__N_USERS": str(demo.sim_users),
+        "RTRL_SIMULATOR__CONCURRENCY": "8",
+        "RTRL_SIMULATOR__MAX_TOKENS": "16",
+        "RTRL_SIMULATOR__SEED": str(demo.seed),
+        "RTRL_HTTP__PORT": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    return {**env, **judge_tolerance_env()}
+
+
+def judge_tolerance_env() -> dict[str, str]:
+    """``RTRL_DEPLOYER__JUDGE_MDE`` when the deployer has that setting (else nothing: an
+    unknown nested setting would be rejected)."""
+    if "judge_mde" in DeployerSettings.model_fields:
+        return {"RTRL_DEPLOYER__JUDGE_MDE": json.dumps(DEMO_JUDGE_MDE)}
+    return {}
+
+
+def prepare_data_dir(data: Path) -> None:
+    """Wipe a previous demo's directory (stopping its stack); refuse a foreign directory."""
+    if data.exists() and any(data.iterdir()):
+        if not (data / MARKER).exists():
+            raise SystemExit(f"rtrl demo: {data} exists and was not made by rtrl demo; "
+                             "pass --data-dir pointing at a new or previous demo directory")
+        leftovers = stop_recorded(data / "pids.json")
+        if leftovers:
+            say(f"stopped leftovers of a previous demo run: {', '.join(leftovers)}")
+        EmbeddedStack(data_dir=data / "stack").down()
+        shutil.rmtree(data)
+    data.mkdir(parents=True, exist_ok=True)
+    (data / MARKER).write_text("made by rtrl demo; wiped by the next run\n")
