@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import logging
 import math
 import os
 import statistics
@@ -34,6 +35,19 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
+
+from bench.fake_upstream import FakeCompletionsServer
+from deployer.routing import routing_keys
+from services.gateway.server import GatewayServer
+from services.local.stack import EmbeddedStack, free_port
+from services.runtime.health import Health
+from services.runtime.kafka_io import ensure_topics
+from services.runtime.metrics import GATEWAY_EXPOSURES
+from services.runtime.process import setup_logging
+from services.runtime.redis_io import make_redis
+from services.runtime.service_settings import GatewaySettings, UpstreamSettings
+from services.runtime.settings import KafkaSettings, MlflowSettings, RedisSettings, Settings, TopicSettings
+from services.serve_gateway import build
 
 TARGET_ADDED_P99_MS = 2.0
 
@@ -99,16 +113,7 @@ def summarise(mode: str, res: dict[str, list[float]]) -> dict[str, float]:
     }
 
 
-def _settings(stack: Any, root: Path, tag: str, **gateway: Any) -> Any:
-    from services.runtime.process.settings import (
-        GatewaySettings,
-        KafkaSettings,
-        MlflowSettings,
-        RedisSettings,
-        Settings,
-        TopicSettings,
-    )
-
+def _settings(stack: EmbeddedStack, root: Path, tag: str, **gateway: Any) -> Settings:
     return Settings(
         kafka=KafkaSettings(bootstrap_servers=stack.kafka_bootstrap),
         redis=RedisSettings(url=SecretStr(stack.redis_url), key_prefix=f"bench-{tag}:"),
@@ -119,13 +124,7 @@ def _settings(stack: Any, root: Path, tag: str, **gateway: Any) -> Any:
     )
 
 
-def _start_gateway(settings: Any) -> tuple[Any, Any, list[Any]]:
-    from services.gateway.server.server import GatewayServer
-    from services.runtime.process.health import Health
-    from services.runtime.process.kafka_io import ensure_topics
-
-    from services.serve_gateway import build
-
+def _start_gateway(settings: Settings) -> tuple[Any, Any, list[Any]]:
     ensure_topics(settings, [settings.topics.raw])
     gateway, parts = build(settings, Health())
     server = GatewayServer(gateway, "127.0.0.1", 0).start()
@@ -145,16 +144,12 @@ def _stop(server: Any, parts: list[Any]) -> None:
         part.stop()
 
 
-def _set_routing(settings: Any, **values: str) -> None:
-    from services.runtime.process.redis_io import make_redis
-
-    from deployer.routing import routing_keys
-
+def _set_routing(settings: Settings, **values: str) -> None:
     keys = routing_keys(settings.redis.key_prefix)
     make_redis(settings.redis).mset({keys[k]: v for k, v in values.items()})
 
 
-def bench_policy(stack: Any, root: Path, n: int, warmup: int, max_tokens: int) -> dict[str, float]:
+def bench_policy(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens: int) -> dict[str, float]:
     import torch
 
     from deployer.adapters.mlflow_registry import MlflowRegistry
@@ -189,11 +184,8 @@ def bench_policy(stack: Any, root: Path, n: int, warmup: int, max_tokens: int) -
     return summarise("policy", res)
 
 
-def bench_upstream(stack: Any, root: Path, n: int, warmup: int, max_tokens: int) -> dict[str, float]:
-    from services.runtime.process.settings import UpstreamSettings
-
-    from bench.fake_upstream import FakeCompletionsServer
-
+def bench_upstream(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens: int
+                   ) -> dict[str, float]:
     fake = FakeCompletionsServer().start()
     settings = _settings(
         stack, root, f"u{uuid.uuid4().hex[:6]}",
@@ -234,14 +226,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--mode", choices=["policy", "upstream", "both"], default="both")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = parser.parse_args(argv)
-
-    import logging
-
-    from services.runtime.process.metrics import GATEWAY_EXPOSURES
-    from services.runtime.process.process import setup_logging
-
-    from services.local.stack import EmbeddedStack, free_port
-
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     setup_logging("WARNING", "bench")
     logging.getLogger("mlflow").setLevel(logging.ERROR)

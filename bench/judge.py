@@ -28,7 +28,7 @@ from numpy.typing import NDArray
 
 from rollback import baselines
 from rollback.stats import mixture_radius, proportion_var, ratio_mean_var
-from rollback.types import CohortData, DetectorPolicy, JudgePolicy, MetricSpec, RequestOutcome
+from rollback.types import CohortData, DetectorPolicy, Direction, JudgePolicy, MetricSpec, RequestOutcome
 
 Arr = NDArray[np.float64]
 IntArr = NDArray[np.int64]
@@ -223,7 +223,7 @@ SCENARIOS = {
 }
 """Shifts of the canary. The last is reward hacking (fewer edits, same persistence): only our
 judge watches behaviour rates, the baselines judge the four product metrics."""
-DIRECTIONS: dict[str, baselines.Direction] = {
+DIRECTIONS: dict[str, Direction] = {
     "persistence": "higher_is_better", "latency_ms": "lower_is_better",
     "dissatisfied": "lower_is_better", "error_rate": "lower_is_better",
 }

@@ -28,11 +28,12 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kafka import KafkaAdminClient
+from kafka import KafkaAdminClient, KafkaProducer
 
 from ingest.events import CompletionServed, EditAccepted, EditPersistence, ModelRef
 from services.local.stack import EmbeddedStack, free_port
@@ -151,29 +152,20 @@ class Bench:
             proc.wait()
 
 
-def latency(bench: Bench, rate: float, duration_s: float) -> list[float]:
-    """Close latencies (s) with events produced at ``rate`` events/s for ``duration_s``."""
-    s = bench.settings
-    env = bench.env(RTRL_TOPICS__EVENTS="lat.events", RTRL_TOPICS__REWARDS="lat.rewards")
-    worker = bench.rtrl("serve", "reward", "--group-id", "lat-reward", "--instance-id", "lat-0",
-                        env=env, name="latency-reward")
-    arrived: dict[str, float] = {}
-    done = threading.Event()
+def _read_arrivals(kafka: KafkaSettings, arrived: dict[str, float], done: threading.Event) -> None:
+    """Until ``done``: request id -> wall time its reward record became readable on lat.rewards."""
+    c = make_consumer(kafka, None, ["lat.rewards"], auto_offset_reset="earliest", fetch_max_wait_ms=10)
+    while not done.is_set():
+        for recs in c.poll(timeout_ms=50).values():
+            t = time.time()
+            for r in recs:
+                arrived[r.key.decode()] = t
+    c.close()
 
-    def read() -> None:
-        c = make_consumer(s.kafka, None, ["lat.rewards"], auto_offset_reset="earliest", fetch_max_wait_ms=10)
-        while not done.is_set():
-            for recs in c.poll(timeout_ms=50).values():
-                t = time.time()
-                for r in recs:
-                    arrived[r.key.decode()] = t
-        c.close()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    prod = make_producer(s.kafka, linger_ms=1)
-    # warm up: one request, wait for its reward, so start-up and group join are excluded
-    sent: dict[str, float] = {}
+def _warm_up(bench: Bench, prod: KafkaProducer, worker: subprocess.Popen[bytes],
+             arrived: Mapping[str, float]) -> None:
+    """One request, waited for until its reward arrives, so start-up and group join are excluded."""
     now = datetime.now(UTC)
     for ev in request_events("warm", now):
         prod.send("lat.events", value=ev.model_dump_json().encode(), key=ev.request_id.encode())
@@ -183,14 +175,23 @@ def latency(bench: Bench, rate: float, duration_s: float) -> list[float]:
         if time.monotonic() > deadline or worker.poll() is not None:
             raise RuntimeError(f"latency worker did not start; see {bench.workdir}")
         time.sleep(0.05)
-    per_request = 5
-    interval = per_request / rate
-    # serialise up front: the bench's own CPU must not starve the worker it measures
+
+
+def _payloads(n_requests: int) -> list[tuple[bytes, list[bytes]]]:
+    """(key, event values) per request, serialised up front: the bench's own CPU must not starve
+    the worker it measures."""
     stamp = datetime.now(UTC)
-    payloads = [
+    return [
         (f"l{i}".encode(), [ev.model_dump_json().encode() for ev in request_events(f"l{i}", stamp)])
-        for i in range(int(rate * duration_s / per_request) + 1)
+        for i in range(n_requests)
     ]
+
+
+def _send_paced(prod: KafkaProducer, payloads: list[tuple[bytes, list[bytes]]], interval: float,
+                duration_s: float) -> dict[str, float]:
+    """One request every ``interval`` s for at most ``duration_s``: request id -> wall time its
+    closing event (the last) was sent."""
+    sent: dict[str, float] = {}
     t_next = time.monotonic()
     i = 0
     end = time.monotonic() + duration_s
@@ -207,6 +208,24 @@ def latency(bench: Bench, rate: float, duration_s: float) -> list[float]:
             prod.flush()
             time.sleep(pause)
     prod.flush()
+    return sent
+
+
+def latency(bench: Bench, rate: float, duration_s: float) -> list[float]:
+    """Close latencies (s) with events produced at ``rate`` events/s for ``duration_s``."""
+    s = bench.settings
+    env = bench.env(RTRL_TOPICS__EVENTS="lat.events", RTRL_TOPICS__REWARDS="lat.rewards")
+    worker = bench.rtrl("serve", "reward", "--group-id", "lat-reward", "--instance-id", "lat-0",
+                        env=env, name="latency-reward")
+    arrived: dict[str, float] = {}
+    done = threading.Event()
+    reader = threading.Thread(target=_read_arrivals, args=(s.kafka, arrived, done), daemon=True)
+    reader.start()
+    prod = make_producer(s.kafka, linger_ms=1)
+    _warm_up(bench, prod, worker, arrived)
+    per_request = 5
+    payloads = _payloads(int(rate * duration_s / per_request) + 1)
+    sent = _send_paced(prod, payloads, per_request / rate, duration_s)
     deadline = time.monotonic() + 30
     while len([r for r in sent if r in arrived]) < len(sent) and time.monotonic() < deadline:
         time.sleep(0.1)

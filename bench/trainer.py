@@ -24,14 +24,22 @@ import random
 import tempfile
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-from trainer.increment import LocalTrainJob, TrainRequest
+from ingest.events import ModelRef, RewardRecord
+from services.local.sim_users import bootstrap_corpus
+from services.local.stack import EmbeddedStack, free_port
+from services.runtime.kafka_io import ensure_topics, make_producer
+from services.runtime.service_settings import TrainerSettings
+from services.runtime.settings import KafkaSettings, MlflowSettings, Settings, TopicSettings
+from trainer.corpus import write_corpus
 from trainer.loop import LoopConfig, Sample
-from trainer.policy import TinyConfig, TinyTransformer
+from trainer.policy import TinyConfig, TinyTransformer, load_policy
 from trainer.tokens import BOS
+from trainer.train_job import LocalTrainJob, TrainRequest
 
 
 def make_samples(policy: TinyTransformer, n: int, seed: int) -> list[Sample]:
@@ -94,23 +102,8 @@ def throughput(samples: list[Sample], parent_dir: Path, loop: LoopConfig, warmup
 
 
 def overhead(records: int, workdir: Path) -> list[dict[str, object]]:
-    from datetime import UTC, datetime
-
     from deployer.adapters.mlflow_registry import MlflowRegistry
-    from ingest.events import ModelRef, RewardRecord
     from services import trainer_job
-    from services.local.sim_users import bootstrap_corpus
-    from services.local.stack import EmbeddedStack, free_port
-    from services.runtime.kafka_io import ensure_topics, make_producer
-    from services.runtime.settings import (
-        KafkaSettings,
-        MlflowSettings,
-        Settings,
-        TopicSettings,
-        TrainerSettings,
-    )
-    from trainer.corpus import write_corpus
-    from trainer.policy import load_policy
 
     stack = EmbeddedStack(workdir / "stack", kafka_port=free_port(), redis_port=free_port(),
                           reuse_redis_url=None, with_mlflow=False)

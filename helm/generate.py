@@ -1,4 +1,5 @@
-"""Writes the chart's generated files from helm/values_model.py and helm/dashboard.py:
+"""Writes the chart's generated files from helm/values_model.py (with the sections in
+helm/values_components.py) and helm/dashboard.py:
 
     helm/rtrl/values.yaml               defaults, each value preceded by its docstring
     helm/rtrl/values.schema.json        what `helm lint/template/install` rejects
@@ -34,7 +35,7 @@ HEADER = """\
 
 def _comment(text: str | None, indent: str) -> list[str]:
     if not text:
-        raise ValueError("every value needs a docstring in helm/values_model.py")
+        raise ValueError("every value needs a docstring in helm/values_model.py or values_components.py")
     body = " ".join(text.split())
     lines = textwrap.wrap(body, width=94 - len(indent), break_on_hyphens=False)
     return [f"{indent}# {line}" for line in lines]

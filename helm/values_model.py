@@ -3,168 +3,34 @@ comments) and values.schema.json (what Helm rejects). Run ``python helm/generate
 after editing; a test fails when the generated files are stale.
 
 Field docstrings become the comments in values.yaml and the descriptions in the schema,
-so every value is documented in one place.
+so every value is documented in one place. The value types and the components' sections
+are in helm/values_components.py; the external dependencies, the cluster plumbing and
+the top-level ``Values`` are here.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
-
-Quantity = Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$")]
-"""A Kubernetes quantity such as 500m, 2, 512Mi or 4Gi."""
-Duration = Annotated[str, Field(pattern=r"^[0-9]+(ms|s|m|h)$")]
-Port = Annotated[int, Field(ge=1, le=65535)]
-UnprivilegedPort = Annotated[int, Field(ge=1024, le=65535)]
-EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-Peer = dict[str, Any]
-"""A NetworkPolicyPeer (podSelector / namespaceSelector / ipBlock), as in Kubernetes."""
+from pydantic import BaseModel, Field
+from values_components import (
+    VALUES_CONFIG,
+    Deployer,
+    Duration,
+    Gateway,
+    Peer,
+    Port,
+    ResourceList,
+    Resources,
+    SecretKeyRef,
+    Trainer,
+    UnprivilegedPort,
+    WorkerComponent,
+)
 
 
 class _Values(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid",
-        alias_generator=to_camel,
-        populate_by_name=True,
-        use_attribute_docstrings=True,
-    )
-
-
-# --- shared building blocks ---------------------------------------------------------------
-class ResourceList(_Values):
-    cpu: Quantity | None = None
-    """CPU, e.g. 250m or 2."""
-    memory: Quantity | None = None
-    """Memory, e.g. 512Mi or 4Gi."""
-
-
-class Resources(_Values):
-    requests: ResourceList = ResourceList(cpu="100m", memory="256Mi")
-    """What the scheduler reserves for the container."""
-    limits: ResourceList = ResourceList(memory="1Gi")
-    """Hard ceiling; the container is OOM-killed above the memory limit."""
-
-
-class SecretKeyRef(_Values):
-    name: str = ""
-    """Name of an existing Secret; empty uses the chart's own Secret (from the plain value)."""
-    key: str
-    """Key inside that Secret."""
-
-
-class Pdb(_Values):
-    enabled: bool = True
-    """Create a PodDisruptionBudget for this component."""
-    max_unavailable: Annotated[int, Field(ge=1)] = 1
-    """Pods that voluntary disruptions (node drains) may take down at once."""
-
-
-class Autoscaling(_Values):
-    enabled: bool = False
-    """Create a HorizontalPodAutoscaler (replicas is then ignored). Replicas beyond the
-    topic's partition count sit idle: keep maxReplicas <= topics.partitions."""
-    min_replicas: Annotated[int, Field(ge=1)] = 1
-    """Lower bound of the autoscaler."""
-    max_replicas: Annotated[int, Field(ge=1)] = 4
-    """Upper bound of the autoscaler."""
-    target_cpu_utilization_percentage: Annotated[int, Field(ge=1, le=100)] = 70
-    """Average CPU utilisation (percent of requests) the autoscaler aims for."""
-
-
-class Component(_Values):
-    """Settings every component shares."""
-
-    enabled: bool = True
-    """Run this component."""
-    resources: Resources = Resources()
-    """Container resources."""
-    env: dict[EnvName, str] = {}
-    """Extra environment for this component only, e.g. RTRL_<SERVICE>__<FIELD>: value
-    (see services/runtime/settings.py for the settings each service reads)."""
-    extra_env: list[dict[str, Any]] = []
-    """Extra EnvVar entries as in a PodSpec, e.g. a valueFrom.secretKeyRef for an upstream API key."""
-    pod_annotations: dict[str, str] = {}
-    """Annotations added to the pods."""
-    pod_labels: dict[str, str] = {}
-    """Labels added to the pods (never used in selectors)."""
-    node_selector: dict[str, str] = {}
-    """Node labels the pods must match."""
-    tolerations: list[dict[str, Any]] = []
-    """Tolerations, as in a PodSpec."""
-    affinity: dict[str, Any] = {}
-    """Affinity, as in a PodSpec."""
-    termination_grace_period_seconds: Annotated[int, Field(ge=0)] = 60
-    """Time between SIGTERM and SIGKILL: the service finishes its batch and commits in it."""
-    tmp_size_limit: Quantity = "1Gi"
-    """Size limit of the writable /tmp emptyDir (the root filesystem is read-only)."""
-
-
-class ScalableComponent(Component):
-    replicas: Annotated[int, Field(ge=1)] = 1
-    """Pods when autoscaling is off."""
-    pdb: Pdb = Pdb()
-    """PodDisruptionBudget."""
-
-
-class WorkerComponent(ScalableComponent):
-    autoscaling: Autoscaling = Autoscaling()
-    """Optional HorizontalPodAutoscaler on CPU."""
-
-
-class GatewayService(_Values):
-    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
-    """Service type for the completions API."""
-    port: Port = 80
-    """Service port for the completions API."""
-    annotations: dict[str, str] = {}
-    """Annotations on the Service (e.g. for a cloud load balancer)."""
-
-
-class Gateway(ScalableComponent):
-    port: UnprivilegedPort = 8080
-    """Container port of the HTTP API (POST /v1/completions), which also serves /metrics,
-    /healthz and /readyz (RTRL_GATEWAY__PORT)."""
-    service: GatewayService = GatewayService()
-    """The Service in front of the API."""
-    allowed_clients: list[Peer] = []
-    """NetworkPolicy peers allowed to call the API; empty allows every source (ingress
-    controllers, other namespaces). Example: [{namespaceSelector: {matchLabels:
-    {kubernetes.io/metadata.name: serving}}}]."""
-
-
-class TrainerPersistence(_Values):
-    enabled: bool = False
-    """Keep the data directory on a PersistentVolumeClaim; false uses an emptyDir (lost
-    with the pod: an interrupted increment then starts over at the next cadence)."""
-    size: Quantity = "20Gi"
-    """Size of the claim."""
-    storage_class_name: str = ""
-    """StorageClass of the claim; empty uses the cluster default."""
-    existing_claim: str = ""
-    """Use this existing PersistentVolumeClaim instead of creating one."""
-
-
-class Trainer(Component):
-    """The scheduler of RL increments. Always one replica (Recreate strategy): two
-    schedulers would train on the same data window twice."""
-
-    resources: Resources = Resources(
-        requests=ResourceList(cpu="1", memory="2Gi"), limits=ResourceList(memory="8Gi")
-    )
-    """Container resources (the increment runs here when no Ray cluster is set)."""
-    termination_grace_period_seconds: Annotated[int, Field(ge=0)] = 300
-    """Time between SIGTERM and SIGKILL: a running increment is handed back cleanly."""
-    tmp_size_limit: Quantity = "10Gi"
-    """Size limit of /tmp (model artifacts are staged here before MLflow upload)."""
-    persistence: TrainerPersistence = TrainerPersistence()
-    """The trainer's data directory (RTRL_TRAINER__DATA_DIR): scheduler job store, the
-    pending data window and Ray checkpoints, so a restart resumes an interrupted increment."""
-
-
-class Deployer(Component):
-    """The canary controller with the rollback judge. Always one replica (Recreate)."""
+    model_config = VALUES_CONFIG
 
 
 # --- external dependencies ----------------------------------------------------------------
@@ -414,7 +280,7 @@ class Values(_Values):
     """Log level of every service (RTRL_LOG_LEVEL)."""
     config: dict[Annotated[str, Field(pattern=r"^RTRL_[A-Z0-9_]+$")], str] = {}
     """Extra settings for every component, added to the ConfigMap (RTRL_* names, see
-    services/runtime/settings.py). Secrets do not belong here."""
+    services/runtime/settings.py and service_settings.py). Secrets do not belong here."""
     kafka: Kafka = Kafka()
     """External Kafka."""
     topics: Topics = Topics()

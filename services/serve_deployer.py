@@ -16,24 +16,29 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
+from kafka import TopicPartition
 from pydantic import ValidationError
 
 from deployer import cohorts
 from deployer.actions import Action, LedgerPort, RoutingPort, apply_actions
-from deployer.canary import RESTING, CanaryPolicy, CanaryStatus, Command, Observations, Phase
+from deployer.adapters.redis_state import ControllerState, RedisRouting
 from deployer.controller import tick
 from deployer.ledger import CONTROLLER, TAG_GATE
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
+from deployer.status import RESTING, CanaryPolicy, CanaryStatus, Command, Judgement, Observations, Phase
 from ingest.events import RewardRecord
 from rollback.judge import judge
 from rollback.types import GuardrailPolicy, JudgePolicy, default_metrics
+from services.gateway.counts import read_counts
 from services.runtime import metrics as m
-from services.runtime.settings import DeployerSettings, Settings
-
-if TYPE_CHECKING:
-    from deployer.adapters.redis_state import ControllerState
+from services.runtime.health import Health, HttpEndpoints
+from services.runtime.kafka_io import ensure_topics, make_consumer, wait_for_broker
+from services.runtime.mlflow_http import bound_mlflow_http, dependency_of
+from services.runtime.process import Stopper, setup_logging
+from services.runtime.redis_io import make_redis
+from services.runtime.service_settings import DeployerSettings
+from services.runtime.settings import Settings, get_settings
 
 SERVICE = "deployer"
 log = logging.getLogger("rtrl.deployer")
@@ -65,8 +70,6 @@ class RewardReader:
     the canary's start time whenever the canary changes (also after a restart)."""
 
     def __init__(self, settings: Settings) -> None:
-        from services.runtime.kafka_io import make_consumer
-
         self.topic = settings.topics.rewards
         self.poll_ms = settings.deployer.poll_timeout_ms
         self.consumer = make_consumer(settings.kafka, group_id=None)
@@ -80,9 +83,6 @@ class RewardReader:
         """The gateway's per-arm request and error counts since the canary started
         (services/gateway/counts.py): failed requests never make a reward record, so the
         error-rate guardrail needs them."""
-        from services.gateway.counts import read_counts
-        from services.runtime.redis_io import make_redis
-
         assert status.stable is not None and status.candidate is not None
         if self._redis is None:
             self._redis = make_redis(self._redis_settings)
@@ -90,8 +90,6 @@ class RewardReader:
         return read_counts(self._redis, self._redis_settings.key_prefix, versions, status.started_at)
 
     def _reset(self, status: CanaryStatus) -> None:
-        from kafka import TopicPartition
-
         assert status.stable is not None and status.candidate is not None
         parts = self.consumer.partitions_for_topic(self.topic) or set()
         if not parts:
@@ -208,19 +206,31 @@ def reason_kind(status: CanaryStatus) -> str:
 
 
 def export_metrics(before: CanaryStatus, after: CanaryStatus, obs: Observations) -> None:
+    """The canary gauges after a tick, the judge's verdict, and the counters of a canary
+    that this tick ended."""
     for phase in Phase:
         m.CANARY_PHASE.labels(phase.value).set(1.0 if phase == after.phase else 0.0)
     m.CANARY_WEIGHT.set(after.weight)
     m.CANARY_PHASE_AGE.set(max(0.0, obs.now - after.phase_since) if after.phase_since else 0.0)
     j = obs.judgement
     if j is not None:
-        m.CANARY_VERDICTS.labels(j.decision).inc()
-        for key, value in j.stats.items():
-            metric, _, stat = key.rpartition(".")
-            m.JUDGE_STAT.labels(metric, stat).set(value)
+        export_judgement(j)
     ended = after.phase in RESTING and after.phase != Phase.IDLE
     if not ended or (after.phase, after.canary_id) == (before.phase, before.canary_id):
         return
+    export_decision(after, j)
+
+
+def export_judgement(j: Judgement) -> None:
+    m.CANARY_VERDICTS.labels(j.decision).inc()
+    for key, value in j.stats.items():
+        metric, _, stat = key.rpartition(".")
+        m.JUDGE_STAT.labels(metric, stat).set(value)
+
+
+def export_decision(after: CanaryStatus, j: Judgement | None) -> None:
+    """Count the decision that ended the canary: a promotion, a rollback (and the hacking
+    detectors that fired for it) or an abort."""
     by = "controller" if after.decided_by in (None, CONTROLLER) else "operator"
     if after.phase == Phase.SUCCEEDED:
         m.CANARY_PROMOTIONS.labels(by).inc()
@@ -238,8 +248,6 @@ def run_tick(controller: Controller) -> CanaryStatus | None:
     """One tick of the service loop. A failed tick changes nothing persisted and the next one
     retries it; a failure of MLflow, Redis or Kafka is counted in
     ``rtrl_dependency_retries_total{service="deployer"}``."""
-    from services.runtime.mlflow_http import dependency_of
-
     try:
         return controller.step()
     except Exception as exc:
@@ -256,8 +264,6 @@ def run_tick(controller: Controller) -> CanaryStatus | None:
 def build_ports(settings: Settings, owner: str | None = None) -> Ports:
     from deployer.adapters.ledger_mlflow import MlflowLedger
     from deployer.adapters.mlflow_registry import MlflowRegistry
-    from deployer.adapters.redis_state import ControllerState, RedisRouting
-    from services.runtime.redis_io import make_redis
 
     r = make_redis(settings.redis)
     prefix = settings.redis.key_prefix
@@ -276,12 +282,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tick-s", type=float, default=None, help="seconds between ticks (default: settings)")
     ap.add_argument("--metrics-port", type=int, default=None, help="port for /metrics /healthz /readyz")
     args = ap.parse_args(argv)
-    from services.runtime.health import Health, HttpEndpoints
-    from services.runtime.kafka_io import ensure_topics, wait_for_broker
-    from services.runtime.mlflow_http import bound_mlflow_http
-    from services.runtime.process import Stopper, setup_logging
-    from services.runtime.settings import get_settings
-
     settings = get_settings()
     setup_logging(settings.log_level, SERVICE)
     bound_mlflow_http(settings.mlflow)  # a tick never waits minutes in MLflow's own retries

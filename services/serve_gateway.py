@@ -19,7 +19,8 @@ from services.gateway.upstream import UpstreamBackend
 from services.runtime.health import Health
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.redis_io import make_redis
-from services.runtime.settings import GatewaySettings, get_settings
+from services.runtime.service_settings import GatewaySettings
+from services.runtime.settings import get_settings
 
 log = logging.getLogger("services.gateway")
 

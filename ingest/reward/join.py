@@ -123,26 +123,40 @@ def apply(window: Window | None, event: Event, now: float, spec: RewardSpec) -> 
     if event.event_id in w.event_ids:
         return w
     changes: dict[str, Any] = {"event_ids": w.event_ids | {event.event_id}, "last_event_at": now}
-    ts = event.ts.timestamp()
     if isinstance(event, CompletionServed):
         if w.served is None:  # a second served event with a new id for one request is ignored
             changes.update(served=event, served_seen_at=now)
         return replace(w, **changes)
     changes["feedback_events"] = w.feedback_events + 1
+    changes.update(_feedback_changes(w, event, now, spec))
+    return replace(w, **changes)
+
+
+def _feedback_changes(w: Window, event: Event, now: float, spec: RewardSpec) -> dict[str, Any]:
+    """The fields a feedback event changes besides its id, its time and the feedback count."""
+    ts = event.ts.timestamp()
     if isinstance(event, EditAccepted | EditRejected):
         accepted = isinstance(event, EditAccepted)
-        if supersedes(w.decision, ts, accepted):
-            changes.update(decision=(ts, accepted), decided_at=now)
-    elif isinstance(event, EditPersistence):
-        old_p = w.persistence.get(event.horizon_s)
-        if old_p is None or ts >= old_p[0]:
-            changes["persistence"] = {
-                **w.persistence, event.horizon_s: (ts, event.retained_chars, event.inserted_chars)}
-        if event.horizon_s >= spec.persistence.max_horizon_s and w.final_horizon_at is None:
-            changes["final_horizon_at"] = now
-    elif isinstance(event, FollowupDissatisfied):
-        changes["dissatisfied"] = w.dissatisfied + 1
-    return replace(w, **changes)
+        return {"decision": (ts, accepted), "decided_at": now} if supersedes(w.decision, ts, accepted) else {}
+    if isinstance(event, EditPersistence):
+        return _persistence_changes(w, event, ts, now, spec)
+    if isinstance(event, FollowupDissatisfied):
+        return {"dissatisfied": w.dissatisfied + 1}
+    return {}
+
+
+def _persistence_changes(w: Window, event: EditPersistence, ts: float, now: float,
+                         spec: RewardSpec) -> dict[str, Any]:
+    """The latest report per horizon wins (by producer ts; a later-applied one wins a tie);
+    the largest horizon's first report is when the window may close."""
+    changes: dict[str, Any] = {}
+    old_p = w.persistence.get(event.horizon_s)
+    if old_p is None or ts >= old_p[0]:
+        changes["persistence"] = {
+            **w.persistence, event.horizon_s: (ts, event.retained_chars, event.inserted_chars)}
+    if event.horizon_s >= spec.persistence.max_horizon_s and w.final_horizon_at is None:
+        changes["final_horizon_at"] = now
+    return changes
 
 
 def due_at(window: Window, spec: RewardSpec, time_scale: float = 1.0) -> float:

@@ -25,10 +25,14 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from deployer.canary import CanaryStatus, Command
+import redis
+
 from deployer.ledger import TAG_GATE
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
+from deployer.status import CanaryStatus, Command
+from services.runtime import settings as runtime_settings
 from services.runtime.settings import Settings
+from services.serve_deployer import Controller, RewardReader, build_ports
 
 COHORT_ROWS = ("n", "users", "reward_mean", "acceptance", "persistence", "latency_mean_ms",
                "latency_p95_ms", "dissatisfied_rate", "edit_rate", "invalid_tool_rate", "error_rate")
@@ -103,8 +107,6 @@ def render_history(rows: list[dict[str, Any]]) -> str:
 
 
 def _status(settings: Settings, as_json: bool) -> int:
-    from services.serve_deployer import build_ports
-
     ports = build_ports(settings)
     status, holder = ports.state.load(), ports.state.holder()
     routing = ports.routing.read()  # type: ignore[attr-defined]
@@ -135,8 +137,6 @@ def _history(settings: Settings, limit: int, as_json: bool) -> int:
 # ---------------------------------------------------------------------------- commands
 def send(settings: Settings, command: Command, timeout_s: float) -> tuple[int, str]:
     """Queue ``command`` and wait for its result; run a tick here when no controller runs."""
-    from services.serve_deployer import Controller, RewardReader, build_ports
-
     ports = build_ports(settings, owner=f"cli-{command.by}-{command.id}")
     ports.state.push(command)
     deadline = time.monotonic() + timeout_s
@@ -182,15 +182,11 @@ def _parser(name: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """``argv[0]`` is the command name (status, history, promote, rollback, pause, resume)."""
-    from services.runtime.settings import get_settings
-
     if not argv or argv[0] not in ("status", "history", "promote", "rollback", "pause", "resume"):
         print(__doc__, file=sys.stderr)
         return 2
     name, args = argv[0], _parser(argv[0]).parse_args(argv[1:])
-    settings = get_settings()
-    import redis
-
+    settings = runtime_settings.get_settings()  # looked up at call time: tests substitute it
     try:
         return _run(name, args, settings)
     except (redis.RedisError, ConnectionError, TimeoutError) as exc:

@@ -20,7 +20,10 @@ when the broker refused or the send timed out.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +33,8 @@ from ingest.events import CompletionServed
 from services.runtime.event_producer import EventProducer
 from services.runtime.kafka_io import make_producer
 from services.runtime.metrics import GATEWAY_EXPOSURES
-from services.runtime.settings import GatewaySettings
+from services.runtime.process import setup_logging
+from services.runtime.service_settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +188,6 @@ class ExposureProcess:
     """
 
     def __init__(self, settings: Any, maxsize: int = 10_000) -> None:
-        import multiprocessing as mp
-
         ctx = mp.get_context("spawn")  # never fork a process that runs torch and threads
         self._queue: Any = ctx.Queue(maxsize=maxsize)
         self._counts: Any = ctx.Array("q", len(RESULTS))
@@ -248,13 +250,8 @@ class ExposureProcess:
 
 
 def _child_main(settings: Any, maxsize: int, q: Any, counts: Any, healthy: Any) -> None:
-    import os
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from services.runtime.process import setup_logging
-
     setup_logging(settings.log_level, "gateway-exposures")
     parent = os.getppid()
     index = {r: i for i, r in enumerate(RESULTS)}

@@ -34,7 +34,7 @@ from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.upstream import UpstreamError
 from services.runtime.health import Health
 from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
-from services.runtime.settings import GatewaySettings
+from services.runtime.service_settings import GatewaySettings
 from trainer.tokens import completion_kind
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from services.gateway.models import Generation
-from services.runtime.settings import UpstreamSettings
+from services.runtime.service_settings import UpstreamSettings
 
 LOGPROB_FLOOR = -1000.0
 TOKEN_ID_PREFIX = "token_id:"  # noqa: S105 (vLLM's token id marker, not a secret)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, SecretStr
 
 from ingest.auth import sign
+from services.runtime.kafka_io import make_producer
 from services.runtime.settings import Settings
 
 
@@ -57,8 +58,6 @@ class EventProducer:
         self._auth = settings.auth
         self.topic = topic or settings.topics.raw
         if producer is None:
-            from services.runtime.kafka_io import make_producer
-
             producer = make_producer(settings.kafka)
         self._producer = producer
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import os
 
+from redis import RedisError
+from requests import RequestException
+
 from services.runtime.settings import MlflowSettings
 
 TIMEOUT_VAR = "MLFLOW_HTTP_REQUEST_TIMEOUT"
@@ -31,8 +34,6 @@ def bound_mlflow_http(m: MlflowSettings) -> dict[str, str]:
 def dependency_of(exc: BaseException) -> str | None:
     """Which dependency an exception from a deployer tick came from: mlflow, redis, kafka or None."""
     from mlflow.exceptions import MlflowException
-    from redis import RedisError
-    from requests import RequestException
 
     seen: set[int] = set()
     cur: BaseException | None = exc

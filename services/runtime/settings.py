@@ -4,6 +4,10 @@ Every service builds one frozen settings object at start-up from ``RTRL_*`` vari
 (nested fields use ``__``, e.g. ``RTRL_KAFKA__BOOTSTRAP_SERVERS``). The same code runs
 against the embedded stack (``rtrl up``) and against production Kafka, Redis and MLflow:
 only these values change. Secrets are ``SecretStr`` so they never print in logs or reprs.
+
+This module holds the infrastructure sections (Kafka, topics, Redis, MLflow, Ray, auth,
+HTTP, the embedded stack) and ``Settings``, which composes them with the per-service
+sections of services/runtime/service_settings.py.
 """
 
 from __future__ import annotations
@@ -13,15 +17,22 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.runtime.service_settings import (
+    DemoSettings,
+    DeployerSettings,
+    GatewaySettings,
+    IngestSettings,
+    RewardSettings,
+    Section,
+    SimulatorSettings,
+    TrainerSettings,
+)
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
-
-class KafkaSettings(_Frozen):
+class KafkaSettings(Section):
     """How to reach the Kafka-protocol broker."""
 
     bootstrap_servers: str = "127.0.0.1:9092"
@@ -60,7 +71,7 @@ class KafkaSettings(_Frozen):
         return kw
 
 
-class TopicSettings(_Frozen):
+class TopicSettings(Section):
     """Topic names (the v1 contract's defaults) and how rtrl creates them when absent."""
 
     raw: str = "rtrl.raw.v1"
@@ -78,14 +89,14 @@ class TopicSettings(_Frozen):
     """Create missing topics at start-up (turn off where topics are managed, e.g. Strimzi KafkaTopic)."""
 
 
-class RedisSettings(_Frozen):
+class RedisSettings(Section):
     url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     """redis:// or rediss:// URL; may carry a password, hence secret."""
     key_prefix: str = "rtrl:"
     """Prefix for every key rtrl writes, so several installs can share one Redis."""
 
 
-class MlflowSettings(_Frozen):
+class MlflowSettings(Section):
     tracking_uri: str = "http://127.0.0.1:5000"
     registered_model: str = "rtrl-policy"
     training_experiment: str = "rtrl-training"
@@ -100,7 +111,7 @@ class MlflowSettings(_Frozen):
     replays POSTs. An MLFLOW_HTTP_REQUEST_* variable set in the environment wins over both."""
 
 
-class RaySettings(_Frozen):
+class RaySettings(Section):
     address: str | None = None
     """Existing Ray cluster (e.g. ray://head:10001 or auto). None: start local Ray."""
     num_cpus: int = 2
@@ -109,7 +120,7 @@ class RaySettings(_Frozen):
     use_gpu: bool = False
 
 
-class AuthSettings(_Frozen):
+class AuthSettings(Section):
     """Producer authentication for the raw topic (HMAC-SHA256 over the payload)."""
 
     keys: dict[str, SecretStr] = Field(default_factory=dict)
@@ -120,339 +131,13 @@ class AuthSettings(_Frozen):
     key_id_header: str = "rtrl-key-id"
 
 
-class IngestSettings(_Frozen):
-    """The ingest service: validation limits, dedup, batching and transactions."""
-
-    max_bytes: int = 256 * 1024
-    """Largest accepted record value in bytes; larger ones go to the DLQ as ``oversized``
-    before any parsing."""
-    max_future_skew_s: float = 300.0
-    """An event whose ``ts`` is more than this ahead of the ingest clock is ``ts_future``."""
-    max_age_s: float = 7 * 86_400.0
-    """An event whose ``ts`` is older than this is ``ts_too_old``."""
-    dedup_ttl_s: int = 7 * 86_400
-    """How long an ``event_id`` is remembered in Redis for duplicate detection. Keep it
-    at least ``max_age_s``: older events are rejected anyway."""
-    dlq_duplicates: bool = False
-    """Also dead-letter duplicates (reason ``duplicate``); by default they are counted and
-    dropped, because producer retries make them routine."""
-    group_id: str = "rtrl-ingest"
-    """Consumer group of the ingest workers."""
-    max_batch: int = 500
-    """Most records per poll; one Kafka transaction covers one polled batch."""
-    poll_timeout_ms: int = 500
-    max_poll_interval_ms: int = 30_000
-    """A worker that does not poll for this long leaves the group. It is also how long a
-    rebalance waits for members to rejoin, so it bounds the stall after a worker dies."""
-    instance_id: str | None = None
-    """Stable identity of one worker replica (e.g. its pod name). When set, it is the
-    consumer's ``group.instance.id`` (static membership: a restarted worker takes its
-    partitions back at once, without a rebalance) and part of the transactional id (the
-    restarted worker fences its predecessor and aborts its open transaction at once).
-    None: dynamic membership and a transactional id unique to the process. Two live
-    workers must never share one."""
-    transaction_timeout_ms: int = 15_000
-    """The broker aborts a transaction left open this long (e.g. by a killed worker);
-    read_committed consumers of the events topic wait at most this long behind it."""
-
-
-class RewardSettings(_Frozen):
-    """The reward join service: batching, timers, transactions and the emitted markers."""
-
-    group_id: str = "rtrl-reward"
-    """Consumer group of the reward workers (on the events topic)."""
-    max_batch: int = 500
-    """Most events per poll; one Kafka transaction covers one polled batch and its closes."""
-    poll_timeout_ms: int = 200
-    """Longest wait for new events; due windows are checked after every poll, so this bounds
-    how late a timer fires when no events arrive."""
-    max_close_per_batch: int = 2000
-    """Most windows closed in one transaction (the rest close on the next loop)."""
-    time_scale: float = 1.0
-    """Multiplies every duration of the reward spec's window (horizons, grace, follow-up)
-    when deciding *when* a window closes; horizons keep their names. 0.01 makes a 1 h
-    horizon close after 36 s (demos, tests). Production: 1.0."""
-    emitted_ttl_s: int = 7 * 86_400
-    """How long Redis remembers that a request's reward was emitted; events for it within
-    this time are counted as late. Keep it above the largest horizon plus any client delay."""
-    transactional_id: str | None = None
-    """Transactional id. None: ``rtrl-reward-<host>-<pid>-<random>``, unique per process.
-    Set a stable id per replica (e.g. the StatefulSet pod name) so a restarted worker aborts
-    its predecessor's open transaction at once instead of after ``transaction_timeout_ms``."""
-    transaction_timeout_ms: int = 15_000
-    """The broker aborts a transaction left open this long (e.g. by a killed worker)."""
-    group_instance_id: str | None = None
-    """Static consumer-group membership (KIP-345): a stable id per replica (e.g. the pod
-    name) lets a restarted worker take its partitions back at once, without waiting for
-    the broker to expire the dead member. Strongly recommended on noida-db, which does not
-    expire a SIGKILLed member in useful time."""
-
-
-class GateSettings(_Frozen):
-    """The offline gate every candidate passes before it may be canaried."""
-
-    max_kl: Annotated[float, Field(gt=0.0)] = 2.0
-    """Budget for KL(parent || candidate) in nats per completion on held-out records."""
-    min_ess: Annotated[float, Field(ge=0.0, le=1.0)] = 0.2
-    """Smallest effective sample size of the importance weights, as a share of held-out records."""
-    max_regression: Annotated[float, Field(ge=0.0)] = 0.1
-    """Fail when the upper confidence bound of the candidate's estimated reward is this far
-    below the logged (behavior) reward: a clear regression."""
-    truncate: Annotated[float, Field(gt=1.0)] = 2.0
-    """Per-token importance ratios are truncated at this value in the gate's estimate."""
-    z: Annotated[float, Field(gt=0.0)] = 1.96
-    """Normal quantile of the confidence interval (1.96: 95%)."""
-    min_heldout: Annotated[int, Field(ge=0)] = 20
-    """Fewer held-out records: the estimate is reported but not used to fail the candidate."""
-    max_abs_loss: Annotated[float, Field(gt=0.0)] = 1e4
-    """A training loss larger than this (in magnitude) fails the candidate."""
-
-
-class TrainerSettings(_Frozen):
-    """RL increments (``rtrl serve trainer``, ``rtrl train --now``, ``rtrl bootstrap``)."""
-
-    interval_s: Annotated[float, Field(gt=0.0)] = 5 * 3600.0
-    """Seconds between scheduled increments (demos: a minute or two)."""
-    misfire_grace_s: Annotated[int, Field(ge=1)] = 3600
-    """A run missed (trainer down) by less than this still runs once at start-up."""
-    run_on_start: bool = False
-    """Also start one increment as soon as the scheduler starts."""
-    data_dir: Path = Path(".rtrl/trainer")
-    """Scheduler job store, the pending window, Ray checkpoints and scratch space. On a Ray
-    cluster, ``ray_storage`` must be shared storage instead."""
-    ray_storage: str | None = None
-    """Ray Train storage_path (e.g. s3://bucket/rtrl); None: ``<data_dir>/ray``."""
-    consumer_group: str = "rtrl-trainer"
-    """Consumer group whose committed offsets on the rewards topic mark the last window's cut."""
-    min_records: Annotated[int, Field(ge=1)] = 64
-    """A window with fewer training records is skipped (and recorded) instead of trained."""
-    max_records: Annotated[int, Field(ge=1)] = 200_000
-    """Most records in one window; the rest wait for the next increment."""
-    heldout_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
-    """Share of the window (chosen by request_id hash) kept out of training for the gate."""
-    group_size: Annotated[int, Field(ge=2)] = 8
-    """Samples per advantage group (same-prompt groups when prompts repeat)."""
-    normalize_std: bool = False
-    """Divide advantages by the group's reward standard deviation (off: Dr. GRPO)."""
-    train_on: Literal["champions", "all"] = "champions"
-    """``champions``: learn only from completions served by versions that were champion; the
-    records of canaries rolled back, aborted or undecided are consumed but not trained on."""
-    batch_size: Annotated[int, Field(ge=1)] = 32
-    epochs: Annotated[int, Field(ge=1)] = 1
-    """Passes over the window (1: each record trained once)."""
-    lr: Annotated[float, Field(gt=0.0)] = 3e-4
-    """Adam learning rate (all parameters)."""
-    max_grad_norm: Annotated[float, Field(gt=0.0)] = 1.0
-    clip_low: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.2
-    """PPO clip: ratios to the parent below 1 - clip_low stop pulling."""
-    clip_high: Annotated[float, Field(ge=0.0)] = 0.28
-    """PPO clip: ratios to the parent above 1 + clip_high stop pushing."""
-    truncate_is: Annotated[float, Field(gt=0.0)] = 2.0
-    """Truncation of the parent/behavior importance weights (staleness correction)."""
-    kl_coef: Annotated[float, Field(ge=0.0)] = 0.02
-    """Weight of the k1 KL term to the parent checkpoint."""
-    checkpoint_every: Annotated[int, Field(ge=1)] = 50
-    """Steps between Ray Train checkpoints (a killed increment resumes from the last one).
-    A Ray checkpoint is persisted synchronously (~0.5 s for the default policy), so a short
-    cadence costs throughput: with steps of ~0.15 s, every 10 steps the job ran at 0.83 of
-    the plain loop, every 50 at 1.07 (docs/benchmarks.md). A kill loses at most this many
-    steps of work."""
-    registry_retry_s: Annotated[float, Field(ge=0.0)] = 300.0
-    """After training, each MLflow call (step metrics, register, offer the candidate, close the
-    run) is retried for this long (backoff 1 s doubling to 15 s) before the increment fails with
-    its window pending; the next run then registers it. A window never gets two versions."""
-    stop_grace_s: Annotated[float, Field(ge=0.0)] = 60.0
-    """On SIGTERM, wait this long for a running increment to finish; after that the process
-    exits and the next run resumes the same window from its last checkpoint."""
-    seed: int = 0
-    policy_kind: str = "tiny-transformer"
-    """Kind of a policy made from scratch by ``rtrl bootstrap`` (hf: pass --hf-model)."""
-    gate: GateSettings = GateSettings()
-
-
-class HttpSettings(_Frozen):
+class HttpSettings(Section):
     host: str = "127.0.0.1"
     port: int = 0
     """Port for /metrics, /healthz and /readyz; 0 picks a free port (printed at start)."""
 
 
-class UpstreamSettings(_Frozen):
-    """One OpenAI-compatible inference endpoint behind the gateway (upstream mode)."""
-
-    base_url: str
-    """Base URL without the ``/v1/completions`` path, e.g. ``http://vllm-stable:8000``."""
-    model: str
-    """Model name sent in the request body (as the inference server knows it)."""
-    api_key: SecretStr | None = None
-    """Sent as ``Authorization: Bearer ...`` when set."""
-    version: str | None = None
-    """Version label for served events when the routing table names none for this arm."""
-
-
-class GatewaySettings(_Frozen):
-    """The serving gateway (``rtrl serve gateway``): HTTP API, routing, exposure logging."""
-
-    host: str = "127.0.0.1"
-    """Address the API binds to; 0.0.0.0 in containers."""
-    port: int = 8080
-    """Port of the API, which also serves /metrics, /healthz and /readyz."""
-    max_body_bytes: int = 64 * 1024
-    """Larger request bodies are refused with 413 before they are read."""
-    routing_poll_s: float = 1.0
-    """How often the routing table is read from Redis (weight changes apply within this)."""
-    champion_refresh_s: float = 10.0
-    """How often the registry's ``champion`` alias is re-read when Redis names no stable version."""
-    load_retry_s: float = 30.0
-    """Wait before retrying a model version that failed to load."""
-    default_max_tokens: int = Field(16, ge=1, le=256)
-    """max_tokens of a request that does not say."""
-    simulated_ms_per_token: float = Field(0.0, ge=0.0)
-    """Simulated generation cost added to each completion's reported latency_ms (demo)."""
-    sleep_simulated_latency: bool = False
-    """Also sleep the simulated cost before answering, so clients feel it."""
-    key_id: str | None = "gateway"
-    """Key id that signs completion.served events; None sends them unsigned (development)."""
-    secret: SecretStr | None = None
-    """Signing secret; None: the secret of ``key_id`` in ``auth.keys``."""
-    exposure_queue: int = 10_000
-    """Served events waiting for the broker; beyond this they are dropped and counted."""
-    exposure_process: bool = True
-    """Run the Kafka producer of served events in a child process, so its CPU work never
-    holds the gateway's GIL (false: a background thread in the gateway process)."""
-    exposure_linger_ms: int = 50
-    """Producer batching delay for served events: larger batches cost the gateway far less
-    CPU per event (kafka-python: ~1.3 ms per event unbatched vs ~0.5 ms at 50 ms)."""
-    model_cache_dir: Path | None = None
-    """Where downloaded model versions are kept; None: a temporary directory."""
-    torch_threads: int = 1
-    """Intra-op threads per generation; 1 keeps concurrent requests from fighting for cores."""
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    """Local policies: EOS cannot end a completion before this many tokens (1: never an empty
-    answer; the logged log-probabilities are those of the distribution actually sampled).
-    For an upstream, set its own equivalent (vLLM's ``min_tokens``)."""
-    stable_upstream: UpstreamSettings | None = None
-    """Upstream mode: forward the stable arm to this endpoint instead of a local policy."""
-    canary_upstream: UpstreamSettings | None = None
-    """Upstream mode: endpoint of the canary arm (None: no canary in upstream mode)."""
-    upstream_timeout_s: float = 30.0
-    upstream_token_ids: Literal["require", "hash"] = "require"  # noqa: S105 (a mode, not a secret)
-    """How upstream completion tokens become token ids in served events: ``require`` asks
-    the server for ids (vLLM ``return_tokens_as_token_ids``) and fails the request (502)
-    when it returns text tokens; ``hash`` maps text tokens to stable 31-bit hashes."""
-
-
-class SimulatorSettings(_Frozen):
-    """Simulated users (``rtrl serve simulator``): they call the gateway and send the client
-    events of the contract (accept/reject, persistence at horizons, dissatisfied follow-ups)."""
-
-    gateway_url: str = "http://127.0.0.1:8080"
-    """Base URL of the gateway's HTTP API."""
-    seed: int = 0
-    """Seeds the world (tasks, preferences), the population and every reaction."""
-    n_users: int = 200
-    """Simulated users; each has a user_key, a type from the mix and hidden preferences."""
-    user_mix: dict[str, float] = Field(default_factory=dict)
-    """Overrides of the user types' shares by name (patient, typical, impatient),
-    e.g. RTRL_SIMULATOR__USER_MIX='{"impatient": 0.6}'. Empty: the default mix."""
-    ambiguous_share: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
-    """Share of requests on ambiguous tasks, where asking a question beats guessing."""
-    concurrency: Annotated[int, Field(ge=1)] = 4
-    """Requests in flight at once (one thread each)."""
-    rate_per_s: Annotated[float, Field(ge=0.0)] = 20.0
-    """Target requests per second over all users; 0: as fast as the gateway answers."""
-    max_tokens: Annotated[int, Field(ge=1, le=256)] = 24
-    temperature: Annotated[float, Field(gt=0.0)] = 1.0
-    time_scale: Annotated[float, Field(gt=0.0)] = 1.0
-    """Multiplies the reward spec's horizons and the users' delays (same meaning as
-    ``reward.time_scale``; set both to the same value): 0.005 sends the 1 h persistence
-    report 18 s after the edit."""
-    accept_delay_s: Annotated[float, Field(ge=0.0)] = 2.0
-    """Seconds (before time_scale) between a completion and the user's accept/reject."""
-    followup_delay_s: Annotated[float, Field(ge=0.0)] = 20.0
-    """Seconds (before time_scale) between the reaction and a dissatisfied follow-up."""
-    max_requests: Annotated[int, Field(ge=0)] = 0
-    """Stop after this many requests (0: run until stopped)."""
-    request_timeout_s: float = 10.0
-    key_id: str | None = "simulator"
-    """Key id that signs the client events; None sends them unsigned (development)."""
-    secret: SecretStr | None = None
-    """Signing secret; None: the secret of ``key_id`` in ``auth.keys``."""
-
-
-class DemoSettings(_Frozen):
-    """``rtrl demo``: the closed loop on an embedded stack (flags override these)."""
-
-    data_dir: Path = Path(".rtrl/demo")
-    """The demo's own stack, registry and logs; wiped at the start of each run."""
-    report_dir: Path = Path("reports")
-    minutes: Annotated[float, Field(gt=0.0)] = 15.0
-    """Wall-clock budget of the whole demo, from the stack's start until it is stopped: the
-    loop gets what the stack start and the bootstrap leave, less a reserve for stopping."""
-    increments: Annotated[int, Field(ge=1)] = 4
-    """Stop early once this many trainer increments have been decided by the deployer."""
-    until_promoted: bool = False
-    """Count only promoted increments towards ``increments`` (the e2e test: run until the loop
-    has promoted one by itself, within the time budget)."""
-    time_scale: Annotated[float, Field(gt=0.0)] = 0.005
-    """Time compression of reward windows and simulated users (1 h -> 18 s at 0.005)."""
-    trainer_cadence_s: Annotated[float, Field(gt=0.0)] = 150.0
-    """Seconds between scheduled RL increments during the demo (production: 5 h)."""
-    simulated_ms_per_token: float = 40.0
-    """Simulated generation cost per token added to latency_ms by the gateway (large enough
-    that the real, load-dependent generation time on a busy 2-core machine is a small part)."""
-    bad_candidate: Literal["reward-hacked", "corrupted", "none"] = "reward-hacked"
-    """The deliberately bad candidate injected once: a policy that asks questions instead
-    of editing, or the champion with corrupted weights."""
-    bad_candidate_after_decisions: Annotated[int, Field(ge=0)] = 0
-    """Inject the bad candidate once this many canaries have been decided (0: as soon as the
-    champion has a baseline, before the first increment is ready)."""
-    progress_every_s: Annotated[float, Field(gt=0.0)] = 5.0
-    sim_rate_per_s: Annotated[float, Field(ge=0.0)] = 25.0
-    sim_users: int = 300
-    seed: int = 0
-    no_edit_penalty: Annotated[float, Field(ge=0.0)] = 0.5
-    """The demo reward spec's ``no_edit`` penalty for a question or an empty completion (0:
-    the packaged spec's none; the increments then learn to answer ambiguous tasks with no
-    edit, which the edit-rate detector catches)."""
-
-
-class DeployerSettings(_Frozen):
-    """``rtrl serve deployer``: the canary controller, its schedule and the judge's knobs."""
-
-    tick_s: Annotated[float, Field(gt=0.0)] = 30.0
-    """Seconds between controller ticks (read status, judge, act, persist)."""
-    steps: tuple[float, ...] = (0.01, 0.05, 0.25, 0.5)
-    """Canary weights in order, each in (0, 1). Promotion is the final 100% (the candidate
-    becomes the stable version), so 1.0 is not listed. Env: RTRL_DEPLOYER__STEPS='[0.01,0.1]'."""
-    bake_s: Annotated[float, Field(ge=0.0)] = 600.0
-    """Least seconds on each step before stepping up (and before promoting from the last)."""
-    max_duration_s: Annotated[float, Field(gt=0.0)] = 6 * 3600.0
-    """Budget of one canary; still undecided after it, the canary is aborted (inconclusive)."""
-    max_errors: Annotated[int, Field(ge=1)] = 5
-    """Consecutive ticks whose observations failed before the canary is aborted."""
-    lease_ttl_s: Annotated[float, Field(gt=0.0)] = 90.0
-    """The controller lease in Redis expires this long after the last renewal, so a killed
-    controller's successor takes over after at most this long (keep it > 2 x tick_s)."""
-    judge_alpha: Annotated[float, Field(gt=0.0, lt=0.5)] = 0.01
-    """The judge's false-rollback rate for an A/A canary, checked at every tick."""
-    judge_min_users: Annotated[int, Field(ge=1)] = 200
-    """No statistical decision before each arm has this many users."""
-    judge_max_users: Annotated[int, Field(ge=1)] = 20_000
-    """Sample budget in users per arm; spent without a decision, the canary is aborted."""
-    judge_max_error_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 0.05
-    """Guardrail: the canary's error-rate ceiling (rolls back at once)."""
-    judge_max_p99_latency_ms: Annotated[float, Field(gt=0.0)] = 10_000.0
-    """Guardrail: the canary's p99 latency ceiling in ms (rolls back at once)."""
-    judge_min_requests: Annotated[int, Field(ge=1)] = 200
-    """Guardrails look only once the canary served this many requests."""
-    judge_mde: dict[str, float] = Field(default_factory=dict)
-    """Minimum detectable effect per judged metric, overriding the judge's defaults (see
-    docs/judge.md), e.g. RTRL_DEPLOYER__JUDGE_MDE='{"reward": 0.1, "persistence": 0.05}'."""
-    poll_timeout_ms: Annotated[int, Field(ge=1)] = 500
-    """Longest wait for new reward records in one tick."""
-
-
-class StackSettings(_Frozen):
+class StackSettings(Section):
     """The embedded default stack started by ``rtrl up``."""
 
     data_dir: Path = Path(".rtrl")

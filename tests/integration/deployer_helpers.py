@@ -14,7 +14,8 @@ from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.ledger import TAG_GATE
 from ingest.events import ModelRef, RewardRecord
 from services.runtime.kafka_io import ensure_topics, make_producer
-from services.runtime.settings import DeployerSettings, MlflowSettings, Settings
+from services.runtime.service_settings import DeployerSettings
+from services.runtime.settings import MlflowSettings, Settings
 
 QUALITY = {
     # arm quality -> (reward mean, acceptance probability, persistence mean, latency mean)

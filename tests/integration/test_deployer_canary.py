@@ -13,8 +13,8 @@ from deployer_helpers import deployer_settings, feed_rewards, register_versions
 
 from deployer.adapters.ledger_mlflow import PLOT_ARTIFACT, SUMMARY_ARTIFACT, MlflowLedger
 from deployer.adapters.redis_state import RedisRouting
-from deployer.canary import CanaryStatus, Phase
 from deployer.ledger import TAG_CANARY_ID, TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
+from deployer.status import CanaryStatus, Phase
 from services.runtime.settings import Settings
 from services.serve_deployer import Controller, RewardReader, build_ports
 

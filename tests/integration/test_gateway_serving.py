@@ -25,7 +25,8 @@ from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_EXPOSURES, GATEWAY_MODEL_LOADS
 from services.runtime.redis_io import make_redis
-from services.runtime.settings import GatewaySettings, MlflowSettings, Settings
+from services.runtime.service_settings import GatewaySettings
+from services.runtime.settings import MlflowSettings, Settings
 from services.serve_gateway import build
 from trainer.policy import TinyConfig, TinyTransformer, write_manifest
 

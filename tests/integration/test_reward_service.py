@@ -20,7 +20,8 @@ from reward_helpers import (
 
 from ingest.reward.spec import load_spec
 from services.runtime.process import Stopper
-from services.runtime.settings import RewardSettings, Settings
+from services.runtime.service_settings import RewardSettings
+from services.runtime.settings import Settings
 from services.serve_reward import RewardWorker
 
 

@@ -141,14 +141,21 @@ class _Valid:
                       f"valid/{ev.type}", ev.event_id)
 
     def plan(self, i: int) -> Plan:
-        rng = self.rng
         rid = f"fz{self.seed}-r{i}"
         t0 = self.now - timedelta(seconds=3700 - i * 0.01)  # the 3610 s report stays in the past
-        kind = rng.choices(["edit", "question", "empty"], [0.7, 0.15, 0.15])[0]
+        kind = self.rng.choices(["edit", "question", "empty"], [0.7, 0.15, 0.15])[0]
+        plan = Plan(self.served(i, rid, t0, kind), [])
+        feedback = _Feedback(self, plan, t0)
+        if kind != "edit":
+            return _plan_no_edit(plan, feedback, kind)
+        return _plan_edit(plan, feedback)
+
+    def served(self, i: int, rid: str, t0: datetime, kind: str) -> CompletionServed:
+        rng = self.rng
         tools = rng.randint(0, 3)
         n_out = rng.randint(0, 6) if kind == "edit" else rng.randint(1, 3)
         served_ts = self.now + timedelta(seconds=200) if rng.random() < 0.05 else t0  # tolerated skew
-        served = CompletionServed(
+        return CompletionServed(
             event_id=self.eid(rid, "s"), request_id=rid, ts=served_ts, session_id=f"sess-{i % 17}",
             user_key=f"user-{i % 53}", model=ModelRef(name="rtrl-policy", version=str(1 + i % 3)),
             arm=rng.choice(["stable", "canary"]),
@@ -158,81 +165,133 @@ class _Valid:
             latency_ms=round(rng.uniform(0, 6000), 3), tool_calls=tools,
             invalid_tool_calls=rng.randint(0, tools), completion_kind=kind,
         )
-        plan = Plan(served, [])
 
-        def at(s: float) -> datetime:
-            return t0 + timedelta(seconds=s)
 
-        def decide(accept: bool, s: float, chars: int = 100) -> Event:
-            plan.decisions.append((at(s).timestamp(), accept))
-            cls = EditAccepted if accept else EditRejected
-            return cls(event_id=self.eid(rid, "a" if accept else "r"), request_id=rid, ts=at(s),
-                       inserted_chars=chars)
+class _Feedback:
+    """The feedback events of one planned request, ``s`` seconds after its start; each is
+    recorded in the plan, so the plan knows what the join must conclude."""
 
-        def persist(h: int, s: float, kept: int, chars: int = 100) -> Event:
-            plan.persistence.append((h, at(s).timestamp(), kept, chars))
-            return EditPersistence(event_id=self.eid(rid, "p"), request_id=rid, ts=at(s), horizon_s=h,
-                                   retained_chars=kept, inserted_chars=chars)
+    def __init__(self, valid: _Valid, plan: Plan, t0: datetime) -> None:
+        self.valid = valid
+        self.rng = valid.rng
+        self.plan = plan
+        self.rid = plan.served.request_id
+        self.t0 = t0
 
-        def unhappy(s: float) -> Event:
-            plan.dissatisfied += 1
-            return FollowupDissatisfied(event_id=self.eid(rid, "d"), request_id=rid, ts=at(s),
-                                        reason=rng.choice([None, "wrong", "too slow", "ünïcödé ✓"]))
+    def at(self, s: float) -> datetime:
+        return self.t0 + timedelta(seconds=s)
 
-        if kind != "edit":
-            # the served event closes the window (after the follow-up time): it goes last
-            scenario = rng.choice(["quiet", "dissatisfied", "ignored_edit_events"])
-            feedback: list[Event] = []
-            if scenario == "dissatisfied":
-                feedback = [unhappy(5)]
-            elif scenario == "ignored_edit_events":  # no edit proposed: these must not count
-                feedback = [decide(True, 2), persist(30, 40, 50)]
-            plan.events = [*feedback, served]
-            plan.scenario = f"{kind}/{scenario}"
-            return plan
+    def decide(self, accept: bool, s: float, chars: int = 100) -> Event:
+        self.plan.decisions.append((self.at(s).timestamp(), accept))
+        cls = EditAccepted if accept else EditRejected
+        return cls(event_id=self.valid.eid(self.rid, "a" if accept else "r"), request_id=self.rid,
+                   ts=self.at(s), inserted_chars=chars)
 
-        scenario = rng.choice(["full", "partial", "rejected", "conflict_accept_wins",
-                               "conflict_reject_wins", "tie", "quiet", "restated", "zero_inserted"])
-        chars = rng.randint(1, 400)
-        kept = [rng.randint(0, chars) for _ in range(3)]
-        fb: list[Event]
-        last: list[Event] = []
-        if scenario == "full":
-            fb = [decide(True, 2, chars), persist(30, 40, kept[0], chars), persist(600, 610, kept[1], chars)]
-            if rng.random() < 0.3:
-                fb.append(unhappy(20))
-            last = [persist(3600, 3610, kept[2], chars)]
-        elif scenario == "partial":  # no final horizon: closes at the due time
-            fb = [decide(True, 2, chars), persist(30, 40, kept[0], chars)]
-            if rng.random() < 0.5:
-                fb.append(persist(600, 610, kept[1], chars))
-        elif scenario == "rejected":
-            fb = [unhappy(10)] if rng.random() < 0.5 else []
-            last = [decide(False, 3)]
-        elif scenario == "conflict_accept_wins":
-            # the later-ts accept is sent first, the older reject after it: the accept stands.
-            # (Sent the other way round, the reject would close the window follow-up time
-            # after it was seen, and an accept processed later would be late: by design.)
-            fb = [persist(30, 40, kept[0], chars)]
-            last = [decide(True, 9, chars), decide(False, 4)]
-        elif scenario == "conflict_reject_wins":  # the later-ts reject is sent first; it closes
-            fb = [persist(30, 40, kept[0], chars)]
-            last = [decide(False, 9), decide(True, 4, chars)]
-        elif scenario == "tie":  # same ts: reject wins
-            fb = [decide(True, 5, chars)]
-            last = [decide(False, 5)]
-        elif scenario == "quiet":  # no feedback at all: the spec's default
-            fb = []
-        elif scenario == "restated":  # a horizon reported twice, the newer report sent first
-            fb = [decide(True, 2, chars), persist(600, 700, kept[1], chars),
-                  persist(600, 650, kept[0], chars)]
-        else:  # zero_inserted: a ratio with no inserted chars is unusable
-            fb = [decide(True, 2, 0), persist(600, 610, 0, 0)]
-        rng.shuffle(fb)
-        pos = rng.randint(0, len(fb))  # feedback may come before the served event
-        plan.events = [*fb[:pos], served, *fb[pos:], *last]
-        plan.scenario = f"edit/{scenario}"
-        return plan
+    def persist(self, h: int, s: float, kept: int, chars: int = 100) -> Event:
+        self.plan.persistence.append((h, self.at(s).timestamp(), kept, chars))
+        return EditPersistence(event_id=self.valid.eid(self.rid, "p"), request_id=self.rid, ts=self.at(s),
+                               horizon_s=h, retained_chars=kept, inserted_chars=chars)
+
+    def unhappy(self, s: float) -> Event:
+        self.plan.dissatisfied += 1
+        return FollowupDissatisfied(event_id=self.valid.eid(self.rid, "d"), request_id=self.rid,
+                                    ts=self.at(s), reason=self.rng.choice([None, "wrong", "too slow",
+                                                                           "ünïcödé ✓"]))
+
+
+def _plan_no_edit(plan: Plan, f: _Feedback, kind: str) -> Plan:
+    """A question or an empty completion: the served event closes the window (after the
+    follow-up time), so it goes last."""
+    scenario = f.rng.choice(["quiet", "dissatisfied", "ignored_edit_events"])
+    feedback: list[Event] = []
+    if scenario == "dissatisfied":
+        feedback = [f.unhappy(5)]
+    elif scenario == "ignored_edit_events":  # no edit proposed: these must not count
+        feedback = [f.decide(True, 2), f.persist(30, 40, 50)]
+    plan.events = [*feedback, plan.served]
+    plan.scenario = f"{kind}/{scenario}"
+    return plan
+
+
+def _plan_edit(plan: Plan, f: _Feedback) -> Plan:
+    """An edit: its feedback shuffled around the served event, and the events that let the
+    window close early (``last``) sent after everything else."""
+    rng = f.rng
+    scenario = rng.choice(list(EDIT_SCENARIOS))
+    chars = rng.randint(1, 400)
+    kept = [rng.randint(0, chars) for _ in range(3)]
+    fb, last = EDIT_SCENARIOS[scenario](f, chars, kept)
+    rng.shuffle(fb)
+    pos = rng.randint(0, len(fb))  # feedback may come before the served event
+    plan.events = [*fb[:pos], plan.served, *fb[pos:], *last]
+    plan.scenario = f"edit/{scenario}"
+    return plan
+
+
+# Each edit scenario: (feedback in any order, events sent last) for (chars inserted, chars kept
+# at three horizons). Their random draws follow the events they make.
+def _full(f: _Feedback, chars: int, kept: list[int]) -> tuple[list[Event], list[Event]]:
+    fb = [f.decide(True, 2, chars), f.persist(30, 40, kept[0], chars), f.persist(600, 610, kept[1], chars)]
+    if f.rng.random() < 0.3:
+        fb.append(f.unhappy(20))
+    return fb, [f.persist(3600, 3610, kept[2], chars)]
+
+
+def _partial(f: _Feedback, chars: int, kept: list[int]) -> tuple[list[Event], list[Event]]:
+    """No final horizon: closes at the due time."""
+    fb = [f.decide(True, 2, chars), f.persist(30, 40, kept[0], chars)]
+    if f.rng.random() < 0.5:
+        fb.append(f.persist(600, 610, kept[1], chars))
+    return fb, []
+
+
+def _rejected(f: _Feedback, chars: int, kept: list[int]) -> tuple[list[Event], list[Event]]:
+    fb = [f.unhappy(10)] if f.rng.random() < 0.5 else []
+    return fb, [f.decide(False, 3)]
+
+
+def _conflict_accept_wins(f: _Feedback, chars: int, kept: list[int]) -> tuple[list[Event], list[Event]]:
+    """The later-ts accept is sent first, the older reject after it: the accept stands.
+    (Sent the other way round, the reject would close the window follow-up time after it
+    was seen, and an accept processed later would be late: by design.)"""
+    fb = [f.persist(30, 40, kept[0], chars)]
+    return fb, [f.decide(True, 9, chars), f.decide(False, 4)]
+
+
+def _conflict_reject_wins(f: _Feedback, chars: int, kept: list[int]) -> tuple[list[Event], list[Event]]:
+    """The later-ts reject is sent first; it closes."""
+    fb = [f.persist(30, 40, kept[0], chars)]
+    return fb, [f.decide(False, 9), f.decide(True, 4, chars)]
+
+
+def _tie(f: _Feedback, chars: int, kept: list[int]) -> tuple[list[Event], list[Event]]:
+    """Same ts: reject wins."""
+    fb = [f.decide(True, 5, chars)]
+    return fb, [f.decide(False, 5)]
+
+
+def _quiet(f: _Feedback, chars: int, kept: list[int]) -> tuple[list[Event], list[Event]]:
+    """No feedback at all: the spec's default."""
+    return [], []
+
+
+def _restated(f: _Feedback, chars: int, kept: list[int]) -> tuple[list[Event], list[Event]]:
+    """A horizon reported twice, the newer report sent first."""
+    return [f.decide(True, 2, chars), f.persist(600, 700, kept[1], chars),
+            f.persist(600, 650, kept[0], chars)], []
+
+
+def _zero_inserted(f: _Feedback, chars: int, kept: list[int]) -> tuple[list[Event], list[Event]]:
+    """A ratio with no inserted chars is unusable."""
+    return [f.decide(True, 2, 0), f.persist(600, 610, 0, 0)], []
+
+
+EDIT_SCENARIOS: dict[str, Callable[[_Feedback, int, list[int]], tuple[list[Event], list[Event]]]] = {
+    "full": _full, "partial": _partial, "rejected": _rejected,
+    "conflict_accept_wins": _conflict_accept_wins, "conflict_reject_wins": _conflict_reject_wins,
+    "tie": _tie, "quiet": _quiet, "restated": _restated, "zero_inserted": _zero_inserted,
+}
+"""In the order the seeded draw picks from (by position): never reorder."""
 
 
 # ---------------------------------------------------------------------- bad records
@@ -360,44 +419,36 @@ class _Bad:
         return value, self._key_for(value), hdrs, "unknown_key", f"unknown_key/{variant}"
 
     def bad_signature(self) -> Any:
-        rng = self.rng
         ev = self.event()
         value = enc(ev)
         kid = self.key_id
-        variant = rng.choice(["wrong_secret", "reserialised", "tampered_after_signing", "truncated",
-                              "not_hex", "non_ascii", "empty", "whitespace", "other_keys_secret",
-                              "last_header_wins", "forged_feedback"])
-        sig: bytes = sign(value, self.keys[kid]).encode()
-        extra: Headers = []
-        if variant == "wrong_secret":
-            sig = sign(value, b"guessed-secret").encode()
-        elif variant == "reserialised":  # signed compact, sent pretty: the bytes changed
-            sig = sign(value, self.keys[kid]).encode()
-            value = json.dumps(ev, indent=1).encode()
-        elif variant == "tampered_after_signing":
-            sig = sign(value, self.keys[kid]).encode()
-            value = value.replace(b'"request_id":"', b'"request_id":"x', 1)
-        elif variant == "truncated":
-            sig = sig[:32]
-        elif variant == "not_hex":
-            sig = b"z" * 64
-        elif variant == "non_ascii":
-            sig = "é".encode() * 32
-        elif variant == "empty":
-            sig = b""
-        elif variant == "whitespace":
-            sig = b" " * 64
-        elif variant == "other_keys_secret" and len(self.keys) > 1:
-            other = sorted(self.keys)[1]
-            sig = sign(value, self.keys[other]).encode()
-        elif variant == "last_header_wins":  # a good signature followed by a bad one
-            extra = [(SIGNATURE_HEADER, b"0" * 64)]
-        elif variant == "forged_feedback" and self.targets:  # a reject aimed at a valid request
-            ev = self.event(type="edit.rejected", request_id=rng.choice(self.targets), inserted_chars=0)
-            value = enc(ev)
-            sig = sign(value, b"not-the-key").encode()
+        variant = self.rng.choice(["wrong_secret", "reserialised", "tampered_after_signing", "truncated",
+                                   "not_hex", "non_ascii", "empty", "whitespace", "other_keys_secret",
+                                   "last_header_wins", "forged_feedback"])
+        value, sig, extra = self._spoil_signature(variant, ev, value, sign(value, self.keys[kid]).encode())
         hdrs: Headers = [(KEY_ID_HEADER, kid.encode()), (SIGNATURE_HEADER, sig), *extra]
         return value, self._key_for(value), hdrs, "bad_signature", f"bad_signature/{variant}"
+
+    def _spoil_signature(self, variant: str, ev: dict[str, Any], value: bytes, sig: bytes
+                         ) -> tuple[bytes, bytes, Headers]:
+        """(value, signature, extra headers) of one variant, from ``value`` and its good ``sig``.
+        A variant that cannot apply (one key only, no valid requests) keeps the good signature."""
+        if variant in _BAD_SIGNATURES:
+            return value, _BAD_SIGNATURES[variant](value, sig), []
+        if variant == "reserialised":  # signed compact, sent pretty: the bytes changed
+            return json.dumps(ev, indent=1).encode(), sig, []
+        if variant == "tampered_after_signing":
+            return value.replace(b'"request_id":"', b'"request_id":"x', 1), sig, []
+        if variant == "other_keys_secret" and len(self.keys) > 1:
+            other = sorted(self.keys)[1]
+            return value, sign(value, self.keys[other]).encode(), []
+        if variant == "last_header_wins":  # a good signature followed by a bad one
+            return value, sig, [(SIGNATURE_HEADER, b"0" * 64)]
+        if variant == "forged_feedback" and self.targets:  # a reject aimed at a valid request
+            forged = enc(self.event(type="edit.rejected", request_id=self.rng.choice(self.targets),
+                                    inserted_chars=0))
+            return forged, sign(forged, b"not-the-key").encode(), []
+        return value, sig, []
 
     def not_utf8(self) -> Any:
         rng = self.rng
@@ -424,52 +475,9 @@ class _Bad:
 
     def bad_json(self) -> Any:
         rng = self.rng
-        variant = rng.choice(["truncated", "trailing_garbage", "bom", "empty", "tombstone", "single_quotes",
-                              "deep_array", "deep_object", "deep_in_field", "number_out_of_range",
-                              "nul_byte", "json_lines", "comment", "lone_surrogate_escape", "whitespace",
-                              "unquoted_keys", "trailing_comma", "nan_top_level_garbage"])
-        ev = self.event()
-        body = enc(ev)
-        value: bytes | None
-        if variant == "truncated":
-            value = body[: rng.randint(1, len(body) - 1)]
-        elif variant == "trailing_garbage":
-            value = body + b" }"
-        elif variant == "bom":
-            value = b"\xef\xbb\xbf" + body
-        elif variant == "empty":
-            value = b""
-        elif variant == "tombstone":
-            value = None
-        elif variant == "single_quotes":
-            value = body.replace(b'"', b"'")
-        elif variant == "deep_array":
-            d = rng.randint(300, 20_000)
-            value = b"[" * d + b"]" * d
-        elif variant == "deep_object":
-            d = rng.randint(300, 5_000)
-            value = b'{"a":' * d + b"1" + b"}" * d
-        elif variant == "deep_in_field":
-            d = rng.randint(300, 5_000)
-            value = body[:-1] + b',"x":' + b"[" * d + b"]" * d + b"}"
-        elif variant == "number_out_of_range":
-            value = body[:-1] + b',"latency_ms":1' + b"0" * rng.randint(5_000, 8_000) + b"}"
-        elif variant == "nul_byte":
-            value = body[:10] + b"\x00" + body[10:]
-        elif variant == "json_lines":
-            value = body + b"\n" + body
-        elif variant == "comment":
-            value = b"/* hi */" + body
-        elif variant == "lone_surrogate_escape":
-            value = body.replace(b'"request_id":"', b'"request_id":"\\ud800', 1)
-        elif variant == "whitespace":
-            value = b" \n\t " * rng.randint(1, 100)
-        elif variant == "unquoted_keys":
-            value = b"{event_id: 1}"
-        elif variant == "trailing_comma":
-            value = body[:-1] + b",}"
-        else:
-            value = b"NaNx"
+        variant = rng.choice(list(_BAD_JSON))
+        body = enc(self.event())
+        value = _BAD_JSON[variant](body, rng)
         if value is None:
             return None, self.rid().encode(), self.sig(b""), "bad_json", f"bad_json/{variant}"
         return self.signed(value, "bad_json", f"bad_json/{variant}", key=None)
@@ -628,6 +636,60 @@ _TZ_PLUS_5 = timezone(timedelta(hours=5))
 
 def enc(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+_BAD_SIGNATURES: dict[str, Callable[[bytes, bytes], bytes]] = {
+    "wrong_secret": lambda value, sig: sign(value, b"guessed-secret").encode(),
+    "truncated": lambda value, sig: sig[:32],
+    "not_hex": lambda value, sig: b"z" * 64,
+    "non_ascii": lambda value, sig: "é".encode() * 32,
+    "empty": lambda value, sig: b"",
+    "whitespace": lambda value, sig: b" " * 64,
+}
+"""Signatures that are wrong for an unchanged value: (value, its good signature) -> the one sent."""
+
+
+def _deep_array(body: bytes, rng: random.Random) -> bytes:
+    d = rng.randint(300, 20_000)
+    return b"[" * d + b"]" * d
+
+
+def _deep_object(body: bytes, rng: random.Random) -> bytes:
+    d = rng.randint(300, 5_000)
+    return b'{"a":' * d + b"1" + b"}" * d
+
+
+def _deep_in_field(body: bytes, rng: random.Random) -> bytes:
+    d = rng.randint(300, 5_000)
+    return body[:-1] + b',"x":' + b"[" * d + b"]" * d + b"}"
+
+
+def _number_out_of_range(body: bytes, rng: random.Random) -> bytes:
+    return body[:-1] + b',"latency_ms":1' + b"0" * rng.randint(5_000, 8_000) + b"}"
+
+
+_BAD_JSON: dict[str, Callable[[bytes, random.Random], bytes | None]] = {
+    "truncated": lambda body, rng: body[: rng.randint(1, len(body) - 1)],
+    "trailing_garbage": lambda body, rng: body + b" }",
+    "bom": lambda body, rng: b"\xef\xbb\xbf" + body,
+    "empty": lambda body, rng: b"",
+    "tombstone": lambda body, rng: None,
+    "single_quotes": lambda body, rng: body.replace(b'"', b"'"),
+    "deep_array": _deep_array,
+    "deep_object": _deep_object,
+    "deep_in_field": _deep_in_field,
+    "number_out_of_range": _number_out_of_range,
+    "nul_byte": lambda body, rng: body[:10] + b"\x00" + body[10:],
+    "json_lines": lambda body, rng: body + b"\n" + body,
+    "comment": lambda body, rng: b"/* hi */" + body,
+    "lone_surrogate_escape": lambda body, rng: body.replace(b'"request_id":"', b'"request_id":"\\ud800', 1),
+    "whitespace": lambda body, rng: b" \n\t " * rng.randint(1, 100),
+    "unquoted_keys": lambda body, rng: b"{event_id: 1}",
+    "trailing_comma": lambda body, rng: body[:-1] + b",}",
+    "nan_top_level_garbage": lambda body, rng: b"NaNx",
+}
+"""Bad JSON from a valid event's bytes (None: a tombstone). In the order the seeded draw picks
+from (by position): never reorder."""
 
 
 CATEGORIES: dict[str, float] = {

@@ -32,7 +32,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -44,22 +45,23 @@ from prometheus_client import REGISTRY
 from deployer.actions import LedgerClose, LedgerEvent
 from deployer.adapters.ledger_mlflow import SUMMARY_ARTIFACT, MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
-from deployer.canary import RESTING
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Tag
+from deployer.status import RESTING
 from ingest.events import ModelRef, RewardRecord
 from services import serve_deployer, trainer_job
 from services.local.sim_users import bootstrap_corpus
 from services.local.stack import EmbeddedStack, free_port
 from services.runtime.kafka_io import ensure_topics, make_producer
 from services.runtime.mlflow_http import RETRIES_VAR, TIMEOUT_VAR, bound_mlflow_http
-from services.runtime.settings import MlflowSettings, Settings, TrainerSettings
+from services.runtime.service_settings import TrainerSettings
+from services.runtime.settings import MlflowSettings, Settings
 from tests.integration.deployer_helpers import deployer_settings, feed_rewards, register_versions
 from tests.reliability import scale
 from trainer.corpus import write_corpus
-from trainer.increment import LocalTrainJob, TrainRequest, TrainResult
 from trainer.policy import load_policy
 from trainer.tokens import BOS
+from trainer.train_job import LocalTrainJob, TrainRequest, TrainResult
 from trainer.window import PendingWindow
 
 pytestmark = pytest.mark.timeout(600)
@@ -320,6 +322,108 @@ CASES = {
 }
 
 
+@dataclass
+class Drive:
+    """What the service loop saw while it drove the canary to its decision."""
+
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    """Per tick: the phase, the routing, whether the tick ran and (while MLflow answers) the aliases."""
+    tick_s: list[tuple[float, bool]] = field(default_factory=list)
+    """(duration, MLflow was down during it) per tick."""
+    lease_lost: int = 0
+    t_done: float = 0.0
+    """When the decision was done with MLflow back (0: never)."""
+
+
+def inject_outage(ports: serve_deployer.Ports, case: str, stop_at: Callable[[str, tuple[Any, ...]], bool],
+                  outage: Outage) -> StopMlflowAt:
+    """Wrap the port the case's decision writes through (the registry at a promotion, the
+    ledger at a rollback) so that MLflow stops at ``stop_at``."""
+    injected = StopMlflowAt(ports.registry if case == "promotion" else ports.ledger, stop_at, outage)
+    if case == "promotion":
+        ports.registry = injected
+    else:
+        ports.ledger = injected
+    return injected
+
+
+def drive_to_decision(s: Settings, controller: serve_deployer.Controller, injected: StopMlflowAt,
+                      outage: Outage, reader: MlflowRegistry, quality: str, final_phase: str) -> Drive:
+    """Tick as the service loop does until the canary reaches ``final_phase`` with MLflow back
+    (at most 150 s), feeding the canary's reward records once it progresses."""
+    r = redis_lib.Redis.from_url(s.redis.url.get_secret_value())
+    pfx = s.redis.key_prefix
+    ports = controller.ports
+    drive = Drive()
+    fed = False
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        t = time.monotonic()
+        down_before = outage.t_stop > 0 and not outage.t_back
+        after = serve_deployer.run_tick(controller)
+        took = time.monotonic() - t
+        if injected.fired and took > outage.stop_took:  # the tick that stopped the server
+            took -= outage.stop_took
+        drive.tick_s.append((took, down_before or (outage.t_stop > 0 and not outage.t_back)))
+        if r.get(f"{pfx}deployer:lease") != ports.state.owner.encode():
+            drive.lease_lost += 1
+        raw = r.get(f"{pfx}deployer:status")
+        st: dict[str, Any] = json.loads(raw) if raw else {}
+        rt: dict[str, str | None] = ports.routing.read()  # type: ignore[attr-defined]
+        sample: dict[str, Any] = {"t": time.monotonic(), "phase": st.get("phase"),
+                                  "stable": rt["stable_version"], "canary": rt["canary_version"],
+                                  "ok": after is not None}
+        if not outage.t_stop or outage.t_back:  # MLflow answers: read the aliases too
+            sample.update({a: reader.alias_version(a) for a in (CHAMPION, CANDIDATE, PREVIOUS)})
+        drive.samples.append(sample)
+        if not fed and st.get("phase") == "progressing":
+            feed_rewards(s, "1", "2", quality, n=400)
+            fed = True
+        if st.get("phase") == final_phase and outage.t_back:
+            drive.t_done = time.monotonic()
+            break
+        time.sleep(s.deployer.tick_s)
+    return drive
+
+
+def champions_at_once(samples: list[dict[str, Any]]) -> int:
+    """Most versions serving as champion at one sample (alias or routing's stable version),
+    checking at every sample that the aliases follow the status."""
+    most = 1
+    for x in samples:
+        if CHAMPION not in x:
+            continue
+        serving = {x[CHAMPION], x["stable"]}
+        if x["phase"] in {p.value for p in RESTING} or x["phase"] in ("pending", "progressing"):
+            assert len(serving) == 1, x  # routing's stable version is the champion
+        else:  # promoting / rolling_back: the status says which two versions are involved
+            assert serving <= {"1", "2"}, x
+        most = max(most, len(serving))
+    return most
+
+
+def assert_final_aliases(final: Mapping[str, Any], outcome: str) -> None:
+    if outcome == "promoted":
+        assert (final[CHAMPION], final[PREVIOUS], final[CANDIDATE]) == ("2", "1", None), final
+    else:
+        assert (final[CHAMPION], final[CANDIDATE]) == ("1", None), final
+    assert final["stable"] == final[CHAMPION] and final["canary"] is None, final
+
+
+def complete_ledger_run(s: Settings, decision: str, outcome: str) -> tuple[list[dict[str, Any]], Any]:
+    """The ledger's rows and its one run, asserted complete: finished, tagged, with its artifacts."""
+    ledger = MlflowLedger(s.mlflow.tracking_uri, s.mlflow.deployments_experiment)
+    rows = ledger.history()
+    assert len(rows) == 1, rows
+    run = ledger.client.get_run(rows[0]["run_id"])
+    assert run.info.status == "FINISHED", run.info
+    assert run.data.tags[TAG_DECISION] == decision and run.data.tags[TAG_OUTCOME] == outcome
+    assert run.data.tags[TAG_DECIDED_BY] == "controller" and run.data.tags[TAG_REASON], run.data.tags
+    artifacts = {a.path for a in ledger.client.list_artifacts(run.info.run_id)}
+    assert SUMMARY_ARTIFACT in artifacts and "cohorts.png" in artifacts, artifacts
+    return rows, run
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_deployer_decision_survives_an_mlflow_outage(
     case: str, mlflow_stack: EmbeddedStack, settings: Settings, tmp_path: Path,
@@ -333,120 +437,56 @@ def test_deployer_decision_survives_an_mlflow_outage(
     register_versions(s, tmp_path)
     outage = Outage(mlflow_stack, OUTAGE_S)
     ports = serve_deployer.build_ports(s)
-    injected = StopMlflowAt(ports.registry if case == "promotion" else ports.ledger, stop_at, outage)
-    if case == "promotion":
-        ports.registry = injected
-    else:
-        ports.ledger = injected
+    injected = inject_outage(ports, case, stop_at, outage)
     rewards = serve_deployer.RewardReader(s)
     controller = serve_deployer.Controller(s, ports, rewards)
-    r = redis_lib.Redis.from_url(s.redis.url.get_secret_value())
-    pfx = s.redis.key_prefix
     reader = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
     before = retries("deployer")
-
-    def status() -> dict[str, Any]:
-        raw = r.get(f"{pfx}deployer:status")
-        return json.loads(raw) if raw else {}
-
-    def routing() -> dict[str, str | None]:
-        return ports.routing.read()  # type: ignore[attr-defined, no-any-return]
-
-    samples: list[dict[str, Any]] = []
-    tick_s: list[tuple[float, bool]] = []  # (duration, MLflow was down during it)
-    lease_lost = 0
-    fed = False
-    t_done = 0.0
-    deadline = time.monotonic() + 150
     try:
-        while time.monotonic() < deadline:
-            t = time.monotonic()
-            down_before = outage.t_stop > 0 and not outage.t_back
-            after = serve_deployer.run_tick(controller)
-            took = time.monotonic() - t
-            if injected.fired and took > outage.stop_took:  # the tick that stopped the server
-                took -= outage.stop_took
-            tick_s.append((took, down_before or (outage.t_stop > 0 and not outage.t_back)))
-            if r.get(f"{pfx}deployer:lease") != ports.state.owner.encode():
-                lease_lost += 1
-            st, rt = status(), routing()
-            sample: dict[str, Any] = {"t": time.monotonic(), "phase": st.get("phase"),
-                                      "stable": rt["stable_version"], "canary": rt["canary_version"],
-                                      "ok": after is not None}
-            if not outage.t_stop or outage.t_back:  # MLflow answers: read the aliases too
-                sample.update({a: reader.alias_version(a) for a in (CHAMPION, CANDIDATE, PREVIOUS)})
-            samples.append(sample)
-            if not fed and st.get("phase") == "progressing":
-                feed_rewards(s, "1", "2", quality, n=400)
-                fed = True
-            if st.get("phase") == final_phase and outage.t_back:
-                t_done = time.monotonic()
-                break
-            time.sleep(s.deployer.tick_s)
+        drive = drive_to_decision(s, controller, injected, outage, reader, quality, final_phase)
     finally:
         outage.join()
         rewards.close()
+    samples = drive.samples
     assert injected.fired, f"MLflow was never stopped; phases {[x['phase'] for x in samples][-20:]}"
-    assert t_done, f"the {case} did not finish after MLflow came back: {samples[-5:]}"
+    assert drive.t_done, f"the {case} did not finish after MLflow came back: {samples[-5:]}"
 
     # consistency at every sample: one champion; aliases follow the status
-    champions_at_once = 1
-    for x in samples:
-        if CHAMPION not in x:
-            continue
-        serving = {x[CHAMPION], x["stable"]}
-        if x["phase"] in {p.value for p in RESTING} or x["phase"] in ("pending", "progressing"):
-            assert len(serving) == 1, x  # routing's stable version is the champion
-        else:  # promoting / rolling_back: the status says which two versions are involved
-            assert serving <= {"1", "2"}, x
-        champions_at_once = max(champions_at_once, len(serving))
+    most_champions = champions_at_once(samples)
     final = samples[-1]
-    if outcome == "promoted":
-        assert (final[CHAMPION], final[PREVIOUS], final[CANDIDATE]) == ("2", "1", None), final
-    else:
-        assert (final[CHAMPION], final[CANDIDATE]) == ("1", None), final
-    assert final["stable"] == final[CHAMPION] and final["canary"] is None, final
+    assert_final_aliases(final, outcome)
     tags = reader.get_tags("2")
     assert tags[TAG_OUTCOME] == outcome and tags[TAG_DECISION] == decision, tags
+    rows, run = complete_ledger_run(s, decision, outcome)
 
-    ledger = MlflowLedger(s.mlflow.tracking_uri, s.mlflow.deployments_experiment)
-    rows = ledger.history()
-    assert len(rows) == 1, rows
-    run = ledger.client.get_run(rows[0]["run_id"])
-    assert run.info.status == "FINISHED", run.info
-    assert run.data.tags[TAG_DECISION] == decision and run.data.tags[TAG_OUTCOME] == outcome
-    assert run.data.tags[TAG_DECIDED_BY] == "controller" and run.data.tags[TAG_REASON], run.data.tags
-    artifacts = {a.path for a in ledger.client.list_artifacts(run.info.run_id)}
-    assert SUMMARY_ARTIFACT in artifacts and "cohorts.png" in artifacts, artifacts
-
-    down_ticks = [d for d, down in tick_s if down]
+    down_ticks = [d for d, down in drive.tick_s if down]
     retried = retries("deployer") - before
     figures = {
         "case": case,
         "stopped_at": "moving the champion alias" if case == "promotion" else "closing the ledger run",
         "outage_s": round(outage.down_s, 2),
         "stop_s": round(outage.stop_took, 2),
-        "decision_done_s_after_mlflow_back": round(t_done - outage.t_back, 2),
+        "decision_done_s_after_mlflow_back": round(drive.t_done - outage.t_back, 2),
         "ticks_while_down": len(down_ticks),
         "longest_tick_while_down_s": round(max(down_ticks, default=0.0), 3),
         "lease_ttl_s": s.deployer.lease_ttl_s,
-        "lease_lost": lease_lost,
+        "lease_lost": drive.lease_lost,
         "retries": retried,
-        "champions_at_once_max": champions_at_once,
+        "champions_at_once_max": most_champions,
         "champions_seen": sorted({x[CHAMPION] for x in samples if x.get(CHAMPION)}),
         "ledger_runs": len(rows),
         "ledger_status": run.info.status,
         "final_phase": final["phase"],
     }
     scale.record(f"mlflow_outage_deployer_{case}", figures)
-    assert lease_lost == 0, figures
+    assert drive.lease_lost == 0, figures
     assert max(down_ticks, default=0.0) < s.deployer.lease_ttl_s, figures
     assert retried >= 1 and retried >= len([1 for x in samples if not x["ok"]]) - 1, figures
-    assert champions_at_once == 1 or case == "promotion", figures
+    assert most_champions == 1 or case == "promotion", figures
     assert_history_consistent(samples)
 
 
-def assert_history_consistent(samples: list[Mapping[str, Any]]) -> None:
+def assert_history_consistent(samples: Sequence[Mapping[str, Any]]) -> None:
     """Every phase the status showed during the outage is one the controller knows (the
     ordering of phases is checked by the deployer's own tests)."""
     known = {"idle", "pending", "progressing", "promoting", "rolling_back", "succeeded", "rolled_back",

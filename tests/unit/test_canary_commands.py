@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 
 from deployer.adapters.memory import FakeWorld
-from deployer.canary import CanaryPolicy, Command, Phase
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME
+from deployer.status import CanaryPolicy, Command, Phase
 
 POLICY = CanaryPolicy(steps=(0.01, 0.05), bake_s=60, max_duration_s=3600)
 _ids = itertools.count()

@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from deployer import ledger
-from deployer.canary import CanaryStatus, Judgement, Observations, Phase
 from deployer.cohorts import CohortWindow, cohort_metrics, judgement, summary
+from deployer.status import CanaryStatus, Judgement, Observations, Phase
 from ingest.events import ModelRef, RewardRecord
 from rollback.judge import judge
 from rollback.types import CohortData, JudgePolicy, RequestOutcome
@@ -122,7 +122,7 @@ def test_end_of_canary_metrics_count_once_with_low_cardinality_labels() -> None:
 
 
 def test_judge_mde_overrides_and_rejects_unknown_metrics() -> None:
-    from services.runtime.settings import DeployerSettings
+    from services.runtime.service_settings import DeployerSettings
     from services.serve_deployer import judge_policy
 
     policy = judge_policy(DeployerSettings(judge_mde={"reward": 0.2}, judge_alpha=0.05))

@@ -9,8 +9,9 @@ import pytest
 
 from deployer.actions import SetWeight, apply_actions
 from deployer.adapters.memory import FakeWorld
-from deployer.canary import CanaryPolicy, CanaryStatus, Judgement, Phase, next_state
+from deployer.canary import next_state
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
+from deployer.status import CanaryPolicy, CanaryStatus, Judgement, Phase
 
 POLICY = CanaryPolicy(steps=(0.01, 0.05, 0.25, 0.5), bake_s=60, max_duration_s=3600, max_errors=3)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deployer.canary import CanaryStatus, Phase
+from deployer.status import CanaryStatus, Phase
 from services.cli.operator import render_history, render_status
 
 

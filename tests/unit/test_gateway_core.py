@@ -14,7 +14,7 @@ from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.server import Gateway
 from services.gateway.upstream import UpstreamError
 from services.runtime.metrics import GATEWAY_FALLBACKS
-from services.runtime.settings import GatewaySettings
+from services.runtime.service_settings import GatewaySettings
 
 
 class FakeBackend:

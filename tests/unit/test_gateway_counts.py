@@ -11,7 +11,7 @@ from deployer.routing import RoutingTable
 from services.gateway.counts import BUCKET_S, ServedCounts, read_counts, served_key, sum_since
 from services.gateway.models import ModelSlots
 from services.gateway.server import Gateway
-from services.runtime.settings import GatewaySettings
+from services.runtime.service_settings import GatewaySettings
 from tests.unit.test_gateway_core import REQ, FakeBackend
 
 

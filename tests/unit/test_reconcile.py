@@ -1,8 +1,18 @@
-"""The reconciler's accounting (services/cli/reconcile.py) on plain hand-built topic contents."""
+"""The reconciler's accounting (services/cli/reconcile_accounting.py) on plain hand-built topic contents."""
 
 from __future__ import annotations
 
-from services.cli.reconcile import DeadLetter, ForwardedEvent, RawRecord, RewardSeen, Timing, reconcile
+from datetime import UTC, datetime
+
+from ingest.events import EditPersistence
+from services.cli.reconcile_accounting import (
+    DeadLetter,
+    ForwardedEvent,
+    RawRecord,
+    RewardSeen,
+    Timing,
+    reconcile,
+)
 
 RAW = "raw"
 
@@ -148,10 +158,6 @@ def test_unparseable_forwarded_records_are_counted() -> None:
 
 
 def test_forwarded_event_of_built_from_a_contract_event() -> None:
-    from datetime import UTC, datetime
-
-    from ingest.events import EditPersistence
-
     ev = EditPersistence(event_id="p", request_id="r", ts=datetime(2026, 1, 1, tzinfo=UTC), horizon_s=3600,
                          retained_chars=1, inserted_chars=2)
     f = ForwardedEvent.of(ev, 2, 7, "raw:2:9", 123)

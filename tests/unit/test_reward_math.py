@@ -95,6 +95,19 @@ def test_latency_and_tool_terms_hand_computed() -> None:
 
 def _reference(fb: Feedback, s: S, spec: RewardSpec) -> float:
     """Plain restatement of the spec, written independently of the module."""
+    total = _reference_served_terms(s, spec)
+    counts = fb.dissatisfied > 0 or (
+        s.completion_kind == "edit" and (fb.accepted is not None or len(fb.persistence) > 0))
+    if not counts:
+        return total + spec.window.default_reward
+    total -= spec.dissatisfied.penalty * min(fb.dissatisfied, spec.dissatisfied.max_count)
+    if s.completion_kind != "edit":
+        return total
+    return _reference_edit_terms(total, fb, spec)
+
+
+def _reference_served_terms(s: S, spec: RewardSpec) -> float:
+    """Latency, invalid tool calls and the no-edit penalty: paid whatever the feedback."""
     total = 0.0
     lat = s.latency_ms - spec.latency.slo_ms
     if lat > 0:
@@ -104,13 +117,12 @@ def _reference(fb: Feedback, s: S, spec: RewardSpec) -> float:
         total -= spec.no_edit.question
     if s.completion_kind == "empty":
         total -= spec.no_edit.empty
-    counts = fb.dissatisfied > 0 or (
-        s.completion_kind == "edit" and (fb.accepted is not None or len(fb.persistence) > 0))
-    if not counts:
-        return total + spec.window.default_reward
-    total -= spec.dissatisfied.penalty * min(fb.dissatisfied, spec.dissatisfied.max_count)
-    if s.completion_kind != "edit":
-        return total
+    return total
+
+
+def _reference_edit_terms(total: float, fb: Feedback, spec: RewardSpec) -> float:
+    """``total`` plus acceptance, then persistence at the usable horizon nearest 600 s (none
+    after a rejection)."""
     if fb.accepted is True:
         total += spec.acceptance.accepted
     if fb.accepted is False:
