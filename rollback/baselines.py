@@ -50,7 +50,8 @@ def mann_whitney_fails(
     u = np.asarray(res.statistic, dtype=np.float64)
     n1, n2 = canary.shape[-1], baseline.shape[-1]
     bad = u > n1 * n2 / 2.0 if direction == "lower_is_better" else u < n1 * n2 / 2.0
-    return (np.asarray(res.pvalue) < 1.0 - confidence) & bad
+    rejects: NDArray[np.bool_] = (np.asarray(res.pvalue) < 1.0 - confidence) & bad
+    return rejects
 
 
 def kayenta_sequential(baseline: dict[str, Arr], canary: dict[str, Arr],
