@@ -8,9 +8,9 @@ import sys
 
 # name -> (module, one-line help). "serve" and "bench" route on their second word.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("services.local.stack", "start the embedded stack (Kafka-protocol broker, Redis, MLflow)"),
-    "down": ("services.local.stack", "stop the embedded stack"),
-    "stack": ("services.local.stack", "stack status: what runs and how to connect"),
+    "up": ("services.cli.stack", "start the embedded stack (Kafka-protocol broker, Redis, MLflow)"),
+    "down": ("services.cli.stack", "stop the embedded stack"),
+    "stack": ("services.cli.stack", "stack status: what runs and how to connect"),
     "events": ("services.cli.events", "validate events files, export the JSON Schema"),
     "sample": ("services.local.sample",
                "stream sample events through ingest and reward, print what happened"),

@@ -362,30 +362,3 @@ def stack_from_settings() -> EmbeddedStack:
         data_dir=s.data_dir, kafka_port=s.kafka_port, redis_port=s.redis_port,
         mlflow_port=s.mlflow_port, reuse_redis_url=reuse,
     )
-
-
-def main(argv: list[str]) -> int:
-    """rtrl up | down | stack status"""
-    cmd = argv[0] if argv else "status"
-    stack = stack_from_settings()
-    if cmd == "up":
-        print(f"starting the embedded stack in {stack.data_dir} ...", flush=True)
-        t0 = time.monotonic()
-        stack.up()
-        print(f"ready in {time.monotonic() - t0:.1f}s")
-        for name, line in stack.status().items():
-            print(f"  {name:7s} {line}")
-        print(f"settings for rtrl services: {stack.env_file} (read automatically)")
-        for k, v in stack.env().items():
-            print(f"  export {k}={v}")
-        return 0
-    if cmd == "down":
-        stopped = stack.down()
-        print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
-        return 0
-    if cmd == "status":
-        for name, line in stack.status().items():
-            print(f"  {name:7s} {line}")
-        return 0
-    print(f"unknown stack command {cmd!r}; use up, down or status", file=sys.stderr)
-    return 2

@@ -166,3 +166,4 @@ def test_ruff_fails_a_domain_folder_that_imports_services(path: str) -> None:
 
 def test_ruff_lets_services_import_services() -> None:
     assert "TID251" not in _ruff("services/probe.py", PROBE)
+
