@@ -15,11 +15,18 @@ background load. The load generator uses one persistent ``http.client`` connecti
 Reported: p50/p99 of each path, the difference (the target: at most 2 ms added at p99),
 and the paired per-request overhead ``round trip - generation time reported by the
 gateway``, which does not depend on how long generation took.
+
+With ``--concurrency N`` the gateway path alone is loaded by N clients at once, each on
+its own persistent connection, all starting together: reported are the round trip, the
+added latency (round trip - generation time the gateway reported: HTTP, queueing for a
+thread and the GIL, validation, routing), the longest wait of any request (its connection
+set-up included) and the requests that failed or got no answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import http.client
 import json
 import logging
@@ -28,6 +35,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -101,6 +109,57 @@ def measure(
     return out
 
 
+def load(port: int, bodies: list[bytes], clients: int) -> dict[str, list[float]]:
+    """``clients`` threads, each with its own keep-alive connection, released together, send
+    ``bodies`` round-robin; returns ms lists ``round_trip``, ``added`` and ``first`` (each
+    client's wait for its first answer, connection set-up included) and ``errors`` (one
+    entry per failed request: refused, reset, unanswered within the client's 30 s)."""
+    out: dict[str, list[float]] = {"round_trip": [], "added": [], "first": [], "errors": []}
+    start = threading.Barrier(clients)
+    kinds: collections.Counter[str] = collections.Counter()
+
+    def run(k: int) -> None:
+        client = Client(port, "/v1/completions")
+        start.wait()
+        t_start = time.perf_counter()
+        for i in range(k, len(bodies), clients):
+            t0 = time.perf_counter()
+            try:
+                gen_ms = float(client.post(bodies[i])["latency_ms"])
+            except Exception as exc:  # counted; the next request opens a new connection
+                out["errors"].append((time.perf_counter() - t0) * 1000)
+                kinds[type(exc).__name__] += 1
+                client.conn.close()
+                continue
+            ms = (time.perf_counter() - t0) * 1000
+            out["round_trip"].append(ms)
+            out["added"].append(ms - gen_ms)
+            if i == k:
+                out["first"].append((time.perf_counter() - t_start) * 1000)
+        client.conn.close()
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if kinds:
+        print(f"failed requests by error: {dict(kinds)}", file=sys.stderr)
+    return out
+
+
+def summarise_load(res: dict[str, list[float]], seconds: float) -> dict[str, float]:
+    rt, added = res["round_trip"] or [math.nan], res["added"] or [math.nan]
+    return {
+        "round_trip_p50_ms": percentile(rt, 50), "round_trip_p99_ms": percentile(rt, 99),
+        "added_p50_ms": percentile(added, 50), "added_p99_ms": percentile(added, 99),
+        "max_wait_ms": max(rt + res["errors"] + res["first"]),
+        "max_first_answer_ms": max(res["first"] or [math.nan]),
+        "answered": float(len(res["round_trip"])), "errors": float(len(res["errors"])),
+        "throughput_per_s": len(res["round_trip"]) / seconds,
+    }
+
+
 def summarise(mode: str, res: dict[str, list[float]]) -> dict[str, float]:
     d50, d99 = percentile(res["direct"], 50), percentile(res["direct"], 99)
     g50, g99 = percentile(res["gateway"], 50), percentile(res["gateway"], 99)
@@ -149,7 +208,18 @@ def _set_routing(settings: Settings, **values: str) -> None:
     make_redis(settings.redis).mset({keys[k]: v for k, v in values.items()})
 
 
-def bench_policy(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens: int) -> dict[str, float]:
+def concurrent(port: int, bodies: list[bytes], clients: int, warmup: int,
+               via_gateway: Callable[[int], float]) -> dict[str, float]:
+    """Warm up on one connection, then :func:`load` with the measured bodies."""
+    for i in range(warmup):
+        via_gateway(i)
+    t0 = time.perf_counter()
+    res = load(port, bodies[warmup:], clients)
+    return summarise_load(res, time.perf_counter() - t0)
+
+
+def bench_policy(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens: int,
+                 concurrency: int | None = None) -> dict[str, float]:
     import torch
 
     from deployer.adapters.mlflow_registry import MlflowRegistry
@@ -177,6 +247,8 @@ def bench_policy(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_toke
         return float(client.post(bodies[i])["latency_ms"])
 
     try:
+        if concurrency:
+            return concurrent(server.port, bodies, concurrency, warmup, via_gateway)
         res = measure(n, warmup, direct, via_gateway)
     finally:
         client.conn.close()
@@ -184,8 +256,8 @@ def bench_policy(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_toke
     return summarise("policy", res)
 
 
-def bench_upstream(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens: int
-                   ) -> dict[str, float]:
+def bench_upstream(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens: int,
+                   concurrency: int | None = None) -> dict[str, float]:
     fake = FakeCompletionsServer().start()
     settings = _settings(
         stack, root, f"u{uuid.uuid4().hex[:6]}",
@@ -209,6 +281,8 @@ def bench_upstream(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_to
         return float(client.post(bodies[i])["latency_ms"])
 
     try:
+        if concurrency:
+            return concurrent(server.port, bodies, concurrency, warmup, via_gateway)
         res = measure(n, warmup, direct, via_gateway)
     finally:
         client.conn.close()
@@ -218,12 +292,51 @@ def bench_upstream(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_to
     return summarise("upstream", res)
 
 
+def report(args: argparse.Namespace, results: dict[str, dict[str, float]], load_before: float) -> bool:
+    """Print the alternating (direct vs gateway) figures; True when the p99 target is met."""
+    print(f"\nrtrl bench gateway: {args.requests} requests per path (+{args.warmup} warm-up), "
+          f"max_tokens {args.max_tokens}, loopback, one persistent connection; "
+          f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'mode':9s} {'direct p50':>10s} {'p99':>7s} {'gateway p50':>12s} {'p99':>7s} "
+          f"{'added p50':>10s} {'p99':>7s} {'p99 ratio':>9s} {'overhead p50':>13s} {'p99':>6s}")
+    ok = True
+    for mode, r in results.items():
+        print(f"{mode:9s} {r['direct_p50_ms']:10.2f} {r['direct_p99_ms']:7.2f} {r['gateway_p50_ms']:12.2f} "
+              f"{r['gateway_p99_ms']:7.2f} {r['added_p50_ms']:+10.2f} {r['added_p99_ms']:+7.2f} "
+              f"{r['ratio_p99']:9.3f} {r['overhead_p50_ms']:13.2f} {r['overhead_p99_ms']:6.2f}")
+        ok = ok and r["added_p99_ms"] <= TARGET_ADDED_P99_MS
+    print("(ms; added = gateway - direct percentile; overhead = per-request round trip minus the "
+          "generation time the gateway measured)")
+    return ok
+
+
+def report_load(args: argparse.Namespace, results: dict[str, dict[str, float]], load_before: float) -> bool:
+    """Print the concurrent-load figures; True when every request was answered."""
+    print(f"\nrtrl bench gateway: {args.requests} requests from {args.concurrency} concurrent keep-alive "
+          f"clients (+{args.warmup} warm-up), max_tokens {args.max_tokens}, loopback; "
+          f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'mode':9s} {'round trip p50':>14s} {'p99':>8s} {'added p50':>10s} {'p99':>8s} "
+          f"{'max wait':>9s} {'first answer':>12s} {'req/s':>7s} {'answered':>8s} {'errors':>6s}")
+    ok = True
+    for mode, r in results.items():
+        print(f"{mode:9s} {r['round_trip_p50_ms']:14.2f} {r['round_trip_p99_ms']:8.2f} "
+              f"{r['added_p50_ms']:10.2f} {r['added_p99_ms']:8.2f} {r['max_wait_ms']:9.0f} "
+              f"{r['max_first_answer_ms']:12.0f} {r['throughput_per_s']:7.0f} {r['answered']:8.0f} "
+              f"{r['errors']:6.0f}")
+        ok = ok and r["errors"] == 0
+    print("(ms; added = round trip minus the generation time the gateway measured; max wait = the "
+          "longest request, connection set-up included; first answer = the slowest client's first)")
+    return ok
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rtrl bench gateway", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="measured requests per path and mode")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--mode", choices=["policy", "upstream", "both"], default="both")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="N concurrent keep-alive clients on the gateway path alone (no direct calls)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = parser.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -236,33 +349,24 @@ def main(argv: list[str]) -> int:
     stack.up(timeout_s=90)
     results: dict[str, dict[str, float]] = {}
     load_before = os.getloadavg()[0]
+    run = (args.requests, args.warmup, args.max_tokens, args.concurrency)
     try:
         if args.mode in {"policy", "both"}:
-            results["policy"] = bench_policy(stack, root, args.requests, args.warmup, args.max_tokens)
+            results["policy"] = bench_policy(stack, root, *run)
         if args.mode in {"upstream", "both"}:
-            results["upstream"] = bench_upstream(stack, root, args.requests, args.warmup, args.max_tokens)
+            results["upstream"] = bench_upstream(stack, root, *run)
     finally:
         stack.down()
     sent = GATEWAY_EXPOSURES.labels("sent")._value.get()
     dropped = GATEWAY_EXPOSURES.labels("dropped")._value.get()
     failed = GATEWAY_EXPOSURES.labels("failed")._value.get()
-
-    cores = os.cpu_count()
-    print(f"\nrtrl bench gateway: {args.requests} requests per path (+{args.warmup} warm-up), "
-          f"max_tokens {args.max_tokens}, loopback, one persistent connection; "
-          f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {cores} cores")
-    print(f"{'mode':9s} {'direct p50':>10s} {'p99':>7s} {'gateway p50':>12s} {'p99':>7s} "
-          f"{'added p50':>10s} {'p99':>7s} {'p99 ratio':>9s} {'overhead p50':>13s} {'p99':>6s}")
-    ok = True
-    for mode, r in results.items():
-        print(f"{mode:9s} {r['direct_p50_ms']:10.2f} {r['direct_p99_ms']:7.2f} {r['gateway_p50_ms']:12.2f} "
-              f"{r['gateway_p99_ms']:7.2f} {r['added_p50_ms']:+10.2f} {r['added_p99_ms']:+7.2f} "
-              f"{r['ratio_p99']:9.3f} {r['overhead_p50_ms']:13.2f} {r['overhead_p99_ms']:6.2f}")
-        ok = ok and r["added_p99_ms"] <= TARGET_ADDED_P99_MS
-    print("(ms; added = gateway - direct percentile; overhead = per-request round trip minus the "
-          "generation time the gateway measured)")
+    if args.concurrency:
+        ok = report_load(args, results, load_before)
+    else:
+        ok = report(args, results, load_before)
     print(f"exposures: {sent:.0f} sent, {dropped:.0f} dropped, {failed:.0f} failed")
-    print(f"target added p99 <= {TARGET_ADDED_P99_MS} ms: {'met' if ok else 'MISSED'}")
+    if not args.concurrency:
+        print(f"target added p99 <= {TARGET_ADDED_P99_MS} ms: {'met' if ok else 'MISSED'}")
     if args.json:
         print(json.dumps({"results": results, "exposures": {"sent": sent, "dropped": dropped,
                                                             "failed": failed}}, indent=2))

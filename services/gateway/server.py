@@ -2,9 +2,10 @@
 
 One HTTP port (``RTRL_GATEWAY__PORT``, default 8080) serves the API of
 docs/gateway.md and ``/metrics``, ``/healthz``, ``/readyz``. The server is the standard
-library's threaded HTTP/1.1 server with keep-alive: for small JSON bodies it adds well
-under a millisecond (see docs/benchmarks.md), needs no event loop around a CPU-bound
-policy, and has nothing to configure.
+library's HTTP/1.1 server with keep-alive, hardened in services/gateway/http.py (sized
+backlog, bounded worker pool, read and idle timeouts, size limits, JSON errors): for small
+JSON bodies it adds well under a millisecond (see docs/benchmarks.md) and needs no event
+loop around a CPU-bound policy.
 
 The request path is: parse and validate (pydantic) -> read the routing table in force ->
 pick the arm -> generate -> answer -> queue the served event. Everything slow (Redis,
@@ -14,15 +15,12 @@ loader and :class:`ExposureLogger`.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Annotated, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
@@ -30,6 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployer.routing import Arm, RoutingTable
 from ingest.events import Id, TokenId
+from services.gateway.http import JsonRequestHandler, PooledHTTPServer, Response
+from services.gateway.http import error_response as _error
+from services.gateway.http import json_response as _json
 from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.upstream import UpstreamError
 from services.runtime.health import Health
@@ -54,20 +55,6 @@ class CompletionRequest(BaseModel):
     request_id: Id | None = None
     temperature: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 1.0
 
-
-@dataclass(frozen=True)
-class Response:
-    code: int
-    body: bytes
-    content_type: str = "application/json"
-
-
-def _json(code: int, body: dict[str, Any]) -> Response:
-    return Response(code, json.dumps(body, separators=(",", ":")).encode())
-
-
-def _error(code: int, message: str) -> Response:
-    return _json(code, {"error": message})
 
 
 def is_json_media_type(content_type: str | None) -> bool:
@@ -246,16 +233,20 @@ class Gateway:
 # --------------------------------------------------------------------- HTTP server
 
 
+POLL_S = 0.1
+"""How often the accept loop checks for shutdown and closes refused connections."""
+
+
 class GatewayServer:
-    """The threaded HTTP/1.1 server around a :class:`Gateway`."""
+    """The HTTP/1.1 server around a :class:`Gateway` (transport: services/gateway/http.py)."""
 
     def __init__(self, gateway: Gateway, host: str, port: int) -> None:
         self.gateway = gateway
         self.inflight = 0
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer((host, port), _handler(self))
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+        self._server = PooledHTTPServer((host, port), _handler(self), gateway.settings)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(POLL_S,), name="http",
+                                        daemon=True)
 
     @property
     def port(self) -> int:
@@ -266,11 +257,12 @@ class GatewayServer:
         return self
 
     def stop(self, drain_s: float = 5.0) -> None:
-        """Stop accepting, then wait up to ``drain_s`` for requests in flight."""
+        """Stop accepting, wait up to ``drain_s`` for requests in flight, close the connections."""
         self._server.shutdown()
         deadline = time.monotonic() + drain_s
         while self.inflight and time.monotonic() < deadline:
             time.sleep(0.01)
+        self._server.close_connections()
         self._server.server_close()
 
     def _enter(self, delta: int) -> None:
@@ -278,18 +270,17 @@ class GatewayServer:
             self.inflight += delta
 
 
-def _handler(server: GatewayServer) -> type[BaseHTTPRequestHandler]:
+def _handler(server: GatewayServer) -> type[JsonRequestHandler]:
     gateway = server.gateway
     max_body = gateway.settings.max_body_bytes
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: clients reuse one connection
-        disable_nagle_algorithm = True  # small responses go out at once
+    class Handler(JsonRequestHandler):
+        settings = gateway.settings
 
         def _dispatch(self) -> None:
             server._enter(1)
             try:
-                self._respond(self._handle())
+                self.respond(self._handle())
             finally:
                 server._enter(-1)
 
@@ -307,7 +298,7 @@ def _handler(server: GatewayServer) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True  # the body stays unread
                 GATEWAY_REQUESTS.labels("none", "none", "413").inc()
                 return _error(413, f"request body of {length} bytes exceeds the limit of {max_body}")
-            body = self.rfile.read(length) if length > 0 else b""
+            body = self.read_body(length)  # TimeoutError: 408 from the transport
             try:
                 return gateway.handle(self.command, self.path, body, self.headers.get("Content-Type"))
             except Exception as exc:  # a bug must not kill the connection thread silently
@@ -315,20 +306,6 @@ def _handler(server: GatewayServer) -> type[BaseHTTPRequestHandler]:
                 GATEWAY_ERRORS.labels("none", "none", "internal").inc()
                 return _error(500, f"internal error: {type(exc).__name__}")
 
-        def _respond(self, resp: Response) -> None:
-            self.send_response(resp.code)
-            self.send_header("Content-Type", resp.content_type)
-            self.send_header("Content-Length", str(len(resp.body)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            # headers and body in one write: no Nagle/delayed-ACK stall on the client
-            buffer: list[bytes] = self._headers_buffer  # type: ignore[attr-defined]
-            buffer += [b"\r\n", resp.body]
-            self.flush_headers()
-
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch  # noqa: N815
-
-        def log_message(self, format: str, *args: object) -> None:
-            return  # per-request logs would cost latency; metrics count requests
 
     return Handler

@@ -137,6 +137,15 @@ GATEWAY_SERVING = Gauge(
 GATEWAY_ROUTING_AGE = Gauge(
     "rtrl_gateway_routing_age_seconds", "Seconds since the routing table was last read from Redis"
 )
+GATEWAY_CONNECTIONS = Counter(
+    "rtrl_gateway_connections_closed_total",
+    "Connections the gateway's HTTP server refused or cut off, by reason", ["reason"],
+)
+"""reason: rejected (max_connections open: answered 503) | read_timeout (request not received
+within read_timeout_s: answered 408) | idle_timeout (no request for idle_timeout_s: closed)"""
+GATEWAY_OPEN_CONNECTIONS = Gauge(
+    "rtrl_gateway_open_connections", "Client connections the gateway's HTTP server holds open"
+)
 
 # --- simulator ---------------------------------------------------------------------------
 SIM_REQUESTS = Counter(

@@ -193,6 +193,23 @@ class GatewaySettings(Section):
     """Port of the API, which also serves /metrics, /healthz and /readyz."""
     max_body_bytes: int = 64 * 1024
     """Larger request bodies are refused with 413 before they are read."""
+    listen_backlog: Annotated[int, Field(ge=1)] = 1024
+    """Connections the kernel queues before the server accepts them (capped by the kernel's
+    ``net.core.somaxconn``); beyond it new connections wait for SYN retransmits (1, 3, 7 s)."""
+    max_connections: Annotated[int, Field(ge=1)] = 1024
+    """Open client connections served at once, one worker thread each (keep-alive connections
+    hold theirs until closed or idle); one more is answered 503 at once and closed."""
+    read_timeout_s: Annotated[float, Field(gt=0.0)] = 10.0
+    """From a request's first byte, its request line, headers and body must arrive within this
+    (in total, however slowly they trickle); else 408 and the connection is closed. Also bounds
+    each write of a response to a client that does not read."""
+    idle_timeout_s: Annotated[float, Field(gt=0.0)] = 30.0
+    """A connection with no request for this long (kept alive, or new and silent) is closed.
+    Keep it above the idle timeout of load balancers in front of the gateway."""
+    max_request_line_bytes: Annotated[int, Field(ge=64)] = 8192
+    """Longest request line (method, path and query, version); longer: 414."""
+    max_header_bytes: Annotated[int, Field(ge=256)] = 16 * 1024
+    """Largest header block; larger, or more than 100 header lines: 431."""
     routing_poll_s: float = 1.0
     """How often the routing table is read from Redis (weight changes apply within this)."""
     champion_refresh_s: float = 10.0
