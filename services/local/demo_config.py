@@ -5,7 +5,7 @@
 - :func:`configure`: writes the reward spec and the bootstrap corpus into the data directory,
   picks the gateway's port and returns a :class:`DemoConfig`: the one environment every
   service process gets (:func:`service_env`) and the same settings as this process reads
-  them (:func:`settings_from_env`; nothing rewrites ``os.environ``).
+  them (``services.runtime.settings.settings_from_env``; nothing rewrites ``os.environ``).
 """
 
 from __future__ import annotations
@@ -21,15 +21,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic_settings import BaseSettings, EnvSettingsSource
-from pydantic_settings.sources.utils import parse_env_vars
-
 from ingest.reward.spec import default_spec_text, load_spec
 from services.local.sim_users import bootstrap_corpus
 from services.local.stack import EmbeddedStack, free_port
 from services.local.supervisor import stop_recorded
 from services.runtime.service_settings import DemoSettings, DeployerSettings
-from services.runtime.settings import Settings
+from services.runtime.settings import Settings, settings_from_env
 
 MARKER = ".rtrl-demo"
 """A data directory holding this file was made by the demo and may be wiped by it."""
@@ -111,24 +108,6 @@ def configure(plan: DemoPlan, stack_env: Mapping[str, str]) -> DemoConfig:
     return DemoConfig(spec_path=spec_path, corpus=corpus, primary_horizon=primary_horizon,
                       gateway_port=gateway_port, env=env,
                       settings=settings_from_env({**plan.environ, **env}))
-
-
-class _MappingEnvSource(EnvSettingsSource):
-    """pydantic-settings' environment source, reading a given mapping instead of os.environ."""
-
-    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
-        self._mapping = dict(env)
-        super().__init__(settings_cls)
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        return parse_env_vars(self._mapping, self.case_sensitive, self.env_ignore_empty,
-                              self.env_parse_none_str)
-
-
-def settings_from_env(env: Mapping[str, str]) -> Settings:
-    """The Settings a process started with exactly the environment ``env`` would read: the
-    same parsing of RTRL_* variables, and ``env`` as the only source (not os.environ)."""
-    return Settings(_build_sources=((_MappingEnvSource(Settings, env),), {}))
 
 
 def demo_spec_text(base: str, no_edit_penalty: float = 0.5) -> str:

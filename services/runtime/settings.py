@@ -13,12 +13,14 @@ sections of services/runtime/service_settings.py.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings.sources.utils import parse_env_vars
 
 from services.runtime.service_settings import (
     DemoSettings,
@@ -185,3 +187,21 @@ def get_settings() -> Settings:
     if env_file.exists():
         return Settings(_env_file=env_file)
     return Settings()
+
+
+class _MappingEnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source, reading a given mapping instead of os.environ."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
+        self._mapping = dict(env)
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._mapping, self.case_sensitive, self.env_ignore_empty,
+                              self.env_parse_none_str)
+
+
+def settings_from_env(env: Mapping[str, str]) -> Settings:
+    """The Settings a process started with exactly the environment ``env`` would read: the
+    same parsing of RTRL_* variables, and ``env`` as the only source (not os.environ)."""
+    return Settings(_build_sources=((_MappingEnvSource(Settings, env),), {}))

@@ -30,7 +30,6 @@ from services.local.demo_config import (
     demo_spec_text,
     prepare_data_dir,
     service_env,
-    settings_from_env,
     write_corpus,
 )
 from services.local.report import write_report
@@ -38,7 +37,7 @@ from services.local.report_markdown import render_markdown
 from services.local.report_sources import Decision
 from services.local.supervisor import ProcSpec, RewardsTracker, Supervisor
 from services.runtime.service_settings import DemoSettings
-from services.runtime.settings import Settings
+from services.runtime.settings import Settings, settings_from_env
 from trainer.tokens import EOS
 
 
