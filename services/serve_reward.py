@@ -256,7 +256,8 @@ class RewardWorker:
                                     self.cfg.emitted_ttl_s)
         self.fault = crash_hook(os.environ.get(_CRASH_ENV))
         self.loop: ExactlyOnceLoop[JoinResult] | None = None
-        self._readers: list[KafkaConsumer] = []
+        self._consumers: list[KafkaConsumer] = []
+        """The group member, then the committed and uncommitted readers of the rewards topic."""
 
     def start(self) -> RewardWorker:
         s, cfg = self.s, self.cfg
@@ -269,15 +270,16 @@ class RewardWorker:
         # a short broker-side fetch wait keeps the loop (and its timers) turning under light load
         consumer = make_consumer(s.kafka, cfg.group_id, max_poll_records=cfg.max_batch,
                                  fetch_max_wait_ms=50, **member)
-        self._readers = [consumer, make_consumer(s.kafka, None),
-                         make_consumer(s.kafka, None, isolation_level="read_uncommitted")]
+        self._consumers = [consumer, make_consumer(s.kafka, None),
+                           make_consumer(s.kafka, None, isolation_level="read_uncommitted")]
         _check_partitions(consumer, s)
         base = cfg.transactional_id or cfg.group_instance_id
         ids = transactional_ids(self.state.r, s.redis.key_prefix, base) if base else None
         producers = TransactionalProducers(
             s.kafka, cfg.transaction_timeout_ms, ids, lambda: unique_transactional_id(SERVICE, cfg.group_id),
             linger_ms=2, batch_size=256 * 1024, max_request_size=8 * 1024 * 1024)
-        join = RewardJoin(s, self.spec, self.state, self._readers[1], self._readers[2], self.health,
+        committed_reader, uncommitted_reader = self._consumers[1:]
+        join = RewardJoin(s, self.spec, self.state, committed_reader, uncommitted_reader, self.health,
                           self.fault or (lambda _point: None))
         self.loop = ExactlyOnceLoop(SERVICE, consumer, producers.open, join, self.health,
                                     poll_timeout_ms=cfg.poll_timeout_ms, max_records=cfg.max_batch,
@@ -293,8 +295,10 @@ class RewardWorker:
 
     def close(self) -> None:
         if self.loop is not None:
-            self.loop.close()  # closes the group consumer and the producer
-        for reader in self._readers[1:]:
+            self.loop.close()  # the group member (leaving without a commit) and the producer
+        elif self._consumers:
+            self._consumers[0].close(autocommit=False)  # start() failed before the loop existed
+        for reader in self._consumers[1:]:
             reader.close(autocommit=False)
 
 
