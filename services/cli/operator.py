@@ -30,8 +30,7 @@ import redis
 from deployer.ledger import TAG_GATE
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
 from deployer.status import CanaryStatus, Command
-from services.runtime import settings as runtime_settings
-from services.runtime.settings import Settings
+from services.runtime.settings import Settings, get_settings
 from services.serve_deployer import Controller, RewardReader, build_ports
 
 COHORT_ROWS = ("n", "users", "reward_mean", "acceptance", "persistence", "latency_mean_ms",
@@ -186,7 +185,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     name, args = argv[0], _parser(argv[0]).parse_args(argv[1:])
-    settings = runtime_settings.get_settings()  # looked up at call time: tests substitute it
+    settings = get_settings()
     try:
         return _run(name, args, settings)
     except (redis.RedisError, ConnectionError, TimeoutError) as exc:

@@ -22,7 +22,7 @@ def ops(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     cwd = Path.cwd()
     os.chdir(tmp_path)  # the sqlite store puts artifacts under ./mlruns
     s = deployer_settings(settings, f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.setattr("services.runtime.settings.get_settings", lambda: s)
+    monkeypatch.setattr(operator, "get_settings", lambda: s)
     try:
         yield s
     finally:
