@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from deployer.routing import Arm, RoutingTable
+from deployer.routing import Arm, RoutingTable, engine_model_key
 from services.gateway.counts import ServedCounts
+from services.gateway.engine_backend import EngineBackend, EngineClient
 from services.gateway.exposure import ExposureLogger, ExposureProcess, make_event_producer
 from services.gateway.models import Backend, ModelSlots, policy_loader
+from services.gateway.request_ids import RequestIds
 from services.gateway.routing import ChampionCache, RedisRoutingSource, RoutingPoller
 from services.gateway.server import Gateway, GatewayServer
 from services.gateway.upstream import UpstreamBackend
+from services.runtime.engine_settings import EngineSettings
 from services.runtime.health import Health
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.redis_io import make_redis
@@ -25,11 +29,61 @@ from services.runtime.settings import get_settings
 log = logging.getLogger("services.gateway")
 
 
+def engine_loader(settings: Any, redis_client: Any) -> Callable[[Arm, str], Backend]:
+    """Engine kind ``vllm``: a version is served as the model name the deployer recorded for
+    it once it was loaded into the engine (deployer/routing.py ``engine_model_key``); the base
+    version is the engine's base model."""
+    eng: EngineSettings = settings.engine
+    key = eng.api_key.get_secret_value() if eng.api_key is not None else None
+    client = EngineClient(str(eng.base_url), key, eng.timeout_s)
+    prefix = settings.redis.key_prefix
+
+    def load(arm: Arm, version: str) -> Backend:
+        if version == eng.base_version:
+            return EngineBackend(client, str(eng.base_model))
+        name = redis_client.get(engine_model_key(prefix, version))
+        if not name:
+            raise RuntimeError(f"version {version} is not loaded in the engine yet (the deployer "
+                               "loads it and records its model name before routing traffic to it)")
+        return EngineBackend(client, name.decode() if isinstance(name, bytes) else str(name))
+
+    return load
+
+
+def engine_problem(settings: Any) -> str | None:
+    """Why the engine settings cannot work (None: they can)."""
+    eng: EngineSettings = settings.engine
+    if eng.kind != "vllm":
+        return None
+    missing = [n for n in ("base_url", "base_model") if not getattr(eng, n)]
+    if missing:
+        return "RTRL_ENGINE__KIND=vllm needs " + " and ".join(f"RTRL_ENGINE__{n.upper()}" for n in missing)
+    if settings.gateway.stable_upstream is not None:
+        return "set either RTRL_ENGINE__KIND=vllm or RTRL_GATEWAY__STABLE_UPSTREAM, not both"
+    return None
+
+
+def _registry(settings: Any) -> Any:
+    from deployer.adapters.mlflow_registry import MlflowRegistry
+
+    mlf = settings.mlflow
+    return MlflowRegistry(mlf.tracking_uri, mlf.registered_model, mlf.training_experiment)
+
+
 def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
     """Wire the gateway from settings; returns it and its background parts (started)."""
 
     gw: GatewaySettings = settings.gateway
-    if gw.stable_upstream is not None:
+    base: str | None = None
+    if settings.engine.kind == "vllm":
+        # a "load" is one Redis read of the model name the deployer recorded: retried every
+        # second at most, so a version is served within a second of being loaded and checked
+        slots = ModelSlots(engine_loader(settings, make_redis(settings.redis)), min(gw.load_retry_s, 1.0))
+        source = _registry(settings)
+        champion = ChampionCache(lambda: source.alias_version("champion"), gw.champion_refresh_s).get
+        model_name = settings.mlflow.registered_model
+        base = settings.engine.base_version
+    elif gw.stable_upstream is not None:
         ups = {"stable": gw.stable_upstream, "canary": gw.canary_upstream}
 
         def load_upstream(arm: Arm, version: str) -> Backend:
@@ -45,10 +99,7 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
         import torch
 
         torch.set_num_threads(gw.torch_threads)
-        from deployer.adapters.mlflow_registry import MlflowRegistry
-
-        mlf = settings.mlflow
-        source = MlflowRegistry(mlf.tracking_uri, mlf.registered_model, mlf.training_experiment)
+        source = _registry(settings)
         slots = ModelSlots(policy_loader(source, gw.model_cache_dir, gw.min_tokens), gw.load_retry_s)
         champion = ChampionCache(lambda: source.alias_version("champion"), gw.champion_refresh_s).get
         model_name = settings.mlflow.registered_model
@@ -59,7 +110,7 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
             canary = table.canary_version if gw.canary_upstream is not None else None
             slots.want(stable, canary)
         else:
-            slots.want(stable, table.canary_version)
+            slots.want(stable or base, table.canary_version)
 
     exposures: ExposureLogger | ExposureProcess
     if gw.exposure_process:
@@ -74,7 +125,8 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
     health.add_check("broker", lambda: exposures.healthy)
     counts = ServedCounts(make_redis(settings.redis), settings.redis.key_prefix)
     gateway = Gateway(gw, slots, lambda: poller.table, exposures.log, model_name, health,
-                      count=counts.count)
+                      count=counts.count,
+                      request_ids=RequestIds(make_redis(settings.redis), settings.redis.key_prefix))
     exposures.start()
     slots.start()
     poller.start()
@@ -97,6 +149,14 @@ def main(argv: list[str]) -> int:
     if gw.key_id is not None and gw.secret is None and gw.key_id not in settings.auth.keys:
         log.error("no signing secret for key id %r: set RTRL_GATEWAY__SECRET (or RTRL_AUTH__KEYS), "
                   "or RTRL_GATEWAY__KEY_ID=null to send unsigned events (development)", gw.key_id)
+        return 2
+    problem = engine_problem(settings)
+    if problem is not None:
+        log.error("%s (docs/serving.md)", problem)
+        return 2
+    if not gw.api_keys and not gw.allow_anonymous:
+        log.error("no API keys: set RTRL_GATEWAY__API_KEYS='{\"<key id>\": \"<key>\"}' (clients send "
+                  "'Authorization: Bearer <key>'), or RTRL_GATEWAY__ALLOW_ANONYMOUS=true (development)")
         return 2
     stopper = Stopper().install()
     health = Health(liveness_timeout_s=max(30.0, 10 * gw.routing_poll_s))

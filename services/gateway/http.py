@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -50,6 +50,10 @@ class Response:
     code: int
     body: bytes
     content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+    stream: Iterator[bytes] | None = None
+    """When set, the body is sent as these chunks (``Transfer-Encoding: chunked``), each
+    written as soon as it is produced; ``body`` is ignored."""
 
 
 def json_response(code: int, body: dict[str, Any]) -> Response:
@@ -181,6 +185,11 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         self.connection.settimeout(self.settings.read_timeout_s)  # a client that never reads
         self.send_response(resp.code)
         self.send_header("Content-Type", resp.content_type)
+        for name, value in resp.headers:
+            self.send_header(name, value)
+        if resp.stream is not None:
+            self._respond_stream(resp.stream)
+            return
         self.send_header("Content-Length", str(len(resp.body)))
         if self.close_connection:
             self.send_header("Connection", "close")
@@ -188,6 +197,28 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         buffer: list[bytes] = self._headers_buffer  # type: ignore[attr-defined]
         buffer += [b"\r\n", resp.body]
         self.flush_headers()
+
+    def _respond_stream(self, chunks: Iterator[bytes]) -> None:
+        """Chunked transfer: each chunk is written and flushed as it comes. A client that goes
+        away ends the stream (the iterator is closed, so it can clean up) and the connection."""
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Cache-Control", "no-cache")
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            for data in chunks:
+                if data:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """Every error the transport produces, as the documented JSON body; closes the connection."""

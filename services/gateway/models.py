@@ -24,13 +24,16 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from deployer.routing import Arm
+from services.gateway.generation import BadRequestError, GenRequest, Piece
+from services.gateway.local_text import Tokenizer, load_tokenizer, pieces, prompt_ids
 from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_MODEL_LOADS, GATEWAY_SERVING
+from trainer.tokens import EOS
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +59,19 @@ class Backend(Protocol):
 
     def generate(self, prompt_tokens: Sequence[int], max_tokens: int, temperature: float) -> Generation: ...
 
+    def stream(self, req: GenRequest, stream: bool = True) -> Iterator[Piece]:
+        """The OpenAI API: the generation's pieces (``stream=False``: the backend may produce
+        it in one piece). Raises :class:`BadRequestError` for requests this model cannot serve."""
+        ...
+
     def close(self) -> None: ...
 
 
 class PolicyBackend:
     """A local policy (trainer/policy.py) sampled in-process."""
 
-    def __init__(self, policy: object, vocab_size: int | None = None, min_tokens: int = 0) -> None:
+    def __init__(self, policy: object, vocab_size: int | None = None, min_tokens: int = 0,
+                 tokenizer: Tokenizer | None = None) -> None:
         from trainer.policy import Policy
 
         if not isinstance(policy, Policy):
@@ -72,6 +81,18 @@ class PolicyBackend:
         self.vocab_size = vocab_size or getattr(config, "vocab_size", None)
         self.min_tokens = min_tokens
         """EOS cannot end a completion before this many tokens (1: never an empty answer)."""
+        self.tokenizer = tokenizer
+
+    def stream(self, req: GenRequest, stream: bool = True) -> Iterator[Piece]:
+        prompt = prompt_ids(req, self.tokenizer)
+        if self.vocab_size is not None and prompt and max(prompt) >= self.vocab_size:
+            raise BadRequestError(f"prompt token ids must be below the vocabulary size {self.vocab_size}")
+        if req.temperature <= 0.0:
+            raise BadRequestError("this model samples only at temperature > 0")
+        gen = self.generate(prompt, req.max_tokens, req.temperature)
+        eos = set(getattr(self.policy, "eos", ()) or ()) or {EOS}
+        ended = len(gen.tokens) < req.max_tokens or bool(gen.tokens and gen.tokens[-1] in eos)
+        yield from pieces(req, self.tokenizer, prompt, gen.tokens, gen.logprobs, ended)
 
     def generate(self, prompt_tokens: Sequence[int], max_tokens: int, temperature: float) -> Generation:
         tokens, logprobs = self.policy.sample(prompt_tokens, max_tokens, temperature,
@@ -105,7 +126,8 @@ def policy_loader(source: ModelSource, cache_dir: Path | None,
         from trainer.policy import load_policy
 
         directory = source.download(version, root / f"v{version}-{time.monotonic_ns()}")
-        return PolicyBackend(load_policy(directory), min_tokens=min_tokens)
+        tokenizer = load_tokenizer(directory)
+        return PolicyBackend(load_policy(directory), min_tokens=min_tokens, tokenizer=tokenizer)
 
     return load
 

@@ -15,6 +15,7 @@ loader and :class:`ExposureLogger`.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -28,11 +29,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployer.routing import Arm, RoutingTable
 from ingest.events import Id, TokenId
+from services.gateway.auth import ApiKeys, UnauthorizedError
+from services.gateway.generation import UpstreamError
 from services.gateway.http import JsonRequestHandler, PooledHTTPServer, Response
 from services.gateway.http import error_response as _error
 from services.gateway.http import json_response as _json
 from services.gateway.models import Backend, Generation, ModelSlots
-from services.gateway.upstream import UpstreamError
+from services.gateway.openai_api import Headers, error_body
+from services.gateway.openai_routes import OpenAIRoutes
+from services.gateway.request_ids import RequestIds
 from services.runtime.health import Health
 from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
 from services.runtime.service_settings import GatewaySettings
@@ -66,6 +71,20 @@ def is_json_media_type(content_type: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(body: bytes) -> tuple[Any, str | None]:
+    """(parsed body, None), or (None, "malformed JSON: ...") for anything that is not RFC 8259
+    JSON: bad syntax or encoding, NaN/Infinity literals, nesting deeper than Python recurses.
+    Each request body is parsed once, here."""
+    try:
+        return json.loads(body, parse_constant=_no_constant), None
+    except (ValueError, RecursionError) as exc:
+        return None, f"malformed JSON: {str(exc)[:200]}"
+
+
 def validation_message(exc: ValidationError) -> str:
     """One readable line from a pydantic error: 'malformed JSON: ...' or 'field: problem; ...'."""
     errors = exc.errors(include_url=False)
@@ -92,23 +111,33 @@ class Gateway:
         health: Health | None = None,
         registry: CollectorRegistry = REGISTRY,
         count: Callable[[str, str, bool], object] | None = None,
+        request_ids: RequestIds | None = None,
     ) -> None:
         self.settings = settings
-        self._count = count or (lambda _version, _arm, _error: None)
+        self.count = count or (lambda _version, _arm, _error: None)
         """Per (version, arm) request/error counts for the judge (services/gateway/counts.py)."""
         self.slots = slots
         self._table = table
-        self._log_exposure = log_exposure
+        self.log_exposure = log_exposure
         self.model_name = model_name
         self.health = health or Health()
         self._registry = registry
+        self.keys = ApiKeys(settings.api_keys, settings.allow_anonymous)
+        self.request_ids = request_ids or RequestIds(None, "")
+        """Client-supplied request ids already served (services/gateway/request_ids.py)."""
+        self.openai = OpenAIRoutes(self)
 
     # ----------------------------------------------------------------- routing
-    def handle(self, method: str, path: str, body: bytes, content_type: str | None = None) -> Response:
-        """``content_type``: the request's Content-Type header (None when absent)."""
+    def handle(self, method: str, path: str, body: bytes, content_type: str | None = None,
+               headers: Headers | None = None) -> Response:
+        """``content_type``: the request's Content-Type header (None when absent); ``headers``:
+        all of them (``Authorization``, ``X-Rtrl-User``, ...)."""
         path = path.split("?", 1)[0]
+        headers = headers or {}
         routes: dict[str, tuple[str, Callable[[bytes], Response]]] = {
-            "/v1/completions": ("POST", self.complete),
+            "/v1/completions": ("POST", lambda b: self.completions(b, headers)),
+            "/v1/chat/completions": ("POST", lambda b: self._openai("chat", b, headers)),
+            "/v1/models": ("GET", lambda _b: self.openai.models()),
             "/v1/routing": ("GET", lambda _b: self.routing()),
             "/metrics": ("GET", lambda _b: self.metrics()),
             "/healthz": ("GET", lambda _b: self._probe(*self.health.live())),
@@ -122,7 +151,48 @@ class Gateway:
         if method == "POST" and content_type and not is_json_media_type(content_type):
             GATEWAY_REQUESTS.labels("none", "none", "415").inc()
             return _error(415, f"unsupported Content-Type {content_type[:100]!r}; send application/json")
+        if path.startswith("/v1/"):
+            try:
+                self.keys.check(headers.get("Authorization"))
+            except UnauthorizedError as exc:
+                GATEWAY_REQUESTS.labels("none", "none", "401").inc()
+                body401 = json.dumps(error_body(str(exc), "invalid_api_key")).encode()
+                return Response(401, body401, headers=(("WWW-Authenticate", 'Bearer realm="rtrl"'),))
         return fn(body)
+
+    def completions(self, body: bytes, headers: Headers) -> Response:
+        """``POST /v1/completions``: the token-id API when the body has ``prompt_tokens``, else
+        the OpenAI completions API."""
+        data, problem = parse_json(body)
+        if problem is not None:
+            GATEWAY_REQUESTS.labels("none", "none", "400").inc()
+            return _error(400, problem)
+        if not isinstance(data, dict):
+            GATEWAY_REQUESTS.labels("none", "none", "400").inc()
+            return _error(400, "invalid request: the body must be a JSON object")
+        if "prompt_tokens" in data:
+            return self.complete(data)
+        return self.openai.complete("completion", data, headers)
+
+    def _openai(self, kind: str, body: bytes, headers: Headers) -> Response:
+        data, problem = parse_json(body)
+        if problem is not None:
+            GATEWAY_REQUESTS.labels("none", "none", "400").inc()
+            return Response(400, json.dumps(error_body(problem)).encode())
+        return self.openai.complete(kind, data, headers)
+
+    def pick(self, user_key: str) -> tuple[Arm, str, Backend, tuple[str, Backend]] | Response:
+        """The arm, version and backend serving ``user_key``, and stable's (for a fallback);
+        503 while no stable model is loaded."""
+        stable, canary = self.slots.get("stable"), self.slots.get("canary")
+        if stable is None:
+            GATEWAY_REQUESTS.labels("none", "none", "503").inc()
+            wanted = self.slots.wanted("stable")
+            why = f"version {wanted} is loading or failed to load" if wanted else "no champion yet"
+            return _error(503, f"no champion model loaded yet ({why})")
+        arm: Arm = self._table().arm_for(user_key, canary is not None)
+        version, backend = canary if arm == "canary" and canary is not None else stable
+        return arm, version, backend, stable
 
     def metrics(self) -> Response:
         return Response(200, generate_latest(self._registry), CONTENT_TYPE_LATEST)
@@ -142,37 +212,43 @@ class Gateway:
         })
 
     # ----------------------------------------------------------------- completions
-    def complete(self, body: bytes) -> Response:
-        started = time.perf_counter()
+    def complete(self, data: Any) -> Response:
+        """The token-id API (docs/gateway.md), on the parsed body."""
         try:
-            req = CompletionRequest.model_validate_json(body)
+            req = CompletionRequest.model_validate(data)
         except ValidationError as exc:
             GATEWAY_REQUESTS.labels("none", "none", "400").inc()
             return _error(400, validation_message(exc))
-        stable, canary = self.slots.get("stable"), self.slots.get("canary")
-        if stable is None:
-            GATEWAY_REQUESTS.labels("none", "none", "503").inc()
-            wanted = self.slots.wanted("stable")
-            why = f"version {wanted} is loading or failed to load" if wanted else "no champion yet"
-            return _error(503, f"no champion model loaded yet ({why})")
-        arm: Arm = self._table().arm_for(req.user_key, canary is not None)
-        version, backend = canary if arm == "canary" and canary is not None else stable
+        picked = self.pick(req.user_key)
+        if isinstance(picked, Response):
+            return picked
+        if req.request_id is not None and not self.request_ids.claim(req.request_id):
+            GATEWAY_REQUESTS.labels("none", "none", "409").inc()
+            return _error(409, f"request_id {req.request_id} was already served; send a new id per request")
+        response = self._complete(req, *picked)
+        if response.code != 200 and req.request_id is not None:
+            self.request_ids.release(req.request_id)
+        return response
+
+    def _complete(self, req: CompletionRequest, arm: Arm, version: str, backend: Backend,
+                  stable: tuple[str, Backend]) -> Response:
+        started = time.perf_counter()
         result = self._generate(arm, version, backend, req)
         if isinstance(result, Response):
             if result.code >= 500:
-                self._count(version, arm, True)
+                self.count(version, arm, True)
             return result
         gen, gen_s = result
         if arm == "canary" and gen is None:  # canary raised: stable serves, counted
             GATEWAY_FALLBACKS.inc()
-            self._count(version, "canary", True)  # the canary cohort is counted by assignment
+            self.count(version, "canary", True)  # the canary cohort is counted by assignment
             arm, (version, backend) = "stable", stable
             retry = self._generate(arm, version, backend, req)
             if isinstance(retry, Response):
                 return retry
             gen, gen_s = retry
         else:
-            self._count(version, arm, False)
+            self.count(version, arm, False)
         assert gen is not None
         return self._served(req, arm, version, gen, gen_s, started)
 
@@ -218,7 +294,7 @@ class Gateway:
             "completion_tokens": gen.tokens, "logprobs": gen.logprobs, "completion_kind": kind,
             "latency_ms": latency_ms, "tool_calls": gen.tool_calls, "invalid_tool_calls": invalid,
         })
-        self._log_exposure({
+        self.log_exposure({
             "event_id": uuid.uuid4().hex, "request_id": request_id, "ts": datetime.now(UTC),
             "session_id": req.session_id, "user_key": req.user_key, "model": model, "arm": arm,
             "prompt_tokens": req.prompt_tokens, "completion_tokens": gen.tokens,
@@ -300,7 +376,8 @@ def _handler(server: GatewayServer) -> type[JsonRequestHandler]:
                 return _error(413, f"request body of {length} bytes exceeds the limit of {max_body}")
             body = self.read_body(length)  # TimeoutError: 408 from the transport
             try:
-                return gateway.handle(self.command, self.path, body, self.headers.get("Content-Type"))
+                return gateway.handle(self.command, self.path, body, self.headers.get("Content-Type"),
+                                      self.headers)
             except Exception as exc:  # a bug must not kill the connection thread silently
                 log.exception("unhandled error on %s %s", self.command, self.path)
                 GATEWAY_ERRORS.labels("none", "none", "internal").inc()

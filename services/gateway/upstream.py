@@ -25,26 +25,16 @@ A logprob that is missing or ``-inf`` is logged as ``LOGPROB_FLOOR``; positive v
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
-import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
+from services.gateway.engine_backend import EngineBackend, EngineClient
+from services.gateway.generation import GenRequest, Piece, UpstreamError, clean_logprob
 from services.gateway.models import Generation
 from services.runtime.service_settings import UpstreamSettings
 
-LOGPROB_FLOOR = -1000.0
 TOKEN_ID_PREFIX = "token_id:"  # noqa: S105 (vLLM's token id marker, not a secret)
-
-
-class UpstreamError(Exception):
-    """The upstream failed; ``status`` is the code the gateway answers with (502 or 504)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def token_id(token: str, mode: Literal["require", "hash"]) -> int:
@@ -62,12 +52,6 @@ def token_id(token: str, mode: Literal["require", "hash"]) -> int:
         f"upstream returned text token {token[:40]!r} instead of a token id; enable "
         "return_tokens_as_token_ids on the server (vLLM) or set RTRL_GATEWAY__UPSTREAM_TOKEN_IDS=hash",
     )
-
-
-def clean_logprob(value: object) -> float:
-    if not isinstance(value, int | float) or value != value:  # None or NaN
-        return LOGPROB_FLOOR
-    return max(LOGPROB_FLOOR, min(0.0, float(value)))
 
 
 def parse_completion(data: Any, mode: Literal["require", "hash"]) -> Generation:
@@ -98,37 +82,18 @@ class UpstreamBackend:
         timeout_s: float = 30.0,
         token_ids: Literal["require", "hash"] = "require",  # noqa: S107 (a mode, not a secret)
     ) -> None:
-        parts = urlsplit(cfg.base_url)
-        if parts.scheme not in {"http", "https"} or not parts.hostname:
-            raise ValueError(f"upstream base_url {cfg.base_url!r} must be http(s)://host[:port][/path]")
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname
-        self._port = parts.port
-        self._path = parts.path.rstrip("/") + "/v1/completions"
         self._cfg = cfg
-        self._timeout = timeout_s
         self._mode = token_ids
-        self._local = threading.local()
-        self._headers = {"Content-Type": "application/json"}
-        if cfg.api_key is not None:
-            self._headers["Authorization"] = f"Bearer {cfg.api_key.get_secret_value()}"
-
-    def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
-        if conn is None or fresh:
-            if conn is not None:
-                conn.close()
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            conn = cls(self._host, self._port, timeout=self._timeout)
-            self._local.conn = conn
-        return conn
+        key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
+        self._client = EngineClient(cfg.base_url, key, timeout_s, name="upstream")
+        """Persistent connections, one per gateway thread, shared by both APIs."""
+        self._engine = EngineBackend(self._client, cfg.model)
 
     def generate(self, prompt_tokens: Sequence[int], max_tokens: int, temperature: float) -> Generation:
-        body = json.dumps({
+        status, payload = self._client.exchange("POST", "/v1/completions", {
             "model": self._cfg.model, "prompt": list(prompt_tokens), "max_tokens": max_tokens,
             "temperature": temperature, "logprobs": 1, "return_tokens_as_token_ids": True,
-        }).encode()
-        status, payload = self._post(body)
+        })
         if status != 200:
             detail = payload[:200].decode("utf-8", "replace")
             raise UpstreamError(502, f"upstream answered {status}: {detail}")
@@ -138,24 +103,9 @@ class UpstreamBackend:
             raise UpstreamError(502, "upstream answered with invalid JSON") from None
         return parse_completion(data, self._mode)
 
-    def _post(self, body: bytes) -> tuple[int, bytes]:
-        for attempt in (0, 1):
-            conn = self._conn(fresh=attempt > 0)
-            try:
-                conn.request("POST", self._path, body=body, headers=self._headers)
-                resp = conn.getresponse()
-                return resp.status, resp.read()
-            except TimeoutError:
-                conn.close()
-                raise UpstreamError(504, f"upstream did not answer within {self._timeout}s") from None
-            except (http.client.HTTPException, ConnectionError, OSError) as exc:
-                conn.close()
-                # a kept-alive connection the server closed: retry once on a fresh one
-                if attempt == 1:
-                    raise UpstreamError(502, f"upstream unreachable: {exc}") from None
-        raise AssertionError("unreachable")
+    def stream(self, req: GenRequest, stream: bool = True) -> Iterator[Piece]:
+        """The OpenAI API, forwarded as in the ``vllm`` backend (services/gateway/engine_backend.py)."""
+        return self._engine.stream(req, stream)
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
+        self._client.close()

@@ -36,7 +36,7 @@ class Gateway(Protocol):
 class GatewayClient:
     """POST /v1/completions with one keep-alive connection per thread."""
 
-    def __init__(self, base_url: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
         url = urllib.parse.urlsplit(base_url)
         if url.scheme not in {"http", "https"} or not url.hostname:
             raise ValueError(f"simulator.gateway_url must be http(s)://host:port, got {base_url!r}")
@@ -44,6 +44,9 @@ class GatewayClient:
         self._https = url.scheme == "https"
         self._timeout = timeout_s
         self._local = threading.local()
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
 
     def _conn(self) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
@@ -58,7 +61,7 @@ class GatewayClient:
         for attempt in (0, 1):
             conn = self._conn()
             try:
-                conn.request("POST", "/v1/completions", payload, {"Content-Type": "application/json"})
+                conn.request("POST", "/v1/completions", payload, self._headers)
                 resp = conn.getresponse()
                 data = resp.read()
                 try:

@@ -146,7 +146,9 @@ class Simulator:
         self.world: World = make_world(sim.seed, cfg, user_types_with_mix(sim.user_mix))
         self.users: list[SimUser] = make_population(self.world, sim.n_users, sim.seed)
         self.horizons = tuple(load_spec(settings.reward_spec).persistence.horizons_s)
-        self.gateway: Gateway = gateway or GatewayClient(sim.gateway_url, sim.request_timeout_s)
+        self.gateway: Gateway = gateway or GatewayClient(
+            sim.gateway_url, sim.request_timeout_s,
+            sim.api_key.get_secret_value() if sim.api_key is not None else None)
         self.scheduler = EventScheduler(send)
         self.limiter = RateLimiter(sim.rate_per_s)
         self.tally = Tally()

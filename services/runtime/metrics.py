@@ -143,6 +143,11 @@ GATEWAY_CONNECTIONS = Counter(
 )
 """reason: rejected (max_connections open: answered 503) | read_timeout (request not received
 within read_timeout_s: answered 408) | idle_timeout (no request for idle_timeout_s: closed)"""
+GATEWAY_CLIENT_REQUESTS = Counter(
+    "rtrl_gateway_client_requests_total", "API requests by client key id", ["key_id"]
+)
+"""key_id: the id of the API key that authenticated the request (never the key itself),
+``anonymous`` when anonymous access is allowed, ``rejected`` for 401s."""
 GATEWAY_OPEN_CONNECTIONS = Gauge(
     "rtrl_gateway_open_connections", "Client connections the gateway's HTTP server holds open"
 )

@@ -246,6 +246,11 @@ class GatewaySettings(Section):
     """Upstream mode: forward the stable arm to this endpoint instead of a local policy."""
     canary_upstream: UpstreamSettings | None = None
     """Upstream mode: endpoint of the canary arm (None: no canary in upstream mode)."""
+    api_keys: dict[str, SecretStr] = Field(default_factory=dict)
+    """Client API keys, ``{"<key id>": "<key>"}``; clients send ``Authorization: Bearer <key>``.
+    Without keys the gateway refuses to start unless ``allow_anonymous`` is set."""
+    allow_anonymous: bool = False
+    """Development only: serve requests that carry no API key (key id ``anonymous``)."""
     upstream_timeout_s: float = 30.0
     upstream_token_ids: Literal["require", "hash"] = "require"  # noqa: S105 (a mode, not a secret)
     """How upstream completion tokens become token ids in served events: ``require`` asks
@@ -285,6 +290,8 @@ class SimulatorSettings(Section):
     max_requests: Annotated[int, Field(ge=0)] = 0
     """Stop after this many requests (0: run until stopped)."""
     request_timeout_s: float = 10.0
+    api_key: SecretStr | None = None
+    """The gateway API key the simulated users send (``Authorization: Bearer``)."""
     key_id: str | None = "simulator"
     """Key id that signs the client events; None sends them unsigned (development)."""
     secret: SecretStr | None = None
@@ -319,6 +326,10 @@ class DemoSettings(Section):
     """Inject the bad candidate once this many canaries have been decided (0: as soon as the
     champion has a baseline, before the first increment is ready)."""
     progress_every_s: Annotated[float, Field(gt=0.0)] = 5.0
+    chaos: bool = False
+    """Kill a random service (ingest, reward, trainer, deployer, gateway) with SIGKILL every
+    ``chaos_every_s`` and restart it; verify at the end that nothing was lost or duplicated."""
+    chaos_every_s: Annotated[float, Field(gt=0.0)] = 90.0
     sim_rate_per_s: Annotated[float, Field(ge=0.0)] = 25.0
     sim_users: int = 300
     seed: int = 0
@@ -340,6 +351,9 @@ class DeployerSettings(Section):
     """Least seconds on each step before stepping up (and before promoting from the last)."""
     max_duration_s: Annotated[float, Field(gt=0.0)] = 6 * 3600.0
     """Budget of one canary; still undecided after it, the canary is aborted (inconclusive)."""
+    engine_check_tolerance: Annotated[float, Field(gt=0.0)] = 0.05
+    """With an inference engine: the largest |log-probability difference| (nats) allowed
+    between the engine and the candidate's own on the fixed check prompt before it serves."""
     max_errors: Annotated[int, Field(ge=1)] = 5
     """Consecutive ticks whose observations failed before the canary is aborted."""
     lease_ttl_s: Annotated[float, Field(gt=0.0)] = 90.0

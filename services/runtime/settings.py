@@ -22,6 +22,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 from pydantic_settings.sources.utils import parse_env_vars
 
+from services.runtime.engine_settings import EngineSettings
 from services.runtime.service_settings import (
     DemoSettings,
     DeployerSettings,
@@ -166,6 +167,7 @@ class Settings(BaseSettings):
     trainer: TrainerSettings = TrainerSettings()
     http: HttpSettings = HttpSettings()
     gateway: GatewaySettings = GatewaySettings()
+    engine: EngineSettings = EngineSettings()
     stack: StackSettings = StackSettings()
     simulator: SimulatorSettings = SimulatorSettings()
     demo: DemoSettings = DemoSettings()

@@ -40,6 +40,7 @@ def test_serve_gateway_process_serves_and_stops_cleanly(settings: Settings, tmp_
         "RTRL_MLFLOW__REGISTERED_MODEL": "proc-policy",
         "RTRL_GATEWAY__PORT": str(port),
         "RTRL_GATEWAY__SECRET": "proc-secret",
+        "RTRL_GATEWAY__API_KEYS": json.dumps({"team": "proc-api-key"}),
     }
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "gateway"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -60,7 +61,10 @@ def test_serve_gateway_process_serves_and_stops_cleanly(settings: Settings, tmp_
             time.sleep(0.3)
         body = json.dumps({"user_key": "p1", "session_id": "s", "prompt_tokens": [0, 3],
                            "request_id": "proc-1"}).encode()
-        conn.request("POST", "/v1/completions", body=body)
+        conn.request("POST", "/v1/completions", body=body)  # no API key
+        resp = conn.getresponse()
+        assert resp.status == 401 and "API key" in json.loads(resp.read())["error"]["message"]
+        conn.request("POST", "/v1/completions", body=body, headers={"Authorization": "Bearer proc-api-key"})
         resp = conn.getresponse()
         assert resp.status == 200 and json.loads(resp.read())["model"]["name"] == "proc-policy"
         conn.close()
@@ -87,3 +91,12 @@ def test_serve_gateway_help(argv: list[str]) -> None:
     out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "gateway", *argv],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--port" in out.stdout
+
+
+def test_serve_gateway_refuses_to_start_without_api_keys(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
+    env.update({"RTRL_STACK__DATA_DIR": str(tmp_path), "RTRL_GATEWAY__SECRET": "s"})
+    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "gateway", "--port", "0"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "RTRL_GATEWAY__API_KEYS" in out.stderr + out.stdout

@@ -58,7 +58,8 @@ def gateway_settings(settings: Settings, registry: tuple[str, str, dict[str, str
     uri, name, _ = registry
     return settings.model_copy(update={
         "mlflow": MlflowSettings(tracking_uri=uri, registered_model=name),
-        "gateway": GatewaySettings(**{"port": 0, "routing_poll_s": 0.2, "key_id": "gateway",
+        "gateway": GatewaySettings(**{"port": 0, "routing_poll_s": 0.2, "allow_anonymous": True,
+                                      "key_id": "gateway",
                                       "secret": SecretStr(SECRET), "load_retry_s": 60, **gw}),
     })
 

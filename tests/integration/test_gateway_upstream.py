@@ -29,7 +29,7 @@ class Upstreams:
         self.stable = FakeCompletionsServer(text_tokens=text_tokens).start()
         self.canary = FakeCompletionsServer(text_tokens=text_tokens).start()
         self.settings = settings.model_copy(update={"gateway": GatewaySettings(**{
-            "port": 0, "routing_poll_s": 0.2, "key_id": None,
+            "port": 0, "routing_poll_s": 0.2, "key_id": None, "allow_anonymous": True,
             "stable_upstream": UpstreamSettings(base_url=self.stable.url, model="team-model",
                                                 api_key=SecretStr("k-stable")),
             "canary_upstream": UpstreamSettings(base_url=self.canary.url, model="team-model-next"),

@@ -33,8 +33,11 @@ REDIS_PASSWORD_ROTATED = "rotatedRedisPw5Kd0Zt"
 SASL_PASSWORD = "saslPassw0rdZ4k1Rv"
 UPSTREAM_KEY = "upstreamApiKeyM9w3Hs"
 WRONG_REDIS_PASSWORD = "wrongRedisPw2Yb7Nc"
+CLIENT_API_KEY = "clientApiKeyT7p4Wq"
+WRONG_API_KEY = "wrongApiKeyJ3s8Xe"
 SECRETS = [HMAC_GATEWAY, HMAC_IDE, REDIS_PASSWORD, REDIS_PASSWORD_ROTATED, SASL_PASSWORD, UPSTREAM_KEY,
-           WRONG_REDIS_PASSWORD]
+           WRONG_REDIS_PASSWORD, CLIENT_API_KEY, WRONG_API_KEY]
+AUTH = {"Authorization": f"Bearer {CLIENT_API_KEY}"}
 
 
 def leaks(text: str) -> list[str]:
@@ -149,7 +152,7 @@ def _post(port: int, body: bytes, headers: dict[str, str] | None = None, method:
           path: str = "/v1/completions") -> tuple[int, str, dict[str, Any]]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
-        conn.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
+        conn.request(method, path, body=body, headers=headers or {"Content-Type": "application/json", **AUTH})
         resp = conn.getresponse()
         raw = resp.read()
         ctype = resp.getheader("Content-Type") or ""
@@ -176,6 +179,7 @@ def _gateway_env(s: Settings, tmp_path: Path, upstream: FakeCompletionsServer,
         RTRL_GATEWAY__CANARY_UPSTREAM__MODEL="fake-llm-canary",
         RTRL_GATEWAY__CANARY_UPSTREAM__API_KEY=UPSTREAM_KEY,
         RTRL_GATEWAY__SECRET=HMAC_GATEWAY,
+        RTRL_GATEWAY__API_KEYS=json.dumps({"ide": CLIENT_API_KEY}),
         RTRL_GATEWAY__ROUTING_POLL_S="0.2",
         RTRL_GATEWAY__EXPOSURE_LINGER_MS="5",
         **extra,
@@ -298,9 +302,15 @@ def _raw(port: int, request: bytes) -> tuple[int, dict[str, Any]]:
 
 GOOD = {"user_key": "u1", "session_id": "s1", "prompt_tokens": [1, 2, 3], "max_tokens": 4}
 NO_USER_KEY = {k: v for k, v in GOOD.items() if k != "user_key"}
-JSON = {"Content-Type": "application/json"}
+JSON = {"Content-Type": "application/json", **AUTH}
 HOSTILE: list[tuple[str, int, dict[str, Any]]] = [
     # name, expected status, request (http.client: method, path, body, headers)
+    ("no_api_key", 401, {"headers": {"Content-Type": "application/json"}}),
+    ("wrong_api_key", 401, {"headers": {"Content-Type": "application/json",
+                                        "Authorization": f"Bearer {WRONG_API_KEY}"}}),
+    ("basic_auth", 401, {"headers": {"Content-Type": "application/json", "Authorization": "Basic dTpw"}}),
+    ("models_without_key", 401, {"path": "/v1/models", "method": "GET", "body": b"",
+                                 "headers": {"Content-Type": "application/json"}}),
     ("malformed_json", 400, {"body": b'{"user_key": '}),
     ("trailing_garbage", 400, {"body": json.dumps(GOOD).encode() + b"}}"}),
     ("not_utf8", 400, {"body": b'{"user_key": "\xff\xfe"}'}),

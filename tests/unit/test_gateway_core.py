@@ -10,9 +10,9 @@ import pytest
 
 from deployer.routing import RoutingTable, assign_arm
 from ingest.events import CompletionServed
+from services.gateway.generation import UpstreamError
 from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.server import Gateway
-from services.gateway.upstream import UpstreamError
 from services.runtime.metrics import GATEWAY_FALLBACKS
 from services.runtime.service_settings import GatewaySettings
 
@@ -50,7 +50,8 @@ def make(stable: Backend | None, canary: Backend | None = None, weight: float = 
     slots.step()
     table = RoutingTable(weight, "salt", "1", "2" if canary else None)
     logged: list[dict[str, Any]] = []
-    gw = Gateway(GatewaySettings(**settings), slots, lambda: table, logged.append, "rtrl-policy")
+    gw = Gateway(GatewaySettings(**{"allow_anonymous": True, **settings}), slots, lambda: table,
+                 logged.append, "rtrl-policy")
     return gw, logged
 
 

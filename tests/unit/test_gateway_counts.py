@@ -22,7 +22,7 @@ def counted_gateway(stable: Any, canary: Any, weight: float) -> tuple[Gateway, l
     slots.step()
     table = RoutingTable(weight, "salt", "1", "2" if canary else None)
     seen: list[tuple[str, str, bool]] = []
-    gw = Gateway(GatewaySettings(), slots, lambda: table, lambda _e: None, "rtrl-policy",
+    gw = Gateway(GatewaySettings(allow_anonymous=True), slots, lambda: table, lambda _e: None, "rtrl-policy",
                  count=lambda v, a, e: seen.append((v, a, e)))
     return gw, seen
 

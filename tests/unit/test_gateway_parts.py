@@ -11,9 +11,10 @@ import pytest
 
 from deployer.routing import RoutingTable
 from services.gateway.exposure import ExposureLogger
+from services.gateway.generation import LOGPROB_FLOOR, UpstreamError
 from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.routing import ChampionCache, RoutingPoller
-from services.gateway.upstream import LOGPROB_FLOOR, UpstreamError, parse_completion, token_id
+from services.gateway.upstream import parse_completion, token_id
 from services.runtime.metrics import GATEWAY_EXPOSURES
 
 

@@ -1,0 +1,223 @@
+"""The OpenAI API's shapes: request bodies in, response objects and stream chunks out.
+
+Pure functions and pydantic models only (no I/O); services/gateway/openai_routes.py uses
+them. What is honoured of each request is listed in docs/gateway.md ("OpenAI-compatible
+API"); other OpenAI parameters are accepted and ignored, as the official client sends some
+by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Annotated, Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from services.gateway.generation import GenRequest, Served
+
+MAX_TOKENS_LIMIT = 4096
+ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+USER_HEADER = "X-Rtrl-User"
+SESSION_HEADER = "X-Rtrl-Session-Id"
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class Headers(Protocol):
+    """Request headers, looked up case-insensitively (``email.message.Message`` or a dict)."""
+
+    def get(self, name: str, default: None = None, /) -> str | None: ...
+
+
+def _token(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=10.0, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=8)] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    user: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    # rtrl's extensions (the official client sends them with extra_body=...)
+    session_id: Annotated[str, Field(pattern=ID_RE.pattern)] | None = None
+    request_id: Annotated[str, Field(pattern=ID_RE.pattern)] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionsBody(_Body):
+    """``POST /v1/completions`` in the OpenAI form (text or token-id prompt)."""
+
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Any], Field(min_length=1, max_length=32_768)]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: Literal[False] = False
+
+    @field_validator("prompt", mode="after")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        """Text, token ids, or a batch of one of those (``["text"]``, ``[[1, 2]]``); larger batches
+        and anything else are refused."""
+        if isinstance(v, str):
+            return v
+        if len(v) == 1 and isinstance(v[0], str | list):
+            v = v[0]
+            if isinstance(v, str) and v:
+                return v
+        if isinstance(v, list) and v and all(_token(t) for t in v):
+            return v
+        raise ValueError("one prompt per request: a non-empty string or a list of token ids in [0, 2^31)")
+
+    def to_request(self, default_max_tokens: int) -> GenRequest:
+        prompt = self.prompt if isinstance(self.prompt, str) else tuple(self.prompt)
+        return GenRequest("completion", self.max_tokens or default_max_tokens, self.temperature,
+                          prompt=prompt, top_p=self.top_p, stop=self.stops(), seed=self.seed,
+                          logprobs=self.logprobs)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatBody(_Body):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[Message], Field(min_length=1, max_length=1024)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def to_request(self, default_max_tokens: int) -> GenRequest:
+        try:
+            messages = tuple({"role": m.role, "content": m.text()} for m in self.messages)
+        except ValueError as exc:
+            raise ValueError(f"messages: {exc}") from None
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return GenRequest("chat", max_tokens, self.temperature, messages=messages, top_p=self.top_p,
+                          stop=self.stops(), seed=self.seed,
+                          logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+
+
+def error_body(message: str, code: str | None = None, param: str | None = None,
+               kind: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error object, which the official client parses into its exceptions."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def validation_error(exc: ValidationError) -> str:
+    errors = exc.errors(include_url=False)
+    if any(e["type"] == "json_invalid" for e in errors):
+        return "malformed JSON: " + str(errors[0].get("ctx", {}).get("error", errors[0]["msg"]))
+    parts = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors[:5]]
+    return "invalid request: " + "; ".join(parts)
+
+
+def user_key(body_user: str | None, headers: Headers) -> str | None:
+    """The sticky-routing key: the body's ``user``, else the ``X-Rtrl-User`` header. A value
+    that is not a contract Id (``A-Za-z0-9_.:-``, 1-128 chars; e.g. an e-mail address) is
+    pseudonymised as ``h-`` + 32 hex chars of its SHA-256, so it never reaches the event log."""
+    raw = body_user if body_user is not None else headers.get(USER_HEADER)
+    if raw is None or raw == "":
+        return None
+    if ID_RE.match(raw):
+        return raw
+    return "h-" + hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def usage(served: Served) -> dict[str, int]:
+    p, c = len(served.prompt_tokens), len(served.tokens)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def merge_logprobs(kind: str, parts: list[Any]) -> Any:
+    """The client's logprobs object for the whole answer, from the per-piece ones."""
+    if not parts:
+        return None
+    if kind == "chat":
+        return {"content": [c for p in parts for c in (p.get("content") or [])]}
+    merged: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for p in parts:
+        for key, values in merged.items():
+            values.extend(p.get(key) or [])
+    if not merged["top_logprobs"]:
+        merged["top_logprobs"] = None  # type: ignore[assignment]
+    return merged
+
+
+def answer(kind: str, rid: str, model: str, created: int, served: Served,
+           extension: dict[str, Any]) -> dict[str, Any]:
+    """The whole (non-streamed) response object."""
+    logprobs = merge_logprobs(kind, served.client_logprobs)
+    finish = served.finish_reason or "length"
+    choice: dict[str, Any]
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": served.text},
+                  "logprobs": logprobs, "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": served.text, "logprobs": logprobs, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": usage(served), "rtrl": extension}
+
+
+def chunk(kind: str, rid: str, model: str, created: int, text: str, logprobs: Any,
+          finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
+    if kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        if finish_reason is not None and not text:
+            delta = {}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(kind: str, rid: str, model: str, created: int, served: Served) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(served)}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return b"data: " + text.encode() + b"\n\n"
+
+
+def models_list(names: list[str], created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": created, "owned_by": "rtrl"} for name in names
+    ]}

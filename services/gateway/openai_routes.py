@@ -1,0 +1,226 @@
+"""The OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (text
+or token-id ``prompt``) and ``GET /v1/models``, streamed (server-sent events) or not.
+
+Per request: validate -> the user key (``user`` or ``X-Rtrl-User``) -> claim the request id
+-> pick the arm -> generate (a canary that fails before its first token is retried on
+stable) -> answer -> log one exposure with the prompt and completion token ids and the
+log-probabilities as the backend served them. rtrl's extras travel in headers
+(``X-Rtrl-Request-Id``, ``X-Rtrl-Arm``, ``X-Rtrl-Model-Version``) and in an ``rtrl`` field
+of the response object, which the official ``openai`` client keeps as an extra attribute.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from deployer.routing import Arm
+from services.gateway import openai_api as api
+from services.gateway.generation import BadRequestError, GenRequest, Piece, Served, UpstreamError
+from services.gateway.http import Response, json_response
+from services.gateway.models import Backend
+from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
+
+if TYPE_CHECKING:
+    from services.gateway.server import Gateway
+
+log = logging.getLogger(__name__)
+
+
+def oai_error(code: int, message: str, kind: str = "invalid_request_error", err: str | None = None,
+              arm: str = "none", version: str = "none") -> Response:
+    GATEWAY_REQUESTS.labels(arm, version, str(code)).inc()
+    return json_response(code, api.error_body(message, err, kind=kind))
+
+
+@dataclass
+class Call:
+    """One validated request on its way through the gateway."""
+
+    kind: str
+    req: GenRequest
+    body: api.CompletionsBody | api.ChatBody
+    user_key: str
+    session_id: str
+    request_id: str
+    claimed: bool
+    started: float
+    arm: Arm = "stable"
+    version: str = ""
+
+
+class OpenAIRoutes:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    # ----------------------------------------------------------------- entry points
+    def models(self) -> Response:
+        return json_response(200, api.models_list([self.gw.model_name], int(time.time())))
+
+    def complete(self, kind: str, data: Any, headers: api.Headers) -> Response:
+        call = self._call(kind, data, headers)
+        if isinstance(call, Response):
+            return call
+        response = self._serve(call)
+        if response.code != 200 and call.claimed:
+            self.gw.request_ids.release(call.request_id)
+        return response
+
+    # ----------------------------------------------------------------- validation
+    def _call(self, kind: str, data: Any, headers: api.Headers) -> Call | Response:
+        model = api.ChatBody if kind == "chat" else api.CompletionsBody
+        try:
+            body = model.model_validate(data)
+            req = body.to_request(self.gw.settings.default_max_tokens)
+        except ValidationError as exc:
+            return oai_error(400, api.validation_error(exc))
+        except ValueError as exc:
+            return oai_error(400, f"invalid request: {exc}")
+        if body.model is not None and body.model != self.gw.model_name:
+            return oai_error(404, f"the model {body.model!r} does not exist; this gateway serves "
+                                  f"{self.gw.model_name!r} (GET /v1/models)", err="model_not_found")
+        user = api.user_key(body.user, headers)
+        if user is None:
+            return oai_error(400, "no user: set the request's `user` field or the X-Rtrl-User header "
+                                  "(the key that keeps a user on one arm)", err="user_required")
+        session = body.session_id or headers.get(api.SESSION_HEADER) or user
+        rid = body.request_id or headers.get(api.REQUEST_ID_HEADER)
+        if not api.ID_RE.match(session) or (rid is not None and not api.ID_RE.match(rid)):
+            return oai_error(400, "session and request ids must be 1-128 chars of A-Za-z0-9_.:-")
+        if rid is not None and not self.gw.request_ids.claim(rid):
+            return oai_error(409, f"request id {rid} was already served; send a new id per request",
+                             err="duplicate_request_id")
+        return Call(kind, req, body, user, session, rid or uuid.uuid4().hex, rid is not None,
+                    time.perf_counter())
+
+    # ----------------------------------------------------------------- generation
+    def _serve(self, call: Call) -> Response:
+        picked = self.gw.pick(call.user_key)
+        if isinstance(picked, Response):
+            return picked
+        arm, version, backend, stable = picked
+        first = self._start(call, arm, version, backend, stable)
+        if isinstance(first, Response):
+            return first
+        pieces, head = first
+        if call.body.stream:
+            return Response(200, b"", "text/event-stream", self._headers(call), self._sse(call, pieces, head))
+        served = Served()
+        served.add(head)
+        try:
+            for piece in pieces:
+                served.add(piece)
+        except Exception as exc:
+            return self._failed(call, exc)
+        if call.req.logprobs is None:
+            served.client_logprobs = []  # the backend's, needed for the event, not asked for
+        problem = served.problem()
+        if problem is not None:
+            GATEWAY_ERRORS.labels(call.arm, call.version, "upstream").inc()
+            return oai_error(502, f"cannot log this completion: {problem}", "server_error", arm=call.arm,
+                             version=call.version)
+        self._log(call, served)
+        extension = {"request_id": call.request_id, "arm": call.arm, "version": call.version}
+        created = int(time.time())
+        obj = api.answer(call.kind, call.request_id, self.gw.model_name, created, served, extension)
+        return Response(200, json_response(200, obj).body, headers=self._headers(call))
+
+    def _start(self, call: Call, arm: Arm, version: str, backend: Backend,
+               stable: tuple[str, Backend]) -> tuple[Iterator[Piece], Piece] | Response:
+        """The backend's iterator and its first piece; a canary failing here falls back to stable."""
+        for attempt in (arm, "stable"):
+            call.arm, call.version = attempt, version
+            try:
+                pieces = backend.stream(call.req, stream=call.body.stream)
+                return pieces, next(pieces)
+            except BadRequestError as exc:
+                return oai_error(400, str(exc), arm=attempt, version=version)
+            except StopIteration:
+                return oai_error(502, f"model {version} produced nothing", "server_error", arm=attempt,
+                                 version=version)
+            except Exception as exc:
+                kind = "upstream" if isinstance(exc, UpstreamError) else "generate"
+                GATEWAY_ERRORS.labels(attempt, version, kind).inc()
+                if attempt != "canary":
+                    return self._failed(call, exc)
+                log.warning("canary %s failed, serving from stable: %s", version, exc)
+                GATEWAY_FALLBACKS.inc()
+                self.gw.count(version, "canary", True)
+                version, backend = stable
+        raise AssertionError("unreachable")
+
+    def _failed(self, call: Call, exc: Exception) -> Response:
+        code = exc.status if isinstance(exc, UpstreamError) else 500
+        if isinstance(exc, UpstreamError) and code == 400:
+            return oai_error(400, str(exc), arm=call.arm, version=call.version)
+        self.gw.count(call.version, call.arm, True)
+        log.error("%s %s failed: %s", call.arm, call.version, exc)
+        return oai_error(code, f"model {call.version} failed: {exc}", "server_error", arm=call.arm,
+                         version=call.version)
+
+    def _sse(self, call: Call, pieces: Iterator[Piece], head: Piece) -> Iterator[bytes]:
+        served, created, name = Served(), int(time.time()), self.gw.model_name
+        complete = False
+        try:
+            first = True
+            for piece in _chain(head, pieces):
+                served.add(piece)
+                shown = piece.client_logprobs if call.req.logprobs is not None else None
+                obj = api.chunk(call.kind, call.request_id, name, created, piece.text, shown,
+                                piece.finish_reason, first)
+                if first:
+                    obj["rtrl"] = {"request_id": call.request_id, "arm": call.arm, "version": call.version}
+                    first = False
+                yield api.sse(obj)
+            if call.body.include_usage:
+                yield api.sse(api.usage_chunk(call.kind, call.request_id, name, created, served))
+            yield api.sse("[DONE]")
+            complete = True
+        except Exception as exc:
+            log.error("%s %s failed while streaming: %s", call.arm, call.version, exc)
+            GATEWAY_ERRORS.labels(call.arm, call.version, "stream").inc()
+            yield api.sse(api.error_body(f"model {call.version} failed while streaming: {exc}",
+                                         kind="server_error"))
+        finally:
+            if not complete:
+                close = getattr(pieces, "close", None)
+                if close is not None:
+                    close()
+            # what reached the client (all of it, or up to a disconnect) is what was served
+            if served.tokens and served.problem() is None:
+                self._log(call, served)
+            else:
+                self.gw.count(call.version, call.arm, True)
+
+    # ----------------------------------------------------------------- logging
+    def _headers(self, call: Call) -> tuple[tuple[str, str], ...]:
+        return (("X-Rtrl-Request-Id", call.request_id), ("X-Rtrl-Arm", call.arm),
+                ("X-Rtrl-Model-Version", call.version))
+
+    def _log(self, call: Call, served: Served) -> None:
+        gen_s = time.perf_counter() - call.started
+        sim_ms = self.gw.settings.simulated_ms_per_token * len(served.tokens)
+        self.gw.count(call.version, call.arm, False)
+        self.gw.log_exposure({
+            "event_id": uuid.uuid4().hex, "request_id": call.request_id, "ts": datetime.now(UTC),
+            "session_id": call.session_id, "user_key": call.user_key,
+            "model": {"name": self.gw.model_name, "version": call.version}, "arm": call.arm,
+            "prompt_tokens": served.prompt_tokens, "completion_tokens": served.tokens,
+            "logprobs": served.logprobs, "latency_ms": round(gen_s * 1000.0 + sim_ms, 3),
+            "tool_calls": 0, "invalid_tool_calls": 0,
+            "completion_kind": "edit" if served.tokens else "empty",
+        })
+        GATEWAY_REQUESTS.labels(call.arm, call.version, "200").inc()
+        GATEWAY_SECONDS.labels(call.arm).observe(gen_s)
+
+
+def _chain(head: Piece, rest: Iterator[Piece]) -> Iterator[Piece]:
+    yield head
+    yield from rest
