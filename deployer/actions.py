@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from deployer.engine import READY, EngineState
+
 # --------------------------------------------------------------------------- actions
 
 
@@ -99,8 +101,26 @@ class LedgerClose:
     summary: Mapping[str, object] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """Ensure a version is loaded into the inference engine and checked (deployer/engine.py).
+    The outcome is recorded by the engine port and observed on the next tick; with
+    ``required`` a version that cannot be served fails the tick instead (the tick retries)."""
+
+    version: str
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class EngineUnload:
+    """Stop serving a version from the engine (rolled back, superseded or failed)."""
+
+    version: str
+
+
 LedgerEvent = LedgerOpen | LedgerStep | LedgerNote | LedgerClose
-Action = SetRouting | SetWeight | MoveAlias | DeleteAlias | WriteTags | LedgerEvent
+EngineAction = EngineLoad | EngineUnload
+Action = SetRouting | SetWeight | MoveAlias | DeleteAlias | WriteTags | LedgerEvent | EngineAction
 
 # --------------------------------------------------------------------------- ports
 
@@ -134,13 +154,35 @@ class LedgerPort(Protocol):
         """Apply one ledger event; each kind is idempotent for the same ``canary_id``."""
 
 
+class EngineActions(Protocol):
+    """The part of deployer.engine.EnginePort the actions use."""
+
+    def ensure_loaded(self, version: str) -> EngineState: ...
+
+    def unload(self, version: str) -> None: ...
+
+
+def apply_engine(action: EngineAction, engine: EngineActions | None) -> None:
+    if engine is None:
+        raise RuntimeError(f"{action!r} needs an inference engine (RTRL_ENGINE__KIND=vllm)")
+    if isinstance(action, EngineUnload):
+        engine.unload(action.version)
+        return
+    state = engine.ensure_loaded(action.version)
+    if action.required and state.state != READY:
+        raise RuntimeError(f"version {action.version} cannot be served by the engine: {state.reason}")
+
+
 def apply_actions(
-    actions: Iterable[Action], routing: RoutingPort, registry: AliasPort, ledger: LedgerPort
+    actions: Iterable[Action], routing: RoutingPort, registry: AliasPort, ledger: LedgerPort,
+    engine: EngineActions | None = None,
 ) -> None:
     """Carry out ``actions`` in order. An exception stops at the failing action; the
     status is then not persisted and the next tick re-applies the whole list."""
     for action in actions:
         match action:
+            case EngineLoad() | EngineUnload():
+                apply_engine(action, engine)
             case SetRouting(stable=stable, canary=canary, weight=weight, salt=salt):
                 routing.set_routing(stable, canary, weight, salt)
             case SetWeight(weight=weight):

@@ -25,6 +25,8 @@ from deployer import ledger
 from deployer.actions import (
     Action,
     DeleteAlias,
+    EngineLoad,
+    EngineUnload,
     LedgerClose,
     LedgerStep,
     MoveAlias,
@@ -33,8 +35,18 @@ from deployer.actions import (
     WriteTags,
 )
 from deployer.commands import handle
+from deployer.engine import FAILED, READY
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
-from deployer.status import RESULT_PHASE, CanaryPolicy, CanaryStatus, Command, Observations, Phase, Result
+from deployer.status import (
+    RESTING,
+    RESULT_PHASE,
+    CanaryPolicy,
+    CanaryStatus,
+    Command,
+    Observations,
+    Phase,
+    Result,
+)
 from deployer.transitions import decide, enter, start
 
 HANDLED_KEPT = 20
@@ -52,7 +64,25 @@ def next_state(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) ->
         status = replace(status, handled=(*status.handled, (cmd.id, result))[-HANDLED_KEPT:])
         actions += more
     status, more = PHASE_RULES[status.phase](status, obs, policy)
-    return status, actions + more
+    return status, actions + more + engine_upkeep(status, obs)
+
+
+def engine_upkeep(status: CanaryStatus, obs: Observations) -> list[Action]:
+    """With an engine: keep the champion loaded (an engine restart loses adapters) and unload
+    every version that no longer serves (rolled back, aborted, superseded, failed)."""
+    if obs.engine is None:
+        return []
+    keep = {obs.champion}
+    if status.phase not in RESTING or status.phase == Phase.SUCCEEDED:
+        keep.add(status.candidate)  # in flight, or the champion promoted this very tick
+    if status.phase not in RESTING:
+        keep.add(status.stable)
+    actions: list[Action] = []
+    champ = obs.engine.get(obs.champion) if obs.champion is not None else None
+    if obs.champion is not None and (champ is None or champ.state != FAILED):
+        actions.append(EngineLoad(obs.champion))  # a no-op while the engine still lists it
+    actions += [EngineUnload(v) for v in sorted(obs.engine) if v not in keep]
+    return actions
 
 
 # ---------------------------------------------------------------------------- resting
@@ -76,6 +106,13 @@ def _pending(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) -> R
     """Routing is in place at weight 0: send the first step's share of users."""
     if obs.candidate != status.candidate:
         return decide(status, obs.now, "aborted", _alias_moved(status, obs), ledger.CONTROLLER)
+    if obs.engine is not None:
+        engine = obs.engine.get(status.candidate or "")
+        if engine is not None and engine.state == FAILED:
+            return decide(status, obs.now, "rolled_back", f"engine: {engine.reason}", ledger.CONTROLLER)
+        if engine is None or engine.state != READY:  # no traffic before it is loaded and checked
+            return replace(status, note=f"loading v{status.candidate} into the engine"), \
+                [EngineLoad(str(status.candidate))]
     if status.paused:
         return status, []
     w = policy.steps[0]
@@ -151,7 +188,8 @@ def _promoting(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) ->
     to the new champion at weight 0. Derived from the status only, so re-running is safe."""
     cand, old = status.candidate, status.stable
     assert cand is not None and status.canary_id is not None
-    actions: list[Action] = [SetRouting(stable=cand, canary=None, weight=0.0, salt=status.canary_id)]
+    actions: list[Action] = [EngineLoad(cand, required=True)] if obs.engine is not None else []
+    actions.append(SetRouting(stable=cand, canary=None, weight=0.0, salt=status.canary_id))
     if old is not None and old != cand:
         actions.append(MoveAlias(PREVIOUS, old))
     actions += [MoveAlias(CHAMPION, cand), DeleteAlias(CANDIDATE, cand)]

@@ -43,6 +43,14 @@ def routing_keys(prefix: str) -> dict[str, str]:
     return {name: f"{prefix}routing:{name}" for name in ROUTING_FIELDS}
 
 
+def engine_model_key(prefix: str, version: str) -> str:
+    """``{prefix}engine:model:{version}``: the model name under which the inference engine
+    serves ``version``, written by the deployer once the version is loaded into the engine and
+    checked, deleted when it is unloaded. The gateway (engine kind ``vllm``) serves a version
+    only while this key names it, so no request reaches a version before it is loaded."""
+    return f"{prefix}engine:model:{version}"
+
+
 def bucket(user_key: str, salt: str) -> int:
     """The user's bucket in ``[0, BUCKETS)``: first 8 bytes of sha256(salt + user_key)."""
     digest = hashlib.sha256((salt + user_key).encode("utf-8")).digest()

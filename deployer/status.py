@@ -100,6 +100,9 @@ class Observations:
     commands: tuple[Command, ...] = ()
     error: str | None = None
     """Set when reading observations failed (e.g. the rewards topic was unreachable)."""
+    engine: Mapping[str, Any] | None = None
+    """version -> deployer.engine.EngineState of versions on the inference engine; None when
+    there is no engine (local policies): then nothing is loaded before traffic."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from deployer import ledger
-from deployer.actions import Action, LedgerOpen, SetRouting, SetWeight, WriteTags
+from deployer.actions import Action, EngineLoad, LedgerOpen, SetRouting, SetWeight, WriteTags
 from deployer.registry import OUTCOME_RUNNING
 from deployer.status import CanaryPolicy, CanaryStatus, Observations, Phase, Result
 
@@ -37,6 +37,8 @@ def start(
             WriteTags(cand, {ledger.TAG_OUTCOME: OUTCOME_RUNNING, ledger.TAG_CANARY_ID: cid}),
             SetRouting(stable=stable, canary=cand, weight=0.0, salt=cid),
         ]
+        if obs.engine is not None:  # loaded and checked before the first step (deployer/engine.py)
+            actions.append(EngineLoad(cand))
     return fresh, actions
 
 

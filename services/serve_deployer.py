@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from kafka import TopicPartition
 from pydantic import ValidationError
@@ -23,7 +24,9 @@ from pydantic import ValidationError
 from deployer import cohorts
 from deployer.actions import Action, LedgerPort, RoutingPort, apply_actions
 from deployer.adapters.redis_state import ControllerState, RedisRouting
+from deployer.adapters.vllm_engine import VllmEngine
 from deployer.controller import tick
+from deployer.engine import EnginePort
 from deployer.ledger import CONTROLLER, TAG_GATE
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
 from deployer.status import RESTING, CanaryPolicy, CanaryStatus, Command, Judgement, Observations, Phase
@@ -134,6 +137,8 @@ class Ports:
     ledger: LedgerPort
     state: ControllerState
     """Status, lease and operator commands."""
+    engine: EnginePort | None = None
+    """The inference engine candidates are loaded into (None: local policies)."""
 
 
 class Controller:
@@ -155,7 +160,8 @@ class Controller:
         obs = self.observe(before, st.pending())
 
         def apply(actions: list[Action]) -> None:
-            apply_actions(actions, self.ports.routing, self.ports.registry, self.ports.ledger)
+            apply_actions(actions, self.ports.routing, self.ports.registry, self.ports.ledger,
+                          self.ports.engine)
 
         after = tick(before, obs, self.policy, apply, st.save)
         st.trim({cid for cid, _ in after.handled})
@@ -171,7 +177,8 @@ class Controller:
         tags = {v: self._tags(v) for v in wanted if v}
         obs = Observations(now=self.clock(), champion=champion, candidate=candidate, previous=previous,
                            gate={v: t.get(TAG_GATE, "") for v, t in tags.items()}, lineage=tags,
-                           commands=commands)
+                           commands=commands,
+                           engine=self.ports.engine.states() if self.ports.engine is not None else None)
         if status.phase != Phase.PROGRESSING:
             return obs
         if self.rewards is None:
@@ -268,12 +275,28 @@ def build_ports(settings: Settings, owner: str | None = None) -> Ports:
     r = make_redis(settings.redis)
     prefix = settings.redis.key_prefix
     ml = settings.mlflow
+    registry = MlflowRegistry(ml.tracking_uri, ml.registered_model, ml.training_experiment)
     return Ports(
         routing=RedisRouting(r, prefix),
-        registry=MlflowRegistry(ml.tracking_uri, ml.registered_model, ml.training_experiment),
+        registry=registry,
         ledger=MlflowLedger(ml.tracking_uri, ml.deployments_experiment),
         state=ControllerState(r, prefix, owner),
+        engine=build_engine(settings, r, registry),
     )
+
+
+def build_engine(settings: Settings, redis_client: Any, registry: Any) -> EnginePort | None:
+    """The engine port for ``RTRL_ENGINE__KIND=vllm`` (None for local policies)."""
+    eng = settings.engine
+    if eng.kind != "vllm":
+        return None
+    if not eng.base_url or not eng.base_model or eng.adapter_dir is None:
+        raise ValueError("RTRL_ENGINE__KIND=vllm needs RTRL_ENGINE__BASE_URL, RTRL_ENGINE__BASE_MODEL "
+                         "and RTRL_ENGINE__ADAPTER_DIR (docs/serving.md)")
+    key = eng.api_key.get_secret_value() if eng.api_key is not None else None
+    return VllmEngine(eng.base_url, redis_client, settings.redis.key_prefix, registry,
+                      settings.mlflow.registered_model, eng.base_model, eng.adapter_dir,
+                      eng.engine_adapter_dir, key, settings.deployer.engine_check_tolerance, eng.timeout_s)
 
 
 def main(argv: list[str]) -> int:

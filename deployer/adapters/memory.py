@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from deployer.actions import (
     Action,
@@ -20,6 +21,7 @@ from deployer.actions import (
     apply_actions,
 )
 from deployer.controller import tick
+from deployer.engine import FAILED, READY, EngineState
 from deployer.ledger import TAG_GATE
 from deployer.routing import ROUTING_FIELDS
 from deployer.status import CanaryPolicy, CanaryStatus, Command, Judgement, Observations
@@ -110,6 +112,47 @@ class FakeLedger:
 
 
 @dataclass
+class FakeEngine:
+    """An inference engine in memory: versions in ``bad`` fail their load or check with that
+    reason; ``restart`` forgets every loaded adapter, as a real engine restart does."""
+
+    bad: dict[str, str] = field(default_factory=dict)
+    loaded: set[str] = field(default_factory=set)
+    recorded: dict[str, EngineState] = field(default_factory=dict)
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    def ensure_loaded(self, version: str) -> EngineState:
+        known = self.recorded.get(version)
+        if known is not None and (known.state == FAILED or known.model in self.loaded):
+            return known
+        self.calls.append(("load", version))
+        if version in self.bad:
+            st = EngineState(FAILED, self.bad[version])
+        else:
+            st = EngineState(READY, model=f"m-v{version}")
+            self.loaded.add(st.model)
+        self.recorded[version] = st
+        return st
+
+    def unload(self, version: str) -> None:
+        self.calls.append(("unload", version))
+        st = self.recorded.pop(version, None)
+        if st is not None:
+            self.loaded.discard(st.model)
+
+    def states(self) -> dict[str, EngineState]:
+        return dict(self.recorded)
+
+    def describe(self) -> dict[str, Any]:
+        return {"base_url": "memory", "engine_models": sorted(self.loaded),
+                "versions": {v: {"state": s.state, "model": s.model, "reason": s.reason}
+                             for v, s in self.recorded.items()}}
+
+    def restart(self) -> None:
+        self.loaded.clear()
+
+
+@dataclass
 class FakeWorld:
     """Registry, routing and ledger fakes driven tick by tick the way the controller does
     (decide, apply, persist as JSON, finish transient phases), recording each phase."""
@@ -121,6 +164,8 @@ class FakeWorld:
     status: CanaryStatus = field(default_factory=CanaryStatus)
     now: float = 1_800_000_000.0
     phases: list[str] = field(default_factory=list)
+    engine: FakeEngine | None = None
+    """An inference engine candidates are loaded into (None: local policies)."""
 
     def register(self, version: str, gate: str = "pass", alias: str | None = None) -> None:
         self.registry.set_tags(version, {TAG_GATE: gate})
@@ -140,6 +185,7 @@ class FakeWorld:
             previous=aliases.get("previous"), gate=gate, lineage=lineage, judgement=judgement,
             cohorts=cohorts,
             commands=commands, error=error,
+            engine=self.engine.states() if self.engine is not None else None,
         )
 
     def tick(self, decision: str | None = None, dt: float = 60.0, commands: tuple[Command, ...] = (),
@@ -153,7 +199,7 @@ class FakeWorld:
         obs = self.observe(judgement, commands, error)
 
         def apply(actions: list[Action]) -> None:
-            apply_actions(actions, self.routing, self.registry, self.ledger)
+            apply_actions(actions, self.routing, self.registry, self.ledger, self.engine)
 
         def persist(status: CanaryStatus) -> None:
             self.status = CanaryStatus.from_json(json.loads(json.dumps(status.to_json())))

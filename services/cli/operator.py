@@ -117,12 +117,32 @@ def _status(settings: Settings, as_json: bool) -> int:
             gates[v] = ports.registry.get_tags(v).get(TAG_GATE, "")
     except Exception as exc:  # show what Redis knows even when MLflow is down
         print(f"rtrl status: registry unreachable at {settings.mlflow.tracking_uri}: {exc}", file=sys.stderr)
+    engine = ports.engine.describe() if ports.engine is not None else None
     if as_json:
         print(json.dumps({"status": status.to_json(), "aliases": aliases, "gates": gates,
-                          "routing": routing, "controller": holder}, indent=2))
+                          "routing": routing, "controller": holder, "engine": engine}, indent=2))
     else:
         print(render_status(status, aliases, gates, routing, holder, time.time()))
+        if engine is not None:
+            print(render_engine(engine, routing))
     return 0
+
+
+def render_engine(engine: Mapping[str, Any], routing: Mapping[str, str | None]) -> str:
+    """What the inference engine has loaded, and the model name each arm is served as."""
+    versions: Mapping[str, Mapping[str, str]] = engine.get("versions", {})
+    models = engine.get("engine_models")
+    listed = ", ".join(models) if isinstance(models, list) else str(models)
+    lines = ["", f"{'engine':<13}{engine.get('base_url')}  (serving: {listed or 'nothing'})"]
+    for arm in ("stable", "canary"):
+        v = routing.get(f"{arm}_version")
+        st = versions.get(v or "", {})
+        where = st.get("model") or ("-" if v is None else "not loaded")
+        lines.append(f"{arm:<13}v{v or '-'} as {where}" + (f"  [{st['state']}]" if st else ""))
+    for v, st in versions.items():
+        if st.get("state") == "failed":
+            lines.append(f"{'failed':<13}v{v}: {st.get('reason', '')}")
+    return "\n".join(lines)
 
 
 def _history(settings: Settings, limit: int, as_json: bool) -> int:

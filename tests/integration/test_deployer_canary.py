@@ -3,7 +3,6 @@ is rolled back by itself, a better one promoted, each with a complete ledger run
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,19 +16,6 @@ from deployer.ledger import TAG_CANARY_ID, TAG_DECIDED_BY, TAG_DECISION, TAG_OUT
 from deployer.status import CanaryStatus, Phase
 from services.runtime.settings import Settings
 from services.serve_deployer import Controller, RewardReader, build_ports
-
-
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One sqlite store per module (creating its tables takes seconds); every test gets its
-    own registered model and deployments experiment (deployer_settings)."""
-    root = tmp_path_factory.mktemp("mlflow")
-    cwd = os.getcwd()
-    os.chdir(root)  # the sqlite store puts artifacts under ./mlruns
-    try:
-        yield f"sqlite:///{root / 'mlflow.db'}"
-    finally:
-        os.chdir(cwd)
 
 
 @pytest.fixture

@@ -1,0 +1,161 @@
+"""Candidates on the inference engine: loaded and checked before any traffic, unloaded after.
+
+With an engine (``RTRL_ENGINE__KIND=vllm``), a model version is served as a model name on
+the engine. Before a canary takes its first step the deployer *ensures* its version is
+loaded: the version's adapter is fetched from the registry into the shared adapter
+directory, loaded with the engine's runtime LoRA API, a warm-up request is sent, and the
+engine's log-probabilities of a fixed prompt are compared with the candidate's own (written
+next to the adapter at registration, ``engine_check.json``). Only a version that passed is
+recorded under ``{prefix}engine:model:{version}``, which is what lets the gateway route to
+it. A version that fails to load or check is rolled back with the reason in the ledger.
+Rolled-back and superseded versions are unloaded.
+
+This module holds the port and the pure rules; deployer/adapters/vllm_engine.py talks HTTP.
+
+Artifact layout of a version the engine serves (the registered model version's files)::
+
+    policy.json            the manifest (any kind)
+    adapter/               a PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors)
+    engine_check.json      {"prompt_token_ids": [...], "prompt_logprobs": [null, -2.1, ...]}
+
+A version whose manifest says ``{"engine": "base"}`` is the engine's base model itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+READY = "ready"
+FAILED = "failed"
+CHECK_FILE = "engine_check.json"
+ADAPTER_DIR = "adapter"
+
+
+class EngineCheckError(Exception):
+    """The version cannot be served (a bad adapter, a failed check): roll it back."""
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What the deployer knows of one version on the engine."""
+
+    state: str
+    """``ready`` (loaded, checked, recorded for the gateway) or ``failed``."""
+    reason: str = ""
+    model: str = ""
+    """The engine's model name for the version (ready only)."""
+
+    def to_text(self) -> str:
+        return json.dumps({"state": self.state, "reason": self.reason, "model": self.model})
+
+    @classmethod
+    def from_text(cls, raw: str | bytes | None) -> EngineState | None:
+        if raw is None:
+            return None
+        try:
+            data = json.loads(raw)
+            return cls(str(data["state"]), str(data.get("reason", "")), str(data.get("model", "")))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+class EnginePort(Protocol):
+    """The inference engine as the deployer drives it."""
+
+    def ensure_loaded(self, version: str) -> EngineState:
+        """Load, warm up and check ``version`` unless it is already ready and still listed by the
+        engine; record and return the outcome. Raises only for transient trouble (engine or
+        registry unreachable: the tick retries); a version that cannot be served is returned
+        as ``failed`` with the reason."""
+        ...
+
+    def unload(self, version: str) -> None:
+        """Stop serving ``version``: remove its model-name record, then unload it from the engine."""
+        ...
+
+    def states(self) -> dict[str, EngineState]:
+        """Every version with a recorded state."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What ``rtrl status`` shows: the engine, its model names and each version's state."""
+        ...
+
+
+def engine_model_name(registered_model: str, version: str) -> str:
+    """The engine's name for a version's adapter."""
+    return f"{registered_model}-v{version}"
+
+
+def find_adapter(root: Path) -> Path | None:
+    """The directory holding ``adapter_config.json`` in a downloaded version, or None."""
+    for candidate in (root / ADAPTER_DIR, root):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    return None
+
+
+def is_base(root: Path) -> bool:
+    """Whether a downloaded version is the engine's base model (manifest ``"engine": "base"``)."""
+    try:
+        manifest = json.loads((root / "policy.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("engine") == "base"
+
+
+def read_check(root: Path) -> tuple[list[int], list[float | None]]:
+    """The fixed prompt and the candidate's own log-probabilities of it."""
+    path = root / CHECK_FILE
+    try:
+        data = json.loads(path.read_text())
+        ids = [int(t) for t in data["prompt_token_ids"]]
+        lps = [None if x is None else float(x) for x in data["prompt_logprobs"]]
+    except FileNotFoundError:
+        raise EngineCheckError(f"the version has no {CHECK_FILE}: its own log-probabilities of a "
+                               "fixed prompt are needed to check the engine") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EngineCheckError(f"{CHECK_FILE} is unreadable: {exc}") from None
+    if len(ids) < 2 or len(lps) != len(ids):
+        raise EngineCheckError(f"{CHECK_FILE} needs >= 2 prompt tokens and one logprob per token")
+    return ids, lps
+
+
+def engine_prompt_logprobs(prompt_ids: Sequence[int], answer: Any) -> list[float | None]:
+    """vLLM's ``prompt_logprobs`` answer -> the logprob of each prompt token (None for the first)."""
+    try:
+        entries = answer["choices"][0]["prompt_logprobs"]
+    except (KeyError, IndexError, TypeError):
+        raise EngineCheckError("the engine returned no prompt_logprobs") from None
+    if not isinstance(entries, list) or len(entries) != len(prompt_ids):
+        raise EngineCheckError("the engine's prompt_logprobs do not match the prompt's length")
+    out: list[float | None] = []
+    for token, entry in zip(prompt_ids, entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        item = entry.get(str(token)) if isinstance(entry, dict) else None
+        value = item.get("logprob") if isinstance(item, dict) else item
+        out.append(float(value) if isinstance(value, int | float) else None)
+    return out
+
+
+def check_problem(reference: Sequence[float | None], served: Sequence[float | None],
+                  tolerance: float) -> str | None:
+    """Why the engine's log-probabilities disagree with the candidate's (None: they agree):
+    the largest |difference| over tokens both give must be within ``tolerance`` nats."""
+    pairs = [(r, s) for r, s in zip(reference, served, strict=True) if r is not None]
+    if not pairs:
+        return "no reference log-probabilities to compare"
+    if any(s is None or not math.isfinite(s) for _, s in pairs):
+        return "the engine gave no finite log-probability for some prompt tokens"
+    worst = max(abs(float(r) - float(s)) for r, s in pairs if s is not None)
+    if worst > tolerance:
+        return (f"engine log-probabilities differ from the candidate's by up to {worst:.4f} nats "
+                f"(tolerance {tolerance:g}): the engine is not serving this model")
+    return None
