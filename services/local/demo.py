@@ -38,6 +38,7 @@ from types import FrameType
 from typing import Any
 
 from deployer.adapters.redis_state import candidate_lock
+from services.local.demo_chaos import Chaos, ChaosResult, verify
 from services.local.demo_config import DemoConfig, DemoPlan, configure, prepare_data_dir, say
 from services.local.demo_inject import BadCandidateInjector
 from services.local.demo_services import (
@@ -76,6 +77,8 @@ class Run:
     live: Live | None = None
     bad: BadCandidateInjector | None = None
     bootstrap_version: str | None = None
+    chaos: Chaos | None = None
+    chaos_result: ChaosResult | None = None
     notes: list[str] = field(default_factory=list)
     """Said in the report's Notes section."""
 
@@ -98,6 +101,8 @@ def execute(plan: DemoPlan) -> int:
     finally:
         with _signals_ignored(restore_term=old_term):
             finish(plan, run)
+    if code == 0 and run.chaos_result is not None and not run.chaos_result.ok:
+        code = 1
     return code
 
 
@@ -132,7 +137,10 @@ def run_phases(plan: DemoPlan, run: Run) -> int:
     run.bad = BadCandidateInjector(
         plan.demo, plan.data / "bad-candidate", live.world, live.registry,
         candidate_lock(live.redis, config.settings.redis.key_prefix))
-    watch(plan, live, run.bad, run.notes)
+    if plan.demo.chaos:
+        run.chaos = Chaos(live.supervisor, plan.demo.chaos_every_s, plan.demo.seed)
+        say(f"chaos: a random service is killed (SIGKILL) and restarted every {plan.demo.chaos_every_s:g}s")
+    watch(plan, live, run.bad, run.notes, run.chaos)
     return 0
 
 
@@ -141,6 +149,8 @@ def finish(plan: DemoPlan, run: Run) -> None:
     if run.live is not None:
         stop_services(run.live.supervisor)
         run.live.tracker.stop()
+    if run.chaos is not None and run.config is not None:
+        check_chaos(run, run.config)
     if run.stack is not None and run.config is not None:
         try:
             report(plan, run, run.config, run.stack.mlflow_uri)
@@ -150,6 +160,21 @@ def finish(plan: DemoPlan, run: Run) -> None:
         run.live.redis.close()
     if run.stack is not None:
         stop_stack(run.stack, plan.keep_stack)
+
+
+def check_chaos(run: Run, config: DemoConfig) -> None:
+    """Reconcile the topics and check the ledger after a chaos run; say and note the result."""
+    assert run.chaos is not None
+    say("chaos: reconciling the topics and checking the ledger ...")
+    mlf = config.settings.mlflow
+    try:
+        result = verify(run.chaos, config.env, mlf.tracking_uri, mlf.deployments_experiment)
+    except Exception as exc:
+        result = ChaosResult(kills=list(run.chaos.kills), reconcile_error=f"{type(exc).__name__}: {exc}")
+    run.chaos_result = result
+    say(result.line())
+    run.notes.append(result.line())
+    (config.spec_path.parent / "chaos.json").write_text(json.dumps(result.to_dict(), indent=2, default=str))
 
 
 def report(plan: DemoPlan, run: Run, config: DemoConfig, mlflow_url: str) -> None:
@@ -224,11 +249,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bad-candidate", choices=["reward-hacked", "corrupted", "none"],
                         default=base.bad_candidate, help="the bad candidate to inject (default %(default)s)")
     parser.add_argument("--seed", type=int, default=base.seed)
+    parser.add_argument("--chaos", action="store_true", default=base.chaos,
+                        help="kill a random service (SIGKILL) every --chaos-every seconds and restart it; "
+                             "reconcile the topics and check the ledger at the end")
+    parser.add_argument("--chaos-every", type=float, default=base.chaos_every_s, metavar="SECONDS",
+                        help="seconds between chaos kills (default %(default)s)")
     args = parser.parse_args(argv)
     demo = base.model_copy(update={
         "minutes": args.minutes, "increments": args.increments, "data_dir": args.data_dir,
         "until_promoted": args.until_promoted or base.until_promoted,
         "report_dir": args.report_dir, "bad_candidate": args.bad_candidate, "seed": args.seed,
+        "chaos": args.chaos, "chaos_every_s": args.chaos_every,
     })
     command = "rtrl demo " + " ".join(argv) if argv else "rtrl demo"
     return execute(DemoPlan.create(demo, args.keep_stack, command.strip(), os.environ))

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import shutil
@@ -160,6 +161,11 @@ def write_corpus(path: Path, seed: int, n: int = 2500) -> Path:
     return path
 
 
+def api_key(signing_key: str) -> str:
+    """The demo's API key for a client, derived from its signing key (one secret to keep)."""
+    return "sk-" + hashlib.sha256(b"rtrl-api-key:" + signing_key.encode()).hexdigest()[:40]
+
+
 def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gateway_port: int,
                 keys: dict[str, str], spec_path: Path) -> dict[str, str]:
     """Every RTRL_* setting the demo's processes share."""
@@ -171,6 +177,10 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_REWARD_SPEC": str(spec_path),
         "RTRL_REWARD__TIME_SCALE": f"{ts:g}",
         "RTRL_REWARD__POLL_TIMEOUT_MS": "200",
+        # one replica each, with a stable identity (static group membership): a restarted
+        # worker takes its partitions back at once and fences its killed predecessor
+        "RTRL_INGEST__INSTANCE_ID": "demo-ingest-0",
+        "RTRL_REWARD__GROUP_INSTANCE_ID": "demo-reward-0",
         "RTRL_TRAINER__INTERVAL_S": f"{demo.trainer_cadence_s:g}",
         "RTRL_TRAINER__DATA_DIR": str(data / "trainer"),
         "RTRL_TRAINER__MISFIRE_GRACE_S": "30",
@@ -180,6 +190,10 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_TRAINER__LR": f"{DEMO_LR:g}",
         "RTRL_TRAINER__GATE__MAX_KL": "6",
         "RTRL_GATEWAY__PORT": str(gateway_port),
+        # the simulated users are the gateway's one API client; their API key is derived
+        # from (not equal to) their event-signing key
+        "RTRL_GATEWAY__API_KEYS": json.dumps({"simulator": api_key(keys["simulator"])}),
+        "RTRL_SIMULATOR__API_KEY": api_key(keys["simulator"]),
         "RTRL_GATEWAY__SIMULATED_MS_PER_TOKEN": f"{demo.simulated_ms_per_token:g}",
         "RTRL_GATEWAY__MIN_TOKENS": "1",  # no empty answers: see docs/demo.md
         "RTRL_GATEWAY__MODEL_CACHE_DIR": str(data / "gateway-cache"),

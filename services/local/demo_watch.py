@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from services.local.cohorts import Cohort
+from services.local.demo_chaos import Chaos
 from services.local.demo_config import STOP_RESERVE_S, DemoPlan, say
 from services.local.demo_inject import BadCandidateInjector
 from services.local.demo_services import Live
@@ -136,7 +137,8 @@ class Watcher:
                 say(f"DECISION: v{d.candidate} {d.outcome} by {d.decided_by}: {d.reason}")
 
 
-def watch(plan: DemoPlan, live: Live, bad: BadCandidateInjector, notes: list[str]) -> None:
+def watch(plan: DemoPlan, live: Live, bad: BadCandidateInjector, notes: list[str],
+          chaos: Chaos | None = None) -> None:
     """Look at the loop every ``progress_every_s`` until enough canaries were decided (and the
     bad candidate's), or the budget less STOP_RESERVE_S is spent."""
     demo = plan.demo
@@ -155,6 +157,8 @@ def watch(plan: DemoPlan, live: Live, bad: BadCandidateInjector, notes: list[str
     watcher = Watcher(live, plan.started, notes)
     while time.time() < deadline:
         time.sleep(demo.progress_every_s)
+        if chaos is not None:
+            chaos.step()
         status = watcher.look()
         bad.step(status, watcher.decided, live.tracker.count())
         if increments_decided(watcher.decided, bad.tries, demo.until_promoted) >= demo.increments \

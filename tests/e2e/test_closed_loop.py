@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.local.stack import EmbeddedStack
+from services.local.supervisor import stop_recorded
 
 REPO = Path(__file__).resolve().parents[2]
 LEDGER_TAGS = ("rtrl.canary.id", "rtrl.candidate_version", "rtrl.stable_version", "rtrl.canary.outcome",
@@ -92,10 +92,4 @@ def test_closed_loop_promotes_and_rolls_back_by_itself(tmp_path: Path) -> None:
     finally:
         stack.down()
         # belt and braces: nothing from this test may survive it
-        pid_file = data / "pids.json"
-        if pid_file.exists():
-            for pid in json.loads(pid_file.read_text()).values():
-                try:
-                    os.killpg(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        stop_recorded(data / "pids.json")
