@@ -42,30 +42,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import SecretStr
-
 from bench.fake_upstream import FakeCompletionsServer
+from bench.gateway_common import bench_settings, percentile, start_gateway, stop_gateway
+from bench.gateway_engine import main_engine
 from deployer.routing import routing_keys
-from services.gateway.server import GatewayServer
 from services.local.stack import EmbeddedStack, free_port
-from services.runtime.health import Health
-from services.runtime.kafka_io import ensure_topics
 from services.runtime.metrics import GATEWAY_EXPOSURES
 from services.runtime.process import setup_logging
 from services.runtime.redis_io import make_redis
-from services.runtime.service_settings import GatewaySettings, UpstreamSettings
-from services.runtime.settings import KafkaSettings, MlflowSettings, RedisSettings, Settings, TopicSettings
-from services.serve_gateway import build
+from services.runtime.service_settings import UpstreamSettings
+from services.runtime.settings import Settings
 
 TARGET_ADDED_P99_MS = 2.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]): the smallest value with at least q% of the
-    values at or below it."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
-    return ordered[rank - 1]
 
 
 class Client:
@@ -172,37 +160,6 @@ def summarise(mode: str, res: dict[str, list[float]]) -> dict[str, float]:
     }
 
 
-def _settings(stack: EmbeddedStack, root: Path, tag: str, **gateway: Any) -> Settings:
-    return Settings(
-        kafka=KafkaSettings(bootstrap_servers=stack.kafka_bootstrap),
-        redis=RedisSettings(url=SecretStr(stack.redis_url), key_prefix=f"bench-{tag}:"),
-        topics=TopicSettings(raw=f"bench-{tag}.raw", partitions=1),
-        mlflow=MlflowSettings(tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
-                              registered_model="bench-policy"),
-        gateway=GatewaySettings(**{"port": 0, "key_id": "gateway", "secret": SecretStr("bench"), **gateway}),
-    )
-
-
-def _start_gateway(settings: Settings) -> tuple[Any, Any, list[Any]]:
-    ensure_topics(settings, [settings.topics.raw])
-    gateway, parts = build(settings, Health())
-    server = GatewayServer(gateway, "127.0.0.1", 0).start()
-    deadline = time.monotonic() + 60
-    while gateway.slots.get("stable") is None or (
-        gateway.slots.wanted("canary") and gateway.slots.get("canary") is None
-    ):
-        if time.monotonic() > deadline:
-            raise RuntimeError("gateway did not load its models in 60 s")
-        time.sleep(0.05)
-    return gateway, server, parts
-
-
-def _stop(server: Any, parts: list[Any]) -> None:
-    server.stop()
-    for part in parts:
-        part.stop()
-
-
 def _set_routing(settings: Settings, **values: str) -> None:
     keys = routing_keys(settings.redis.key_prefix)
     make_redis(settings.redis).mset({keys[k]: v for k, v in values.items()})
@@ -225,14 +182,14 @@ def bench_policy(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_toke
     from deployer.adapters.mlflow_registry import MlflowRegistry
     from trainer.policy import TinyTransformer, load_policy
 
-    settings = _settings(stack, root, f"p{uuid.uuid4().hex[:6]}")
+    settings = bench_settings(stack, root, f"p{uuid.uuid4().hex[:6]}")
     reg = MlflowRegistry(settings.mlflow.tracking_uri, settings.mlflow.registered_model)
     torch.manual_seed(0)
     v1 = reg.register(None, TinyTransformer().save(root / "v1"))
     v2 = reg.register(None, TinyTransformer().save(root / "v2"))
     reg.set_alias("champion", v1)
     _set_routing(settings, stable_version=v1, canary_version=v2, canary_weight="0.5", salt="bench")
-    _gateway, server, parts = _start_gateway(settings)
+    _gateway, server, parts = start_gateway(settings)
     direct_policy = load_policy(reg.download(v1, root / "direct"))
     torch.set_num_threads(settings.gateway.torch_threads)
     prompt = [0, 5, 9, 13, 17, 21, 25, 29]
@@ -252,18 +209,18 @@ def bench_policy(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_toke
         res = measure(n, warmup, direct, via_gateway)
     finally:
         client.conn.close()
-        _stop(server, parts)
+        stop_gateway(server, parts)
     return summarise("policy", res)
 
 
 def bench_upstream(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens: int,
                    concurrency: int | None = None) -> dict[str, float]:
     fake = FakeCompletionsServer().start()
-    settings = _settings(
+    settings = bench_settings(
         stack, root, f"u{uuid.uuid4().hex[:6]}",
         stable_upstream=UpstreamSettings(base_url=fake.url, model="team-model"),
     )
-    _gateway, server, parts = _start_gateway(settings)
+    _gateway, server, parts = start_gateway(settings)
     prompt = [0, 5, 9, 13, 17, 21, 25, 29]
     upstream = Client(int(fake.url.rsplit(":", 1)[1]), "/v1/completions")
     upstream_body = json.dumps({
@@ -287,7 +244,7 @@ def bench_upstream(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_to
     finally:
         client.conn.close()
         upstream.conn.close()
-        _stop(server, parts)
+        stop_gateway(server, parts)
         fake.stop()
     return summarise("upstream", res)
 
@@ -334,7 +291,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--requests", type=int, default=2000, help="measured requests per path and mode")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--mode", choices=["policy", "upstream", "both"], default="both")
+    parser.add_argument("--mode", choices=["policy", "upstream", "both", "vllm", "vllm-canary"],
+                        default="both",
+                        help="vllm: the OpenAI API in front of a real vLLM engine (bench/gateway_engine.py); "
+                             "vllm-canary: seconds from a LoRA candidate registered to its first canary "
+                             "request")
+    parser.add_argument("--stream", action="store_true", help="vllm: streamed requests (server-sent events)")
+    parser.add_argument("--engine-url", help="vllm: an engine to use instead of starting one")
+    parser.add_argument("--engine-model", default="base", help="vllm: the --engine-url's served model name")
+    parser.add_argument("--tick-s", type=float, default=2.0, help="vllm-canary: the deployer's tick")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="N concurrent keep-alive clients on the gateway path alone (no direct calls)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
@@ -350,6 +315,8 @@ def main(argv: list[str]) -> int:
     results: dict[str, dict[str, float]] = {}
     load_before = os.getloadavg()[0]
     run = (args.requests, args.warmup, args.max_tokens, args.concurrency)
+    if args.mode.startswith("vllm"):
+        return main_engine(args, stack, run)
     try:
         if args.mode in {"policy", "both"}:
             results["policy"] = bench_policy(stack, root, *run)
@@ -371,3 +338,4 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"results": results, "exposures": {"sent": sent, "dropped": dropped,
                                                             "failed": failed}}, indent=2))
     return 0 if ok else 1
+

@@ -1,0 +1,305 @@
+"""``rtrl bench gateway --mode vllm``: latency the gateway adds in front of a real vLLM engine.
+
+The engine (vLLM's CPU build on the tiny model of services/local/tiny_llm.py, started here;
+or ``--engine-url``) is called directly with the body the gateway would send it, and through
+the gateway's OpenAI API (``POST /v1/chat/completions``, API key, routing, signed exposure
+logging to a private broker), streamed or not.
+
+* one client: requests alternate direct/gateway (order flipped every pair) on persistent
+  connections, so both paths see the same engine state; reported p50/p99 of each and the
+  difference;
+* ``--concurrency N``: N clients on their own keep-alive connections, released together,
+  first all on the engine, then all on the gateway; reported p50/p99 of each, the added p99,
+  the longest wait for a first answer (a request waiting for a free connection would show
+  there) and the failed requests.
+
+A second figure, ``--mode vllm-canary``: the time from a LoRA candidate registered in MLflow
+to its first canary request served by the engine, through the real deployer.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import SecretStr
+
+from bench.gateway_common import bench_settings, percentile, start_gateway, stop_gateway
+from deployer.ledger import TAG_GATE
+from services.gateway.engine_backend import engine_body
+from services.gateway.generation import GenRequest
+from services.local.engine import LocalVllm
+from services.local.stack import EmbeddedStack
+from services.local.tiny_llm import build_lora_adapter, build_tiny_llm, check_prompt_ids, write_engine_check
+from services.runtime.engine_settings import EngineSettings
+from services.runtime.service_settings import DeployerSettings
+from services.runtime.settings import Settings
+from services.serve_deployer import Controller, build_ports
+
+MESSAGES = ({"role": "user", "content": "Please fix the loop."},)
+KEY = "bench-key"
+
+
+class Poster:
+    """One persistent connection; ``post`` returns after the whole answer (a stream included)."""
+
+    def __init__(self, url: str, path: str, headers: dict[str, str] | None = None) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        self.path = path
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+
+    def post(self, body: bytes) -> bytes:
+        self.conn.request("POST", self.path, body=body, headers=self.headers)
+        resp = self.conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{self.path} answered {resp.status}: {data[:200]!r}")
+        return data
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def bodies(engine_model: str, public_model: str, n: int, max_tokens: int, stream: bool) -> tuple[
+        list[bytes], list[bytes]]:
+    """(direct engine bodies, gateway bodies): the same request, seeds 0..n-1."""
+    direct, gateway = [], []
+    for i in range(n):
+        req = GenRequest("chat", max_tokens, 1.0, messages=MESSAGES, seed=i)
+        direct.append(json.dumps(engine_body(req, engine_model, stream)).encode())
+        gateway.append(json.dumps({"model": public_model, "messages": list(MESSAGES), "seed": i,
+                                   "max_tokens": max_tokens, "user": f"user-{i % 500}",
+                                   "stream": stream}).encode())
+    return direct, gateway
+
+
+def alternate(n: int, warmup: int, direct: Callable[[int], object], gateway: Callable[[int], object],
+              ) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"direct": [], "gateway": []}
+    for i in range(warmup + n):
+        for which in (("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")):
+            t0 = time.perf_counter()
+            (direct if which == "direct" else gateway)(i)
+            if i >= warmup:
+                out[which].append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def concurrent(url: str, path: str, payloads: list[bytes], clients: int,
+               headers: dict[str, str] | None = None) -> dict[str, list[float]]:
+    """``clients`` threads released together send ``payloads`` round-robin."""
+    out: dict[str, list[float]] = {"round_trip": [], "first": [], "errors": []}
+    start = threading.Barrier(clients)
+    lock = threading.Lock()
+
+    def run(k: int) -> None:
+        poster = Poster(url, path, headers)
+        start.wait()
+        t_start = time.perf_counter()
+        for i in range(k, len(payloads), clients):
+            t0 = time.perf_counter()
+            try:
+                poster.post(payloads[i])
+            except Exception:
+                with lock:
+                    out["errors"].append((time.perf_counter() - t0) * 1000)
+                poster.close()
+                poster = Poster(url, path, headers)
+                continue
+            with lock:
+                out["round_trip"].append((time.perf_counter() - t0) * 1000)
+                if i == k:
+                    out["first"].append((time.perf_counter() - t_start) * 1000)
+        poster.close()
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def engine_settings(base: Settings, url: str, model: str) -> Settings:
+    gw = base.gateway.model_copy(update={"api_keys": {"bench": SecretStr(KEY)}, "allow_anonymous": False})
+    return base.model_copy(update={"engine": EngineSettings(kind="vllm", base_url=url, base_model=model),
+                                   "gateway": gw})
+
+
+def run_engine(root: Path, engine_url: str | None, engine_model: str) -> tuple[LocalVllm | None, str, str]:
+    """The engine to measure: the one at ``engine_url``, or a local one on the tiny model."""
+    if engine_url:
+        return None, engine_url, engine_model
+    model_dir = build_tiny_llm(root / "tiny")
+    engine = LocalVllm(model_dir, "tiny-base", root / "vllm.log").start()
+    print(f"vLLM ready in {engine.wait_ready():.0f}s", flush=True)
+    return engine, engine.base_url, "tiny-base"
+
+
+def bench_vllm(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens: int,
+               concurrency: int | None, stream: bool, engine_url: str | None = None,
+               engine_model: str = "base") -> dict[str, float]:
+    engine, url, model = run_engine(root, engine_url, engine_model)
+    try:
+        settings = engine_settings(bench_settings(stack, root, f"v{int(time.time())}"), url, model)
+        _gw, server, parts = start_gateway(settings)
+        gateway_url = f"http://127.0.0.1:{server.port}"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        direct_b, gateway_b = bodies(model, settings.mlflow.registered_model, n + warmup, max_tokens, stream)
+        try:
+            if concurrency:
+                return measure_concurrent(url, gateway_url, direct_b, gateway_b, warmup, concurrency, auth)
+            d, g = Poster(url, "/v1/chat/completions"), Poster(gateway_url, "/v1/chat/completions", auth)
+            res = alternate(n, warmup, lambda i: d.post(direct_b[i]), lambda i: g.post(gateway_b[i]))
+            d.close()
+            g.close()
+        finally:
+            stop_gateway(server, parts)
+    finally:
+        if engine is not None:
+            engine.stop()
+    return summary(res["direct"], res["gateway"])
+
+
+def measure_concurrent(url: str, gateway_url: str, direct_b: list[bytes], gateway_b: list[bytes], warmup: int,
+                       clients: int, auth: dict[str, str]) -> dict[str, float]:
+    concurrent(url, "/v1/chat/completions", direct_b[:warmup], clients)
+    concurrent(gateway_url, "/v1/chat/completions", gateway_b[:warmup], clients, auth)
+    d = concurrent(url, "/v1/chat/completions", direct_b[warmup:], clients)
+    g = concurrent(gateway_url, "/v1/chat/completions", gateway_b[warmup:], clients, auth)
+    out = summary(d["round_trip"], g["round_trip"])
+    out.update(direct_first_max_ms=max(d["first"] or [float("nan")]),
+               gateway_first_max_ms=max(g["first"] or [float("nan")]),
+               errors=float(len(d["errors"]) + len(g["errors"])))
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    return percentile(values, q) if values else float("nan")
+
+
+def summary(direct: list[float], gateway: list[float]) -> dict[str, float]:
+    d50, d99, g50, g99 = (pct(direct, 50), pct(direct, 99), pct(gateway, 50),
+                          pct(gateway, 99))
+    return {"direct_p50_ms": d50, "direct_p99_ms": d99, "gateway_p50_ms": g50, "gateway_p99_ms": g99,
+            "added_p50_ms": g50 - d50, "added_p99_ms": g99 - d99, "ratio_p99": g99 / d99,
+            "requests": float(len(gateway))}
+
+
+def report(results: dict[str, dict[str, Any]], header: str) -> None:
+    print(f"\n{header}")
+    print(f"{'mode':22s} {'direct p50':>10s} {'p99':>8s} {'gateway p50':>12s} {'p99':>8s} {'added p50':>10s} "
+          f"{'p99':>8s} {'ratio p99':>9s} {'first answer max':>17s} {'errors':>6s}")
+    for mode, r in results.items():
+        first = r.get("gateway_first_max_ms", float("nan"))
+        print(f"{mode:22s} {r['direct_p50_ms']:10.1f} {r['direct_p99_ms']:8.1f} {r['gateway_p50_ms']:12.1f} "
+              f"{r['gateway_p99_ms']:8.1f} {r['added_p50_ms']:+10.2f} {r['added_p99_ms']:+8.2f} "
+              f"{r['ratio_p99']:9.3f} {first:17.0f} {r.get('errors', 0):6.0f}")
+    print("(ms; direct = the engine called with the body the gateway sends; added = gateway - direct "
+          "percentile; first answer max = the slowest client's first answer through the gateway)")
+
+
+# --------------------------------------------------------------------- candidate -> first request
+
+
+def register_version(reg: Any, root: Path, name: str, model_dir: Path, adapter: Path | None) -> str:
+    """A version as the trainer registers it for the engine (deployer/engine.py's layout)."""
+
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "policy.json").write_text(json.dumps({"kind": "hf", **({} if adapter else {"engine": "base"})}))
+    if adapter is not None:
+        shutil.copytree(adapter, d / "adapter")
+    write_engine_check(d, model_dir, adapter, check_prompt_ids(model_dir))
+    return str(reg.register(None, d, tags={TAG_GATE: "pass"}))
+
+
+def bench_first_canary(stack: EmbeddedStack, root: Path, tick_s: float) -> dict[str, float]:
+    """Seconds from a LoRA candidate registered (alias set) to its first request served by the
+    engine through the gateway, with a real deployer ticking every ``tick_s``."""
+    from deployer.adapters.mlflow_registry import MlflowRegistry
+
+    engine, url, model = run_engine(root, None, "")
+    assert engine is not None
+    try:
+        base = engine_settings(bench_settings(stack, root, f"c{int(time.time())}"), url, model)
+        eng = base.engine.model_copy(update={"adapter_dir": root / "adapters"})
+        settings = base.model_copy(update={"engine": eng, "deployer": DeployerSettings(
+            tick_s=tick_s, steps=(0.5,), bake_s=3600, lease_ttl_s=max(10.0, 3 * tick_s))})
+        reg = MlflowRegistry(settings.mlflow.tracking_uri, settings.mlflow.registered_model)
+        model_dir = engine.model_dir
+        reg.set_alias("champion", register_version(reg, root, "v1", model_dir, None))
+        adapter = build_lora_adapter(model_dir, root / "lora", seed=1)
+        controller = Controller(settings, build_ports(settings), None)
+        controller.step()  # the champion is loaded and checked before the gateway starts
+        _gw, server, parts = start_gateway(settings)
+        stop = threading.Event()
+
+        def deployer() -> None:
+            while not stop.wait(tick_s):
+                controller.step()
+
+        t_reg = time.perf_counter()
+        version = register_version(reg, root, "v2", model_dir, adapter)
+        reg.set_alias("candidate", version)
+        t_alias = time.perf_counter()
+        threading.Thread(target=deployer, daemon=True).start()
+        first = wait_canary(f"http://127.0.0.1:{server.port}", settings.mlflow.registered_model)
+        stop.set()
+        stop_gateway(server, parts)
+        return {"register_s": t_alias - t_reg, "to_first_canary_s": first - t_reg, "tick_s": tick_s}
+    finally:
+        engine.stop()
+
+
+def wait_canary(gateway_url: str, model: str, timeout_s: float = 300.0) -> float:
+    """Send requests (many users) until one is served by the canary; when it was (perf_counter)."""
+    poster = Poster(gateway_url, "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"})
+    deadline = time.perf_counter() + timeout_s
+    i = 0
+    try:
+        while time.perf_counter() < deadline:
+            i += 1
+            body = {"model": model, "messages": list(MESSAGES), "max_tokens": 1, "user": f"u-{i % 997}"}
+            out = json.loads(poster.post(json.dumps(body).encode()))
+            if out["rtrl"]["arm"] == "canary":
+                return time.perf_counter()
+    finally:
+        poster.close()
+    raise RuntimeError(f"no canary request within {timeout_s:.0f}s")
+
+
+def main_engine(args: Any, stack: EmbeddedStack, run: tuple[Any, ...]) -> int:
+    """``--mode vllm`` and ``--mode vllm-canary`` (bench/gateway_engine.py)."""
+    load_before = os.getloadavg()[0]
+    try:
+        if args.mode == "vllm-canary":
+            res = bench_first_canary(stack, stack.data_dir.parent, args.tick_s)
+            first = res["to_first_canary_s"]
+            print(f"\nrtrl bench gateway --mode vllm-canary: LoRA candidate registered -> first canary "
+                  f"request served by vLLM: {first:.1f} s (registering it took {res['register_s']:.1f} s; "
+                  f"deployer tick {res['tick_s']:g} s); target <= 30 s: {'met' if first <= 30 else 'MISSED'}")
+            ok = res["to_first_canary_s"] <= 30
+        else:
+            n, warmup, max_tokens, concurrency = run
+            res = bench_vllm(stack, stack.data_dir.parent, n, warmup, max_tokens, concurrency, args.stream,
+                             args.engine_url, args.engine_model)
+            what = f"{args.concurrency} concurrent clients" if args.concurrency else "one client, alternating"
+            report({f"vllm{' stream' if args.stream else ''}": res},
+                   f"rtrl bench gateway --mode vllm: {args.requests} chat requests per path "
+                   f"(+{args.warmup} warm-up), max_tokens {args.max_tokens}, {what}; load average "
+                   f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+            ok = res.get("errors", 0) == 0
+    finally:
+        stack.down()
+    if args.json:
+        print(json.dumps(res, indent=2))
+    return 0 if ok else 1
