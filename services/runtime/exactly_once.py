@@ -32,6 +32,12 @@ Recovery protocol:
   reliably usable after a broker restart, and a new transactional id never commits under a
   producer id that aborted), rewinds the consumer to its committed offsets, calls
   ``recover`` on every owned partition and retries with backoff (0.2 s doubling to 5 s).
+- *A reconnect during a transaction*: a broker that restarted mid-transaction may have
+  forgotten the transaction's partitions yet accept its offsets and commit, so the outputs
+  would never become visible while the input moved on. A transaction during which any of the
+  producer's broker connections closed is therefore aborted instead of committed, and one
+  whose commit itself spanned a reconnect is followed by the rewind above (the
+  ``recover`` step reconciles whichever way the commit went).
 - *FencedError* (``ProducerFencedError``): another process opened our transactional id, i.e. a
   second replica runs with the same identity. The loop raises :class:`FencedError`; the
   process exits 3 rather than fight it.
@@ -56,7 +62,15 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from services.runtime import metrics as m
 from services.runtime.health import Health
-from services.runtime.kafka_io import Backoff, check_sent, close_quietly, end_transaction, send_offsets
+from services.runtime.kafka_io import (
+    Backoff,
+    ConnectionWatch,
+    TransactionInterruptedError,
+    check_sent,
+    close_quietly,
+    end_transaction,
+    send_offsets,
+)
 from services.runtime.process import Stopper
 
 TXN_TIMEOUT_S = 10.0
@@ -136,7 +150,7 @@ class ExactlyOnceLoop(Generic[R]):
 
     ``open_producer`` opens a new initialised transactional producer; it is called once at
     start and again after every failure that involved Kafka. ``fault`` is a test hook
-    called at ``mid_txn`` and ``after_commit`` of batches with outputs.
+    called at ``mid_txn``, ``before_commit`` and ``after_commit`` of batches with outputs.
     """
 
     def __init__(
@@ -240,6 +254,7 @@ class ExactlyOnceLoop(Generic[R]):
         assert prod is not None, "start() opens the producer"
         prod.begin_transaction()
         self.in_transaction = True
+        watch = ConnectionWatch(prod)
         futures = [prod.send(o.topic, value=o.value, key=o.key, headers=list(o.headers) or None,
                              partition=o.partition) for o in outputs]
         if outputs:
@@ -248,8 +263,15 @@ class ExactlyOnceLoop(Generic[R]):
         if offsets:
             committed = {tp: OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()}
             send_offsets(prod, committed, self.consumer.group_metadata(), TXN_TIMEOUT_S)
+        if outputs:
+            self.fault("before_commit")
+        if watch.interrupted():
+            raise TransactionInterruptedError("the broker connection dropped during the transaction")
         end_transaction(prod, True, TXN_TIMEOUT_S)
         self.in_transaction = False
+        if watch.interrupted():
+            raise TransactionInterruptedError("the broker connection dropped during the commit: "
+                                         "rewinding to the committed offsets")
         self.last_broker_ok = time.monotonic()
         if outputs:
             self.fault("after_commit")

@@ -147,6 +147,48 @@ def check_sent(producer: KafkaProducer, futures: Iterable[Any], timeout_s: float
             raise fut.exception
 
 
+class TransactionInterruptedError(KafkaError):
+    """A broker connection of the transactional producer closed while a transaction was open.
+
+    A broker that restarts in the middle of a transaction may come back without the
+    transaction's partitions, yet still accept its offsets and its commit: the client sees a
+    commit, the input offsets move on, and the outputs are never visible to
+    ``read_committed`` readers (the embedded broker does this; docs/reliability.md). So a
+    transaction that lived through a reconnect is never trusted: it is aborted before its
+    commit, or, when the connection dropped during the commit itself, the caller rewinds to
+    the committed offsets."""
+
+    retriable = True
+
+
+class ConnectionWatch:
+    """Which broker connections a producer held when a transaction began, and whether any of
+    them closed or was replaced since (a reconnect). A producer that does not expose its
+    connections (a test double) is never reported as interrupted."""
+
+    def __init__(self, producer: KafkaProducer) -> None:
+        self._producer = producer
+        held = _connections(producer)
+        self.watching = held is not None
+        """Whether the producer exposes its connections (kafka-python 3.0 does)."""
+        self._held = dict(held or {})
+
+    def interrupted(self) -> bool:
+        now = _connections(self._producer)
+        if now is None:
+            return False
+        return any(getattr(conn, "closed", False) or now.get(node) is not conn
+                   for node, conn in self._held.items())
+
+
+def _connections(producer: KafkaProducer) -> dict[Any, Any] | None:
+    """kafka-python 3.0's open connections of a producer, node id -> connection (None when
+    the producer does not have them: another client or a test double)."""
+    manager = getattr(getattr(getattr(producer, "_sender", None), "_client", None), "_manager", None)
+    conns = getattr(manager, "_conns", None)
+    return conns if isinstance(conns, dict) else None
+
+
 def close_quietly(producer: KafkaProducer | None) -> None:
     """Close a producer that may be broken, without waiting for its buffered records."""
     if producer is None:

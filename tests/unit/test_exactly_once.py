@@ -137,7 +137,7 @@ def test_fenced_stops_the_loop() -> None:
         loop.run(Stopper())
 
 
-def test_fault_points_come_after_the_sends_and_after_the_commit() -> None:
+def test_fault_points_come_after_the_sends_before_and_after_the_commit() -> None:
     seen: list[tuple[str, int]] = []
 
     def fault(point: str) -> None:
@@ -147,7 +147,7 @@ def test_fault_points_come_after_the_sends_and_after_the_commit() -> None:
     consumer.batches.append({TP0: [Rec(0, b"a")]})
     loop.step()
     loop.step()  # an empty batch reaches no fault point
-    assert seen == [("mid_txn", 0), ("after_commit", 1)]
+    assert seen == [("mid_txn", 0), ("before_commit", 0), ("after_commit", 1)]
 
 
 def test_next_offsets_is_one_past_each_partitions_last_record() -> None:
