@@ -90,7 +90,8 @@ def authenticate(value: bytes, headers: Headers, policy: AuthPolicy) -> AuthFail
     key_id = raw_key_id.decode("utf-8", errors="replace")
     secret = policy.keys.get(key_id)
     if secret is None:
-        return AuthFailure("unknown_key", f"key id {key_id[:64]!r} is not configured")
-    if not verify(value, secret, signature):
-        return AuthFailure("bad_signature", f"signature does not match key id {key_id[:64]!r}")
+        return AuthFailure("unknown_key", f"the {policy.key_id_header} header names no configured key "
+                                          f"({len(raw_key_id)} bytes; not echoed)")
+    if not verify(value, secret, signature):  # a configured id: safe to name
+        return AuthFailure("bad_signature", f"signature does not match configured key id {key_id!r}")
     return None

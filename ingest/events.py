@@ -27,6 +27,9 @@ SCHEMA_VERSION = 1
 
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+INT64_MAX = 2**63 - 1
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+"""A non-negative count that a consumer reading 64-bit integers can hold."""
 Arm = Literal["stable", "canary"]
 LogProb = Annotated[float, Field(le=0.0, allow_inf_nan=False)]
 
@@ -52,7 +55,10 @@ class _EventBase(_Model):
     @field_validator("ts")
     @classmethod
     def _to_utc(cls, v: datetime) -> datetime:
-        return v.astimezone(UTC)
+        try:
+            return v.astimezone(UTC)
+        except OverflowError:  # e.g. 0001-01-01T00:00:00+14:00 is before year 1 in UTC
+            raise ValueError("ts is outside the range of UTC dates (years 1-9999)") from None
 
     @field_validator("schema_version", mode="before")
     @classmethod
@@ -75,9 +81,9 @@ class CompletionServed(_EventBase):
     completion_tokens: Annotated[list[TokenId], Field(max_length=32_768)]
     logprobs: Annotated[list[LogProb], Field(max_length=32_768)]
     """The serving policy's log-probability of each completion token (behavior policy)."""
-    latency_ms: Annotated[float, Field(ge=0, le=3_600_000)]
-    tool_calls: Annotated[int, Field(ge=0)] = 0
-    invalid_tool_calls: Annotated[int, Field(ge=0)] = 0
+    latency_ms: Annotated[float, Field(ge=0, le=3_600_000, allow_inf_nan=False)]
+    tool_calls: Count = 0
+    invalid_tool_calls: Count = 0
     completion_kind: Literal["edit", "question", "empty"] = "edit"
     """What the completion was: a proposed edit, a clarifying question, or nothing."""
 
@@ -92,12 +98,12 @@ class CompletionServed(_EventBase):
 
 class EditAccepted(_EventBase):
     type: Literal["edit.accepted"] = "edit.accepted"
-    inserted_chars: Annotated[int, Field(ge=0)]
+    inserted_chars: Count
 
 
 class EditRejected(_EventBase):
     type: Literal["edit.rejected"] = "edit.rejected"
-    inserted_chars: Annotated[int, Field(ge=0)] = 0
+    inserted_chars: Count = 0
 
 
 class EditPersistence(_EventBase):
@@ -105,8 +111,8 @@ class EditPersistence(_EventBase):
 
     type: Literal["edit.persistence"] = "edit.persistence"
     horizon_s: Annotated[int, Field(gt=0, le=30 * 86_400)]
-    retained_chars: Annotated[int, Field(ge=0)]
-    inserted_chars: Annotated[int, Field(ge=0)]
+    retained_chars: Count
+    inserted_chars: Count
 
     @model_validator(mode="after")
     def _retained_le_inserted(self) -> EditPersistence:

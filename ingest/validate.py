@@ -8,12 +8,18 @@ failure decides the reason:
 3. ``not_utf8`` / ``bad_json`` / ``not_object``          the bytes are not a JSON object
 4. ``unknown_schema_version`` / ``unknown_type`` / ``missing_field`` / ``invalid_field``
                                the object does not match the event contract (ingest/events.py)
+   ``duplicate_key``           an object of the event names one key twice (JSON parsers
+                               disagree on which value wins, so the record is ambiguous)
 5. ``ts_future`` / ``ts_too_old``   ``ts`` outside [now - max_age_s, now + max_future_skew_s]
 6. ``key_mismatch``            the Kafka key is set and differs from ``request_id``
 
 ``duplicate`` is decided later, by the dedup store (ingest/dedup.py). The reason codes
 are stable strings: they label the ``rtrl_ingest_rejected_total`` metric and the DLQ
 records, and docs/ingest.md lists them.
+
+A rejection's ``detail`` never echoes payload content: it is made of fixed text, contract
+field names (any other key is shown as ``<unknown field>``), list indexes and numbers the
+check computed (sizes, offsets, seconds), at most ``DETAIL_MAX`` characters.
 """
 
 from __future__ import annotations
@@ -27,16 +33,28 @@ from typing import Any
 from pydantic import ValidationError
 
 from ingest.auth import AuthPolicy, Headers, authenticate
-from ingest.events import SCHEMA_VERSION, Event, parse_event
+from ingest.events import (
+    EVENT_TYPES,
+    SCHEMA_VERSION,
+    CompletionServed,
+    EditAccepted,
+    EditPersistence,
+    EditRejected,
+    Event,
+    FollowupDissatisfied,
+    ModelRef,
+    parse_event,
+)
 
 REASONS = (
     "oversized", "not_utf8", "bad_json", "not_object", "unknown_schema_version", "unknown_type",
-    "missing_field", "invalid_field", "ts_future", "ts_too_old", "unsigned", "bad_signature",
+    "missing_field", "invalid_field", "duplicate_key", "ts_future", "ts_too_old", "unsigned", "bad_signature",
     "unknown_key", "key_mismatch", "duplicate",
 )
 """Every reason code a rejection can carry, in documentation order."""
 
-_DETAIL_MAX = 500
+DETAIL_MAX = 300
+"""Longest ``Rejected.detail`` (characters)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +100,10 @@ def validate(
     except ValidationError as exc:
         return classify_errors(data, exc)
     except Exception as exc:  # the parser must never take the worker down
-        return Rejected("bad_json", f"parser error: {type(exc).__name__}: {str(exc)[:200]}")
+        return Rejected("bad_json", f"parser error ({type(exc).__name__})")
+    repeated = duplicate_key(data)
+    if repeated is not None:
+        return Rejected("duplicate_key", f"an object names the key {_field(repeated)} more than once")
     return _check_event(event, key, now, limits)
 
 
@@ -94,7 +115,8 @@ def _check_event(event: Event, key: bytes | None, now: datetime, limits: Limits)
     if -ahead > limits.max_age_s:
         return Rejected("ts_too_old", f"ts is {-ahead:.0f}s old (limit {limits.max_age_s:.0f}s)")
     if key is not None and key != event.request_id.encode():
-        return Rejected("key_mismatch", f"Kafka key {key[:80]!r} != request_id {event.request_id!r}")
+        return Rejected("key_mismatch", f"the Kafka key ({len(key)} bytes) is not the event's request_id "
+                                        "(neither echoed)")
     return Accepted(event)
 
 
@@ -113,12 +135,11 @@ def classify_errors(data: bytes, exc: ValidationError) -> Rejected:
         return Rejected("not_object", "the value must be a JSON object")
     version = _schema_version(data)
     if version is not _ABSENT and (isinstance(version, bool) or version != SCHEMA_VERSION):
-        return Rejected("unknown_schema_version",
-                        f"schema_version {str(version)[:40]!r} is not supported (expected {SCHEMA_VERSION})")
+        return Rejected("unknown_schema_version", _version_problem(version))
     if "union_tag_not_found" in types:
         return Rejected("missing_field", "type: field required")
     if "union_tag_invalid" in types:
-        return Rejected("unknown_type", _join([e for e in errors if e["type"] == "union_tag_invalid"]))
+        return Rejected("unknown_type", f"type: must be one of {', '.join(EVENT_TYPES)}")
     missing = [e for e in errors if e["type"] == "missing"]
     if missing:
         return Rejected("missing_field", _join(missing))
@@ -126,6 +147,55 @@ def classify_errors(data: bytes, exc: ValidationError) -> Rejected:
 
 
 _ABSENT: Any = object()
+
+
+_JSON_TYPES = {bool: "a boolean", str: "a string", float: "a fraction", list: "an array", dict: "an object",
+               type(None): "null"}
+
+
+def _version_problem(version: Any) -> str:
+    """Why a ``schema_version`` is not accepted: its JSON type, or an unknown version number."""
+    if isinstance(version, int) and not isinstance(version, bool):
+        return f"schema_version is an integer other than {SCHEMA_VERSION}, the only supported version"
+    kind = _JSON_TYPES.get(type(version), "not a number")
+    return f"schema_version must be the integer {SCHEMA_VERSION}, not {kind}"
+
+
+class _RepeatedKeyError(Exception):
+    pass
+
+
+def _no_repeats(pairs: list[tuple[str, Any]]) -> None:
+    if len(pairs) > 1 and len({k for k, _ in pairs}) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _RepeatedKeyError(k)
+            seen.add(k)
+
+
+def duplicate_key(data: bytes | str) -> str | None:
+    """The first key that an object of the JSON document ``data`` names twice (None: no
+    object repeats a key, or ``data`` is not JSON this parser reads)."""
+    try:
+        json.loads(data, object_pairs_hook=_no_repeats)
+    except _RepeatedKeyError as rep:
+        return str(rep.args[0])
+    except (ValueError, RecursionError):
+        return None
+    return None
+
+
+_FIELDS = frozenset(name for model in (CompletionServed, EditAccepted, EditRejected, EditPersistence,
+                                       FollowupDissatisfied, ModelRef) for name in model.model_fields)
+"""Every field name of the contract: the only keys a detail may name."""
+
+
+def _field(name: object) -> str:
+    """A location element as it may appear in a detail: contract field names and indexes only."""
+    if isinstance(name, int):
+        return str(name)
+    return name if isinstance(name, str) and name in _FIELDS else "<unknown field>"
 
 
 def _schema_version(data: bytes) -> Any:
@@ -146,8 +216,8 @@ def _join(errors: Sequence[Any]) -> str:
         loc = e["loc"]
         if loc and isinstance(loc[0], str) and "." in loc[0]:  # the union tag, e.g. 'edit.accepted'
             loc = loc[1:]
-        where = ".".join(str(p) for p in loc) or "value"
+        where = ".".join(_field(p) for p in loc) or "value"
         parts.append(f"{where}: {e['msg']}")
     if len(errors) > 3:
         parts.append(f"(+{len(errors) - 3} more)")
-    return "; ".join(parts)[:_DETAIL_MAX]
+    return "; ".join(parts)[:DETAIL_MAX]

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 import ingest
 from ingest.events import event_json_schema, parse_event
+from ingest.validate import duplicate_key
 
 SCHEMA_PATH = Path(ingest.__file__).resolve().parent / "schema" / "events.v1.json"
 
@@ -40,9 +41,17 @@ def validate_lines(lines: list[bytes]) -> tuple[int, list[tuple[int, str]]]:
             continue
         try:
             parse_event(raw)
-            ok += 1
         except ValidationError as exc:
             bad.append((n, describe_error(exc)))
+            continue
+        except Exception as exc:  # any input gets a line-numbered report, never a traceback
+            bad.append((n, f"unreadable ({type(exc).__name__})"))
+            continue
+        repeated = duplicate_key(raw)
+        if repeated is not None:
+            bad.append((n, f"an object names the key {repeated[:64]!r} more than once"))
+            continue
+        ok += 1
     return ok, bad
 
 

@@ -40,6 +40,8 @@ from ingest.dedup import SOURCE_HEADER
 from ingest.events import parse_event
 from ingest.reward.spec import load_spec
 from services.cli.reconcile_accounting import (
+    UNREADABLE_DLQ,
+    UNREADABLE_REWARD,
     DeadLetter,
     ForwardedEvent,
     RawRecord,
@@ -64,13 +66,19 @@ class Inputs:
     reward_committed: dict[int, int]
 
 
-def _raw_event_id(value: bytes | None) -> str | None:
+def _json(value: bytes | None) -> Any:
+    """``value`` parsed as JSON, or None for anything else: a topic may hold any bytes (deep
+    nesting, invalid UTF-8, tombstones), and an audit must read past them."""
     if not value:
         return None
     try:
-        doc = json.loads(value)
-    except (ValueError, UnicodeDecodeError):
+        return json.loads(value)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
+
+
+def _raw_event_id(value: bytes | None) -> str | None:
+    doc = _json(value)
     eid = doc.get("event_id") if isinstance(doc, dict) else None
     return eid if isinstance(eid, str) else None
 
@@ -79,18 +87,24 @@ def _forwarded(rec: Any) -> ForwardedEvent:
     source = next((v.decode(errors="replace") for k, v in (rec.headers or []) if k == SOURCE_HEADER), None)
     try:
         ev = parse_event(rec.value)
-    except (ValidationError, ValueError, TypeError):
+    except (ValidationError, ValueError, TypeError, RecursionError, OverflowError):
         return ForwardedEvent(rec.partition, rec.offset, None, source=source, timestamp_ms=rec.timestamp)
     return ForwardedEvent.of(ev, rec.partition, rec.offset, source, rec.timestamp)
 
 
 def _dead_letter(rec: Any) -> DeadLetter:
-    try:
-        doc = json.loads(rec.value)
-        src = doc.get("source") or {}
-        return DeadLetter(str(doc.get("reason")), src.get("topic"), src.get("partition"), src.get("offset"))
-    except (ValueError, TypeError, AttributeError):
-        return DeadLetter("unreadable_dlq_record", None, None, None)
+    doc = _json(rec.value)
+    src = doc.get("source") if isinstance(doc, dict) else None
+    if not isinstance(src, dict):
+        return DeadLetter(UNREADABLE_DLQ, None, None, None)
+    topic, part, off = src.get("topic"), src.get("partition"), src.get("offset")
+    if not (isinstance(topic, str) and _is_int(part) and _is_int(off)):
+        return DeadLetter(UNREADABLE_DLQ, None, None, None)
+    return DeadLetter(str(doc.get("reason"))[:64], topic, part, off)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def read_inputs(settings: Settings, ingest_group: str | None = None,
@@ -112,10 +126,9 @@ def read_inputs(settings: Settings, ingest_group: str | None = None,
     for r in read_topic(k, t.rewards):
         rid = r.key.decode(errors="replace") if r.key is not None else None
         if rid is None:
-            try:
-                rid = str(json.loads(r.value)["request_id"])
-            except (ValueError, KeyError, TypeError):
-                rid = f"?{r.partition}:{r.offset}"
+            doc = _json(r.value)
+            found = doc.get("request_id") if isinstance(doc, dict) else None
+            rid = found if isinstance(found, str) else UNREADABLE_REWARD
         rewards.append(RewardSeen(rid, r.partition, r.offset))
     return Inputs(raw, fwd, dlq, rewards, ingest_off, reward_off)
 

@@ -69,6 +69,12 @@ class DeadLetter:
     source_offset: int | None
 
 
+UNREADABLE_DLQ = "unreadable_dlq_record"
+"""The reason of a DLQ record that is not a DLQ record of this format (any bytes)."""
+UNREADABLE_REWARD = "?"
+"""The request id of a rewards record with neither a key nor a readable ``request_id``."""
+
+
 @dataclass(frozen=True)
 class RewardSeen:
     request_id: str
@@ -293,7 +299,8 @@ def reconcile(
     raw_positions = {position_marker(raw_topic, r.partition, r.offset) for r in raw_list}
     dead = tally_dead_letters(dlq_list, raw_positions)
     raw_acc = account_raw(raw_list, raw_topic, fwd, dead, ingest_committed)
-    rewarded = Counter(r.request_id for r in rewards)
+    reward_list = list(rewards)
+    rewarded = Counter(r.request_id for r in reward_list if r.request_id != UNREADABLE_REWARD)
     req = account_requests(fwd.by_request, rewarded, timing, max_horizon_s, reward_committed)
     return Report(
         raw_records=len(raw_list),
@@ -306,6 +313,7 @@ def reconcile(
         raw_double_handled=raw_acc.double_handled,
         dlq_records=dead.records,
         dlq_other_source=dead.other_source,
+        dlq_unreadable=sum(1 for d in dlq_list if d.reason == UNREADABLE_DLQ),
         forwarded_events=fwd.records,
         forwarded_unparseable=fwd.unparseable,
         forwarded_without_raw=sum(n for s, n in fwd.by_source.items() if s not in raw_positions),
@@ -318,5 +326,6 @@ def reconcile(
         open_requests=req.open_requests,
         orphan_requests=req.orphans,
         rewards_without_events=sum(1 for k in rewarded if k not in fwd.by_request),
+        rewards_unreadable=sum(1 for r in reward_list if r.request_id == UNREADABLE_REWARD),
         unreflected_events=raw_acc.fates["pending"] + raw_acc.fates["lost"] + req.unreflected_events,
     )

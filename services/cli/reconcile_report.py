@@ -30,6 +30,8 @@ class Report:
     dlq_records: int = 0
     dlq_other_source: int = 0
     """DLQ records whose source is not a raw record read here (another topic, retention)."""
+    dlq_unreadable: int = 0
+    """DLQ records that are not DLQ records of rtrl's format (counted among ``dlq_other_source``)."""
     forwarded_events: int = 0
     forwarded_unparseable: int = 0
     forwarded_without_raw: int = 0
@@ -49,6 +51,8 @@ class Report:
     """Requests with feedback events but no served event (never rewarded by design)."""
     rewards_without_events: int = 0
     """Reward records for requests with no event read here (events topic retention)."""
+    rewards_unreadable: int = 0
+    """Records on the rewards topic with neither a key nor a readable ``request_id``."""
     unreflected_events: int = 0
     """Raw records neither in a reward (through their request) nor in the DLQ nor dropped."""
 
@@ -95,10 +99,10 @@ class Report:
             f"  DUPLICATE event ids {len(self.duplicate_forwarded)}"
             + (f"  {ids(self.duplicate_forwarded)}" if self.duplicate_forwarded else ""),
             f"dlq records           {self.dlq_records}  (source not among raw records read: "
-            f"{self.dlq_other_source})",
+            f"{self.dlq_other_source}, unreadable {self.dlq_unreadable})",
             f"served requests       {self.requests_served}",
             f"reward records        {self.reward_records}  for {self.rewarded_requests} requests "
-            f"({self.rewards_without_events} without events read)",
+            f"({self.rewards_without_events} without events read, unreadable {self.rewards_unreadable})",
             f"  DUPLICATE rewards   {len(self.duplicate_rewards)}"
             + (f"  {ids(f'{k} x{v}' for k, v in self.duplicate_rewards.items())}"
                if self.duplicate_rewards else ""),

@@ -36,9 +36,11 @@ def read_rewards(settings: Settings) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for rec in read_topic(settings.kafka, settings.topics.rewards):
         try:
-            out.append(json.loads(rec.value))
-        except (TypeError, ValueError):
+            doc = json.loads(rec.value)
+        except (TypeError, ValueError, RecursionError):
             continue
+        if isinstance(doc, dict):
+            out.append(doc)
     return out
 
 

@@ -245,7 +245,7 @@ class RewardsTracker:
         try:
             rec = json.loads(value)
             row = row_from_record(rec, self.primary)
-        except (TypeError, ValueError, KeyError):
+        except (TypeError, ValueError, KeyError, AttributeError, RecursionError):
             return
         with self._lock:
             self.records.append(rec)

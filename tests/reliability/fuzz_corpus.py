@@ -581,6 +581,14 @@ class _Bad:
             ("tools_bool", lambda: self.served(tool_calls=True, invalid_tool_calls=False)),
             ("latency_numeric_string", lambda: self.served(latency_ms="12.5")),
             ("ts_epoch_number", lambda: self.event(ts=int(self.now.timestamp()))),
+            ("ts_before_year_1_utc", lambda: self.event(ts="0001-01-01T00:00:00+14:00")),
+            ("ts_after_year_9999_utc", lambda: self.event(ts="9999-12-31T23:59:59-14:00")),
+            ("tools_beyond_int64", lambda: self.served(tool_calls=rng.choice([2**63, 10**40, 10**300]))),
+            ("invalid_tools_beyond_int64", lambda: self.served(tool_calls=2**63 - 1,
+                                                               invalid_tool_calls=2**64)),
+            ("chars_beyond_int64", lambda: self.event(type="edit.accepted", inserted_chars=2**63)),
+            ("retained_beyond_int64", lambda: self.event(type="edit.persistence", horizon_s=60,
+                                                         retained_chars=10**40, inserted_chars=10**41)),
         ]
         literal = [("nan_latency", "NaN"), ("infinite_latency", "Infinity"),
                    ("minus_infinity_logprob", "-Infinity"), ("float_overflow", "1e400")]
@@ -594,6 +602,28 @@ class _Bad:
             return self.signed(body, "invalid_field", f"invalid_field/{variant}")
         variant, make = rng.choice(choices)
         return self.signed(enc(make()), "invalid_field", f"invalid_field/{variant}")
+
+    def duplicate_key(self) -> Any:
+        """A valid event in which one object names a key twice (same or another value)."""
+        rng = self.rng
+        ev = self.event()
+        body = enc(ev)
+        variant = rng.choice(["request_id_other", "request_id_same", "type_twice", "event_id_other",
+                              "ts_twice", "nested_model", "request_id_thrice", "escaped_spelling"])
+        if variant == "nested_model":
+            ev = self.served()
+            body = enc(ev).replace(b'"version":"1"', b'"version":"1","version":"2"', 1)
+        elif variant == "request_id_thrice":  # (an unknown key twice is an unknown field first)
+            rid = json.dumps(ev["request_id"]).encode()
+            body = body[:-1] + b',"request_id":' + rid + b',"request_id":' + rid + b"}"
+        elif variant == "escaped_spelling":  # the same key spelled with a JSON escape
+            body = body[:-1] + b',"request\u005fid":' + json.dumps(ev["request_id"]).encode() + b"}"
+        else:
+            key = {"request_id_other": "request_id", "request_id_same": "request_id", "type_twice": "type",
+                   "event_id_other": "event_id", "ts_twice": "ts"}[variant]
+            value = ev[key] if variant in ("request_id_same", "type_twice", "ts_twice") else f"{ev[key]}-2"
+            body = body[:-1] + b"," + json.dumps(key).encode() + b":" + json.dumps(value).encode() + b"}"
+        return self.signed(body, "duplicate_key", f"duplicate_key/{variant}")
 
     def ts_future(self) -> Any:
         variant, delta = self.rng.choice([("skew_15min", timedelta(minutes=15)),
@@ -695,7 +725,7 @@ from (by position): never reorder."""
 CATEGORIES: dict[str, float] = {
     "oversized": 0.04, "unsigned": 1, "unknown_key": 1, "bad_signature": 2, "not_utf8": 1, "bad_json": 2,
     "not_object": 0.5, "unknown_schema_version": 1, "unknown_type": 1, "missing_field": 1.5,
-    "invalid_field": 4, "ts_future": 1, "ts_too_old": 1, "key_mismatch": 1,
+    "invalid_field": 4, "duplicate_key": 1, "ts_future": 1, "ts_too_old": 1, "key_mismatch": 1,
 }
 """Relative weights of the bad categories (duplicates are added on top, from valid events)."""
 DUPLICATE_SHARE = 0.04

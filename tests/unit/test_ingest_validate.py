@@ -9,7 +9,7 @@ import pytest
 
 from ingest.auth import AuthPolicy, sign
 from ingest.events import CompletionServed, EditPersistence
-from ingest.validate import REASONS, Accepted, Limits, Rejected, validate
+from ingest.validate import DETAIL_MAX, REASONS, Accepted, Limits, Rejected, duplicate_key, validate
 
 NOW = datetime(2026, 11, 22, 10, 0, tzinfo=UTC)
 SECRET = b"k"
@@ -106,6 +106,16 @@ CORPUS: list[tuple[str, bytes, str]] = [
     ("retained_gt_inserted", enc({"event_id": "e2", "request_id": "r1", "type": "edit.persistence",
                                   "ts": ts(timedelta(0)), "horizon_s": 60, "retained_chars": 9,
                                   "inserted_chars": 3}), "invalid_field"),
+    ("tool_calls_beyond_int64", enc(served(tool_calls=10**40, invalid_tool_calls=0)), "invalid_field"),
+    ("tool_calls_2_63", enc(served(tool_calls=2**63)), "invalid_field"),
+    ("inserted_chars_beyond_int64", enc({"event_id": "e3", "request_id": "r1", "type": "edit.accepted",
+                                         "ts": ts(timedelta(0)), "inserted_chars": 10**40}), "invalid_field"),
+    ("ts_before_year_1_in_utc", enc(served(ts="0001-01-01T00:00:00+14:00")), "invalid_field"),
+    ("ts_after_year_9999_in_utc", enc(served(ts="9999-12-31T23:59:59-14:00")), "invalid_field"),
+    ("duplicate_request_id", enc(served())[:-1] + b', "request_id": "r2"}', "duplicate_key"),
+    ("duplicate_same_value", enc(served())[:-1] + b', "request_id": "r1"}', "duplicate_key"),
+    ("duplicate_nested", enc(served()).replace(b'"version": "3"', b'"version": "3", "version": "4"'),
+     "duplicate_key"),
     ("ts_future", enc(served(ts=ts(timedelta(seconds=301)))), "ts_future"),
     ("ts_far_future", enc(served(ts="2999-01-01T00:00:00Z")), "ts_future"),
     ("ts_ancient", enc(served(ts="1970-01-01T00:00:00Z")), "ts_too_old"),
@@ -119,7 +129,7 @@ def test_corpus(value: bytes, reason: str) -> None:
     assert isinstance(out, Rejected), out
     assert out.reason == reason, out.detail
     assert out.reason in REASONS
-    assert len(out.detail) <= 500
+    assert len(out.detail) <= DETAIL_MAX
 
 
 def test_huge_array_within_size_limit_is_invalid_not_oversized() -> None:
@@ -212,3 +222,60 @@ def test_never_raises_on_random_input() -> None:
         assert isinstance(out, (Accepted, Rejected))
         if isinstance(out, Rejected):
             assert out.reason in REASONS
+
+
+def test_int64_max_is_still_a_valid_count() -> None:
+    assert isinstance(check(enc(served(tool_calls=2**63 - 1))), Accepted)
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_finite_latency_says_finite_not_a_bound(literal: bytes) -> None:
+    value = enc(served()).replace(b'"latency_ms": 120.5', b'"latency_ms": ' + literal)
+    out = check(value)
+    assert isinstance(out, Rejected) and out.reason == "invalid_field"
+    assert out.detail == "latency_ms: Input should be a finite number"
+
+
+def test_out_of_range_ts_names_the_range() -> None:
+    out = check(enc(served(ts="0001-01-01T00:00:00+14:00")))
+    assert isinstance(out, Rejected)
+    assert out.detail.startswith("ts: ") and "range" in out.detail
+
+
+@pytest.mark.parametrize(("version", "says"), [
+    ("1", "must be the integer 1, not a string"), (True, "not a boolean"), (1.5, "not a fraction"),
+    ([1], "not an array"), (None, "not null"), (2, "an integer other than 1"),
+])
+def test_schema_version_detail_says_what_is_wrong(version: object, says: str) -> None:
+    out = check(enc(served(schema_version=version)))
+    assert isinstance(out, Rejected) and out.reason == "unknown_schema_version"
+    assert says in out.detail, out.detail
+
+
+def test_duplicate_key_finder() -> None:
+    assert duplicate_key(b'{"a": 1, "b": {"c": 2, "c": 3}}') == "c"
+    assert duplicate_key(b'{"a": 1, "b": [{"a": 2}, {"a": 3}]}') is None  # the same key in two objects
+    assert duplicate_key(b"[" * 50_000) is None  # not JSON: another check reports it
+    assert duplicate_key(b'{"a": 1}') is None
+
+
+SECRET_TEXT = "s3cr3t-payload-TEXT"
+
+
+@pytest.mark.parametrize(("value", "key", "hdrs"), [
+    (enc(served(**{SECRET_TEXT: 1})), b"r1", None),                      # unknown field name
+    (enc(served(type=SECRET_TEXT)), b"r1", None),                        # unknown type tag
+    (enc(served(schema_version=SECRET_TEXT)), b"r1", None),              # schema_version text
+    (enc(served(arm=SECRET_TEXT)), b"r1", None),                         # bad enum value
+    (enc(served(request_id=SECRET_TEXT)), SECRET_TEXT.encode() + b"x", None),   # key mismatch
+    (enc(served()), b"r1", [("rtrl-key-id", SECRET_TEXT.encode()), ("rtrl-signature", b"00")]),
+    (enc(served())[:-1] + b', "' + SECRET_TEXT.encode() + b'": 1, "' + SECRET_TEXT.encode() + b'": 2}',
+     b"r1", None),                                                       # duplicate unknown key
+    (enc(served(model={"name": "m", "version": "1", SECRET_TEXT: 1})), b"r1", None),
+])
+def test_details_never_echo_payload_content(value: bytes, key: bytes,
+                                            hdrs: list[tuple[str, bytes | None]] | None) -> None:
+    out = check(value, key=key, hdrs=hdrs)
+    assert isinstance(out, Rejected)
+    assert SECRET_TEXT not in out.detail and SECRET_TEXT.lower() not in out.detail.lower(), out
+    assert len(out.detail) <= DETAIL_MAX
