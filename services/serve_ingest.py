@@ -48,8 +48,21 @@ log = logging.getLogger("rtrl.ingest")
 SERVICE = "ingest"
 REASON_HEADER = "rtrl-reason"
 DLQ_ORIGINAL_MAX = 512 * 1024
-"""Most original bytes a DLQ record carries: base64 of more would not fit the producer's
-1 MiB request limit, and a DLQ record that cannot be written would stall the partition."""
+"""Most original bytes a DLQ record carries (less when the record size limit is lower:
+:func:`dlq_original_max`)."""
+DLQ_HEADERS_MAX = 32
+DLQ_HEADER_NAME_MAX = 64
+"""A DLQ record lists at most this many header names, each cut to this many characters."""
+DLQ_ROOM = 32 * 1024
+"""Room a DLQ record needs beside the base64 of the original, at worst: the header names
+(32 x 64 characters, 12 bytes each once JSON-escaped), the base64 of a 1 KiB key, the detail,
+the source topic and the framing."""
+
+
+def dlq_original_max(max_message_bytes: int) -> int:
+    """Most original bytes a DLQ record can carry so that it fits one record of
+    ``max_message_bytes``: a DLQ record that cannot be written would stall its partition."""
+    return min(DLQ_ORIGINAL_MAX, (max_message_bytes - DLQ_ROOM) * 3 // 4)
 DLQ_KEY_MAX = 1024
 """Keys are not bounded by ``max_bytes``; DLQ records keep at most this much of one."""
 
@@ -69,7 +82,8 @@ def limits(settings: Settings) -> Limits:
     return Limits(max_bytes=s.max_bytes, max_future_skew_s=s.max_future_skew_s, max_age_s=s.max_age_s)
 
 
-def dlq_record(record: Any, rejected: Rejected, received_at: datetime) -> bytes:
+def dlq_record(record: Any, rejected: Rejected, received_at: datetime,
+               original_max: int = DLQ_ORIGINAL_MAX) -> bytes:
     """The DLQ value for a rejected raw record (format documented in docs/ingest.md).
 
     Header *names* only are kept: a signature value must never be copied anywhere.
@@ -86,10 +100,10 @@ def dlq_record(record: Any, rejected: Rejected, received_at: datetime) -> bytes:
             "key": base64.b64encode(key).decode() if key is not None else None,
             "timestamp_ms": record.timestamp,
         },
-        "headers": [name[:256] for name, _ in (record.headers or [])[:64]],
-        "original_b64": base64.b64encode(value[:DLQ_ORIGINAL_MAX]).decode(),
+        "headers": [name[:DLQ_HEADER_NAME_MAX] for name, _ in (record.headers or [])[:DLQ_HEADERS_MAX]],
+        "original_b64": base64.b64encode(value[:original_max]).decode(),
         "original_size": len(value),
-        "original_truncated": len(value) > DLQ_ORIGINAL_MAX,
+        "original_truncated": len(value) > original_max,
         "received_at": received_at.isoformat().replace("+00:00", "Z"),
     }
     return json.dumps(doc, separators=(",", ":")).encode()
@@ -112,6 +126,7 @@ class IngestTransform:
         self.topics = settings.topics
         self.dlq_duplicates = settings.ingest.dlq_duplicates
         self.limits = limits(settings)
+        self.original_max = dlq_original_max(settings.kafka.max_message_bytes)
         self.auth = auth_policy(settings)
         self.dedup = dedup
         self.clock = clock
@@ -124,11 +139,11 @@ class IngestTransform:
         claims = [(a.event.event_id, position_marker(r.topic, r.partition, r.offset)) for r, a in accepted]
         held = self.dedup.claim_many(claims) if claims else []
         outputs: list[Output] = []
-        for (rec, acc), (event_id, marker), prev in zip(accepted, claims, held, strict=True):
+        for (rec, acc), (_, marker), prev in zip(accepted, claims, held, strict=True):
             if is_duplicate(prev, marker):
                 counts.duplicate += 1
                 if self.dlq_duplicates:
-                    why = f"event_id {event_id!r} first seen at {prev}"
+                    why = f"its event_id was first seen at {prev}"
                     rejected.append((rec, Rejected("duplicate", why)))
                 continue
             ev = acc.event
@@ -137,7 +152,7 @@ class IngestTransform:
             counts.valid += 1
         for rec, rej in rejected:
             key = rec.key[:DLQ_KEY_MAX] if rec.key is not None else None
-            outputs.append(Output(self.topics.dlq, dlq_record(rec, rej, now), key,
+            outputs.append(Output(self.topics.dlq, dlq_record(rec, rej, now, self.original_max), key,
                                   ((REASON_HEADER, rej.reason.encode()),)))
             counts.rejected[rej.reason] += 1
         return Batch(outputs, counts)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ingest.events import CompletionServed
-from services.runtime.event_producer import EventProducer
+from services.runtime.event_producer import EventProducer, EventTooLargeError
 from services.runtime.kafka_io import make_producer
 from services.runtime.metrics import GATEWAY_EXPOSURES
 from services.runtime.process import setup_logging
@@ -127,6 +127,10 @@ class ExposureLogger:
             return
         try:
             future = self._sender.send(event)
+        except EventTooLargeError as exc:  # the event, not the broker: stays healthy
+            self._count("invalid", 1)
+            log.error("served event not sent: %s", exc)
+            return
         except Exception as exc:  # e.g. metadata timeout while the broker is down
             self._healthy = False
             self._count("failed", 1)

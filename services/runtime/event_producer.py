@@ -38,6 +38,11 @@ class _Producer(Protocol):
     def close(self, timeout: float | None = ...) -> None: ...
 
 
+class EventTooLargeError(ValueError):
+    """An event larger than ``RTRL_INGEST__MAX_BYTES``: ingest would dead-letter it as
+    ``oversized``, so it is refused here, before anything is sent."""
+
+
 class EventProducer:
     """Signs and sends events (or raw bytes) to ``settings.topics.raw``."""
 
@@ -57,6 +62,7 @@ class EventProducer:
         self._key_id = key_id
         self._auth = settings.auth
         self.topic = topic or settings.topics.raw
+        self.max_bytes = settings.ingest.max_bytes
         if producer is None:
             producer = make_producer(settings.kafka)
         self._producer = producer
@@ -71,8 +77,13 @@ class EventProducer:
         ]
 
     def send(self, event: BaseModel) -> Any:
-        """Serialise, sign and send one event keyed by its request_id; returns the future."""
+        """Serialise, sign and send one event keyed by its request_id; returns the future.
+        Raises :class:`EventTooLargeError` for an event larger than ingest accepts."""
         value = event.model_dump_json().encode()
+        if len(value) > self.max_bytes:
+            raise EventTooLargeError(
+                f"event of {len(value)} bytes exceeds RTRL_INGEST__MAX_BYTES ({self.max_bytes}): "
+                "ingest would dead-letter it as oversized; not sent")
         request_id = getattr(event, "request_id", None)
         key = request_id.encode() if isinstance(request_id, str) else None
         return self._producer.send(self.topic, value=value, key=key, headers=self.headers_for(value))

@@ -20,13 +20,16 @@ log = logging.getLogger(__name__)
 
 
 def make_producer(kafka: KafkaSettings, **overrides: Any) -> KafkaProducer:
-    """A producer with safe defaults: acks=all, idempotent, keys and values as bytes."""
+    """A producer with safe defaults: acks=all, idempotent, keys and values as bytes, and
+    records larger than ``kafka.max_message_bytes`` refused before they are sent
+    (``MessageSizeTooLargeError`` from ``send``)."""
     kw: dict[str, Any] = {
         **kafka.client_kwargs(),
         "acks": "all",
         "enable_idempotence": True,
         "linger_ms": 5,
         "retries": 2**31 - 1,
+        "max_request_size": kafka.max_message_bytes,
     }
     kw.update(overrides)
     return KafkaProducer(**kw)
@@ -77,7 +80,9 @@ def topic_names(topics: TopicSettings) -> list[str]:
 
 
 def ensure_topics(settings: Settings, names: Iterable[str] | None = None) -> list[str]:
-    """Create missing topics with the configured partitions; return the ones created."""
+    """Create missing topics with the configured partitions and the record size limit
+    (``max.message.bytes`` = ``kafka.max_message_bytes``); return the ones created. Topics
+    that exist keep their configuration."""
     topics = settings.topics
     wanted = list(names) if names is not None else topic_names(topics)
     if not topics.create:
@@ -89,7 +94,9 @@ def ensure_topics(settings: Settings, names: Iterable[str] | None = None) -> lis
         if missing:
             try:
                 admin.create_topics(
-                    [NewTopic(n, topics.partitions, topics.replication_factor) for n in missing]
+                    [NewTopic(n, topics.partitions, topics.replication_factor,
+                              topic_configs={"max.message.bytes": str(settings.kafka.max_message_bytes)})
+                     for n in missing]
                 )
             except TopicAlreadyExistsError:
                 pass

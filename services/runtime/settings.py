@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 from pydantic_settings.sources.utils import parse_env_vars
 
@@ -53,6 +53,12 @@ class KafkaSettings(Section):
     ssl_keyfile: str | None = None
     client_id: str = "rtrl"
     request_timeout_ms: int = 30_000
+    max_message_bytes: Annotated[int, Field(ge=64 * 1024)] = 1_000_000
+    """The largest record on any rtrl topic, measured as Kafka does (a record batch holding
+    the record: key, value, headers and framing). rtrl's producers refuse a bigger record
+    before sending it, and the topics rtrl creates get it as ``max.message.bytes``. The
+    default is librdkafka's ``message.max.bytes`` and fits a broker's default 1 MiB. It must
+    exceed ``RTRL_INGEST__MAX_BYTES`` (the largest event) by at least 1 KiB."""
 
     def client_kwargs(self) -> dict[str, object]:
         """Keyword arguments shared by kafka-python producers, consumers and admins."""
@@ -175,6 +181,19 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     reward_spec: Path | None = None
     """Reward spec file; None uses the packaged default (ingest/reward/specs/default.toml)."""
+
+    @model_validator(mode="after")
+    def _event_fits_a_record(self) -> Settings:
+        if self.ingest.max_bytes + RECORD_FRAMING_BYTES > self.kafka.max_message_bytes:
+            raise ValueError(
+                f"RTRL_INGEST__MAX_BYTES ({self.ingest.max_bytes}) must be at least {RECORD_FRAMING_BYTES} "
+                f"bytes below RTRL_KAFKA__MAX_MESSAGE_BYTES ({self.kafka.max_message_bytes}): "
+                "an event of the largest accepted size must fit one Kafka record")
+        return self
+
+
+RECORD_FRAMING_BYTES = 1024
+"""Room a record's key, headers and batch framing take beside an event's value."""
 
 
 def stack_env_file() -> Path:

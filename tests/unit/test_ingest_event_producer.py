@@ -68,3 +68,51 @@ def test_send_raw_can_sign() -> None:
 def test_key_id_without_secret_is_an_error() -> None:
     with pytest.raises(ValueError, match="needs a secret"):
         EventProducer(SETTINGS, "gw", None, producer=ListProducer())
+
+
+def test_an_event_larger_than_ingest_accepts_is_refused_before_sending() -> None:
+    from ingest.events import FollowupDissatisfied
+    from services.runtime.event_producer import EventTooLargeError
+    from services.runtime.service_settings import IngestSettings
+
+    small = Settings(topics=TopicSettings(raw="raw-x"), ingest=IngestSettings(max_bytes=300))
+    fake = ListProducer()
+    p = EventProducer(small, "gw", "k3y", producer=fake)
+    p.send(EVENT)  # well under 300 bytes
+    big = FollowupDissatisfied(event_id="e2", request_id="r1", ts=datetime(2026, 1, 1, tzinfo=UTC),
+                               reason="x" * 200)
+    with pytest.raises(EventTooLargeError, match="RTRL_INGEST__MAX_BYTES"):
+        p.send(big)
+    assert len(fake.sent) == 1
+
+
+def test_settings_refuse_an_event_limit_that_no_record_can_hold() -> None:
+    from pydantic import ValidationError
+
+    from services.runtime.service_settings import IngestSettings
+    from services.runtime.settings import KafkaSettings
+
+    event_max = IngestSettings(max_bytes=256 * 1024)
+    with pytest.raises(ValidationError, match="MAX_MESSAGE_BYTES"):
+        Settings(kafka=KafkaSettings(max_message_bytes=256 * 1024), ingest=event_max)
+    ok = Settings(kafka=KafkaSettings(max_message_bytes=300 * 1024), ingest=event_max)
+    assert ok.kafka.max_message_bytes == 300 * 1024
+    assert Settings().kafka.max_message_bytes == 1_000_000
+
+
+@pytest.mark.parametrize("limit", [64 * 1024, 200_000, 700_000, 1_000_000, 8 * 1024 * 1024])
+def test_a_dlq_record_of_the_largest_original_fits_one_record(limit: int) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from ingest.validate import DETAIL_MAX, Rejected
+    from services.serve_ingest import DLQ_KEY_MAX, DLQ_ORIGINAL_MAX, dlq_original_max, dlq_record
+
+    most = dlq_original_max(limit)
+    assert most <= DLQ_ORIGINAL_MAX
+    worst_headers = [("\U0001f600" * 300, b"v")] * 100  # each character JSON-escaped to 12 bytes
+    rec = SimpleNamespace(key=b"k" * DLQ_KEY_MAX, value=b"\xff" * (most + 10), topic="t" * 249,
+                          partition=2**31, offset=2**63 - 1, timestamp=2**63 - 1, headers=worst_headers)
+    value = dlq_record(rec, Rejected("oversized", "d" * DETAIL_MAX), datetime(2026, 1, 1, tzinfo=UTC), most)
+    assert len(value) + DLQ_KEY_MAX + 1024 <= limit
+    assert json.loads(value)["original_truncated"] is True
