@@ -27,8 +27,14 @@ RUNBOOKS = ROOT / "docs" / "runbooks"
 DEFAULT_RUNBOOK_BASE = "https://github.com/rtrl/rtrl/blob/main/docs/runbooks"
 
 # Every values file the chart is checked with; "everything" turns on each optional part.
+REQUIRED: list[str] = ["--set", "gateway.apiKeys.app=s3cret-api-key",
+                       "--set", "auth.keys.gateway=s3cret-auth"]
+"""What a bare install must be given (the chart fails without it, saying so): client API keys
+and the gateway's signing key."""
+
 VALUES_SETS: dict[str, list[str]] = {
-    "default": [],
+    "default": REQUIRED,
+    "vllm": [*REQUIRED, "-f", str(HELM_DIR / "examples" / "vllm-gpu.yaml")],
     "strimzi": ["-f", str(HELM_DIR / "examples" / "strimzi.yaml")],
     "small": ["-f", str(HELM_DIR / "examples" / "small.yaml")],
     "everything": [
@@ -46,6 +52,14 @@ VALUES_SETS: dict[str, list[str]] = {
         "--set", "kafka.tls.caSecret.name=events-cluster-ca-cert",
         "--set", "kafka.tls.clientSecret.name=rtrl-user",
         "--set", "auth.keys.gateway=s3cret-auth",
+        "--set", "gateway.apiKeys.app=s3cret-api-key",
+        "--set", "engine.kind=vllm",
+        "--set", "engine.baseUrl=http://vllm.serving:8000",
+        "--set", "engine.apiKey=s3cret-engine",
+        "--set", "engine.adapters.create=true",
+        "--set", "trainer.resources.limits.nvidia\\.com/gpu=1",
+        "--set", "ray.cluster.workers.resources.limits.nvidia\\.com/gpu=1",
+        "--set", "ray.cluster.workers.runtimeClassName=nvidia",
         "--set", "mlflow.envFromSecret=rtrl-mlflow",
         "--set", "imagePullSecrets[0].name=regcred",
     ],

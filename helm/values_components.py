@@ -38,7 +38,13 @@ class _Values(BaseModel):
 
 
 # --- shared building blocks ---------------------------------------------------------------
-class ResourceList(_Values):
+class ResourceList(BaseModel):
+    """CPU and memory, and any extended resource by its name (``nvidia.com/gpu: 1``,
+    ``amd.com/gpu: 1``, ``hugepages-2Mi: 1Gi``), as in a PodSpec."""
+
+    model_config = ConfigDict(**{**VALUES_CONFIG, "extra": "allow"})
+    __pydantic_extra__: dict[str, Quantity | Annotated[int, Field(ge=0)]] = Field(init=False)
+
     cpu: Quantity | None = None
     """CPU, e.g. 250m or 2."""
     memory: Quantity | None = None
@@ -100,6 +106,10 @@ class Component(_Values):
     """Tolerations, as in a PodSpec."""
     affinity: dict[str, Any] = {}
     """Affinity, as in a PodSpec."""
+    runtime_class_name: str = ""
+    """RuntimeClass of the pods (e.g. nvidia for GPU nodes); empty uses the cluster default."""
+    priority_class_name: str = ""
+    """PriorityClass of the pods; empty uses the cluster default."""
     termination_grace_period_seconds: Annotated[int, Field(ge=0)] = 60
     """Time between SIGTERM and SIGKILL: the service finishes its batch and commits in it."""
     tmp_size_limit: Quantity = "1Gi"
@@ -137,6 +147,17 @@ class Gateway(ScalableComponent):
     """NetworkPolicy peers allowed to call the API; empty allows every source (ingress
     controllers, other namespaces). Example: [{namespaceSelector: {matchLabels:
     {kubernetes.io/metadata.name: serving}}}]."""
+    api_keys: dict[str, str] = {}
+    """Client API keys, key id -> key, stored in the chart's Secret; clients send
+    Authorization: Bearer <key> (RTRL_GATEWAY__API_KEYS). The install fails without keys
+    unless allowAnonymous is set."""
+    api_keys_secret: SecretKeyRef = SecretKeyRef(key="gateway-api-keys")
+    """Read the API keys from an existing Secret: a JSON object {"key-id": "key"} under this key."""
+    allow_anonymous: bool = False
+    """Development only: serve requests without an API key."""
+    signing_key_id: str = "gateway"
+    """The producer key id (in auth.keys) that signs the served events the gateway sends to
+    the raw topic (RTRL_GATEWAY__KEY_ID)."""
 
 
 class TrainerPersistence(_Values):

@@ -27,6 +27,7 @@ from values_components import (
     UnprivilegedPort,
     WorkerComponent,
 )
+from values_engine import Engine
 
 
 class _Values(BaseModel):
@@ -124,7 +125,16 @@ class RayGroup(_Values):
     resources: Resources = Resources(
         requests=ResourceList(cpu="2", memory="4Gi"), limits=ResourceList(memory="8Gi")
     )
-    """Container resources of each Ray pod in this group."""
+    """Container resources of each Ray pod in this group; GPUs go under limits, e.g.
+    nvidia.com/gpu: 1."""
+    node_selector: dict[str, str] = {}
+    """Node labels the pods must match (e.g. a GPU node pool)."""
+    tolerations: list[dict[str, Any]] = []
+    """Tolerations, as in a PodSpec."""
+    affinity: dict[str, Any] = {}
+    """Affinity, as in a PodSpec."""
+    runtime_class_name: str = ""
+    """RuntimeClass of the pods (e.g. nvidia); empty uses the cluster default."""
 
 
 class RayWorkers(RayGroup):
@@ -242,6 +252,9 @@ class NetworkPolicyEgress(_Values):
     """Redis."""
     mlflow: Egress = Egress(ports=[80, 443, 5000])
     """MLflow tracking server and the artifact store behind it."""
+    engine: Egress = Egress(ports=[8000])
+    """An external inference engine (engine.baseUrl), for the gateway and the deployer. With
+    engine.vllm.enabled the chart's vLLM pods are allowed instead."""
     ray: Egress = Egress(ports=[6379, 8265, 10001])
     """An external Ray cluster (GCS, dashboard, client). With ray.cluster.enabled the
     chart's RayCluster pods are allowed instead."""
@@ -293,6 +306,8 @@ class Values(_Values):
     """Ray for the trainer."""
     auth: Auth = Auth()
     """Producer authentication for the raw topic."""
+    engine: Engine = Engine()
+    """The inference engine the gateway serves from and the deployer loads candidates into."""
     metrics: Metrics = Metrics()
     """Metrics and health endpoints."""
     security_context: SecurityContext = SecurityContext()

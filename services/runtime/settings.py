@@ -159,7 +159,8 @@ class Settings(BaseSettings):
     """All of rtrl's configuration. Each service reads the parts it needs."""
 
     model_config = SettingsConfigDict(
-        env_prefix="RTRL_", env_nested_delimiter="__", frozen=True, extra="ignore"
+        env_prefix="RTRL_", env_nested_delimiter="__", frozen=True, extra="ignore",
+        env_parse_none_str="null",  # RTRL_GATEWAY__KEY_ID=null: an optional setting set to None
     )
 
     kafka: KafkaSettings = KafkaSettings()

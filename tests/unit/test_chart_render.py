@@ -41,9 +41,11 @@ def rendered(helm: str, env: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
 
 
 def each(rendered: dict[str, list[dict[str, Any]]], kind: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every ``kind`` document of rtrl's own components (not the optional vLLM server, whose
+    image and probes are vLLM's: test_vllm_* check it)."""
     for name, docs in rendered.items():
         for doc in docs:
-            if doc["kind"] == kind:
+            if doc["kind"] == kind and doc["metadata"]["labels"].get("app.kubernetes.io/component") != "vllm":
                 yield name, doc
 
 
@@ -119,7 +121,8 @@ def test_monitoring_resources_match_the_prometheus_operator_models(rendered, kin
 def test_every_component_has_a_deployment(rendered) -> None:
     for name, docs in rendered.items():
         components = {component_of(d) for d in by_kind(docs, "Deployment")}
-        assert components == set(COMPONENTS), name
+        assert components - {"vllm"} == set(COMPONENTS), name
+        assert ("vllm" in components) == (name == "vllm"), name
 
 
 def test_pods_run_as_non_root_with_a_read_only_root_filesystem(rendered) -> None:
@@ -254,7 +257,8 @@ def test_services_parse_the_rendered_settings(rendered, name: str, component: st
     env = _env_of(rendered[name], component)
     for key, value in env.items():
         if isinstance(value, dict):  # from a Secret: any well-formed value
-            value = {"RTRL_REDIS__URL": "redis://r:6379/0", "RTRL_AUTH__KEYS": '{"k": "v"}'}.get(key, "x")
+            value = {"RTRL_REDIS__URL": "redis://r:6379/0", "RTRL_AUTH__KEYS": '{"gateway": "v"}',
+                     "RTRL_GATEWAY__API_KEYS": '{"app": "k"}'}.get(key, "x")
         monkeypatch.setenv(key, value)
     settings = Settings()
     assert settings.http.host == "0.0.0.0"
@@ -271,7 +275,12 @@ def test_credentials_come_from_secrets_never_the_configmap(rendered) -> None:
     (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-settings")]
     assert not any("s3cret" in v for v in cm["data"].values())
     (secret,) = by_kind(docs, "Secret")
-    assert set(secret["stringData"]) == {"kafka-sasl-password", "redis-url", "auth-keys"}
+    assert set(secret["stringData"]) == {"kafka-sasl-password", "redis-url", "auth-keys", "gateway-api-keys",
+                                         "engine-api-key"}
+    assert _env_of(docs, "gateway")["RTRL_GATEWAY__API_KEYS"]["secretKeyRef"]["key"] == "gateway-api-keys"
+    for component in ("gateway", "deployer"):
+        assert _env_of(docs, component)["RTRL_ENGINE__API_KEY"]["secretKeyRef"]["key"] == "engine-api-key"
+    assert "RTRL_GATEWAY__API_KEYS" not in _env_of(docs, "ingest"), "only the gateway holds client keys"
     assert secret["stringData"]["auth-keys"] == '{"gateway":"s3cret-auth"}'
     assert _env_of(docs, "ingest")["RTRL_AUTH__KEYS"]["secretKeyRef"]["key"] == "auth-keys"
     assert "RTRL_AUTH__KEYS" not in _env_of(docs, "reward"), "only gateway and ingest hold producer keys"
@@ -295,7 +304,7 @@ def test_config_changes_roll_the_pods(helm: str, env: dict[str, str], rendered) 
         dep = by_kind(docs, "Deployment")[0]
         return str(dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
 
-    proc = ct.helm_template(helm, env, ["--set", "logLevel=DEBUG"])
+    proc = ct.helm_template(helm, env, [*ct.REQUIRED, "--set", "logLevel=DEBUG"])
     assert checksum(ct.documents(proc.stdout)) != checksum(rendered["default"])
 
 
@@ -322,13 +331,13 @@ def test_schema_rejects_bad_values(helm: str, env: dict[str, str], setting: str,
 
 
 def test_template_refuses_an_install_without_redis(helm: str, env: dict[str, str]) -> None:
-    proc = ct.helm_template(helm, env, ["--set", "redis.url="])
+    proc = ct.helm_template(helm, env, [*ct.REQUIRED, "--set", "redis.url="])
     assert proc.returncode != 0
     assert "set redis.url or redis.existingSecret.name" in proc.stderr
 
 
 def test_template_refuses_min_replicas_above_max(helm: str, env: dict[str, str]) -> None:
-    proc = ct.helm_template(helm, env, ["--set", "reward.autoscaling.enabled=true",
+    proc = ct.helm_template(helm, env, [*ct.REQUIRED, "--set", "reward.autoscaling.enabled=true",
                                         "--set", "reward.autoscaling.minReplicas=5",
                                         "--set", "reward.autoscaling.maxReplicas=2"])
     assert proc.returncode != 0 and "minReplicas (5) is above maxReplicas (2)" in proc.stderr
@@ -339,3 +348,103 @@ def test_dashboard_configmap_carries_the_sidecar_label_and_the_json(rendered) ->
     (cm,) = [d for d in maps if d["metadata"]["name"].endswith("-dashboards")]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["data"]["rtrl.json"] == ct.DASHBOARD.read_text().rstrip("\n")
+
+
+# --- install-time checks, GPUs and the engine -----------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ([], "set gateway.apiKeys.<key-id>=<key>"),
+        (["--set", "gateway.apiKeys.app=k"], "set auth.keys.gateway=<secret>"),
+        ([*ct.REQUIRED, "--set", "engine.kind=vllm"], "set engine.baseUrl"),
+        ([*ct.REQUIRED, "--set", "engine.kind=vllm", "--set", "engine.baseUrl=http://e:8000"],
+         "set engine.adapters.claimName"),
+        ([*ct.REQUIRED, "--set", "engine.vllm.enabled=true"], "engine.vllm.enabled needs engine.vllm.model"),
+    ],
+)
+def test_an_install_that_would_not_start_fails_saying_what_to_set(
+        helm: str, env: dict[str, str], args: list[str], says: str) -> None:
+    proc = ct.helm_template(helm, env, args)
+    assert proc.returncode != 0
+    assert says in proc.stderr, proc.stderr
+
+
+def test_a_development_install_without_keys_renders_when_asked_for(helm: str, env: dict[str, str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.runtime.settings import Settings
+
+    dev = ["--set", "gateway.allowAnonymous=true", "--set", "auth.allowUnsigned=true"]
+    proc = ct.helm_template(helm, env, dev)
+    assert proc.returncode == 0, proc.stderr
+    gw = _env_of(ct.documents(proc.stdout), "gateway")
+    for key, value in gw.items():
+        monkeypatch.setenv(key, value if isinstance(value, str) else "redis://r:6379/0")
+    settings = Settings()
+    assert settings.gateway.allow_anonymous and settings.gateway.key_id is None  # served events unsigned
+
+
+def test_gpus_and_node_placement_reach_the_pods(rendered) -> None:
+    docs = rendered["everything"]
+    trainer = next(d for d in by_kind(docs, "Deployment") if component_of(d) == "trainer")
+    (c,) = trainer["spec"]["template"]["spec"]["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    (ray,) = by_kind(docs, "RayCluster")
+    worker = ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert worker["runtimeClassName"] == "nvidia"
+    assert worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    vllm = rendered["vllm"]
+    trainer = next(d for d in by_kind(vllm, "Deployment") if component_of(d) == "trainer")["spec"]["template"]
+    assert trainer["spec"]["runtimeClassName"] == "nvidia"
+    assert trainer["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert trainer["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+
+
+def test_vllm_server_loads_adapters_from_the_volume_the_deployer_writes(rendered) -> None:
+    docs = rendered["vllm"]
+    deps = {component_of(d): d for d in by_kind(docs, "Deployment")}
+    spec = deps["vllm"]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert c["command"] == ["vllm", "serve"] and c["args"][0] == "/models/my-model"
+    assert "--enable-lora" in c["args"] and "--served-model-name=base" in c["args"]
+    assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in c["env"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert spec["runtimeClassName"] == "nvidia" and spec["nodeSelector"]
+    claim = {v["name"]: v for v in spec["volumes"]}["adapters"]["persistentVolumeClaim"]["claimName"]
+    dspec = deps["deployer"]["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in dspec["volumes"]}["adapters"]["persistentVolumeClaim"]["claimName"] == claim
+    (pvc,) = [p for p in by_kind(docs, "PersistentVolumeClaim") if p["metadata"]["name"] == claim]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    engine_path = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["adapters"]
+    env = _env_of(docs, "deployer")
+    assert env["RTRL_ENGINE__ENGINE_ADAPTER_DIR"] == engine_path
+    deployer_mounts = {m["name"]: m["mountPath"] for m in dspec["containers"][0]["volumeMounts"]}
+    assert env["RTRL_ENGINE__ADAPTER_DIR"] == deployer_mounts["adapters"]
+    assert env["RTRL_ENGINE__KIND"] == "vllm" and env["RTRL_ENGINE__BASE_URL"] == "http://rel-rtrl-vllm:8000"
+    (svc,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "rel-rtrl-vllm"]
+    assert {p["port"] for p in svc["spec"]["ports"] if p["name"] == "http"} == {8000}
+
+
+def test_vllm_network_paths_are_open_only_where_needed(rendered) -> None:
+    policies = {component_of(p): p for p in by_kind(rendered["vllm"], "NetworkPolicy")}
+    engine_peer = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "rtrl",
+                                                   "app.kubernetes.io/instance": "rel",
+                                                   "app.kubernetes.io/component": "vllm"}}}
+    for component in ("gateway", "deployer"):
+        rules = policies[component]["spec"]["egress"]
+        assert any(engine_peer in r.get("to", []) and {"port": 8000, "protocol": "TCP"} in r["ports"]
+                   for r in rules), component
+    for component in ("ingest", "reward", "trainer"):
+        assert not any(engine_peer in r.get("to", []) for r in policies[component]["spec"]["egress"])
+    api = policies["vllm"]["spec"]["ingress"][0]
+    callers = {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in api["from"]}
+    assert callers == {"gateway", "deployer"}
+    ext = {component_of(p): p for p in by_kind(rendered["everything"], "NetworkPolicy")}
+    ports = {p["port"] for r in ext["gateway"]["spec"]["egress"] for p in r["ports"]}
+    assert 8000 in ports, "an external engine (engine.baseUrl) is reachable on networkPolicy.egress.engine"
+
+
+@pytest.mark.parametrize("setting", ["trainer.resources.limits.nvidia\\.com/gpu=lots",
+                                     "engine.kind=sglang", "engine.vllm.maxLoras=0"])
+def test_schema_rejects_bad_engine_and_gpu_values(helm: str, env: dict[str, str], setting: str) -> None:
+    proc = ct.helm_template(helm, env, [*ct.REQUIRED, "--set", setting])
+    assert proc.returncode != 0 and "schema" in proc.stderr, (setting, proc.stderr)

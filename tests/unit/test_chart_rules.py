@@ -89,7 +89,8 @@ def test_prometheusrule_ships_the_alert_files_with_the_configured_runbook_base(t
     helm = ct.tool("helm")
     base = "https://wiki.example.com/rtrl/runbooks"
     proc = ct.helm_template(helm, ct.helm_env(tmp_path), [
-        "--set", "prometheusRule.enabled=true", "--set", f"prometheusRule.runbookBaseUrl={base}",
+        *ct.REQUIRED, "--set", "prometheusRule.enabled=true",
+        "--set", f"prometheusRule.runbookBaseUrl={base}",
     ])
     assert proc.returncode == 0, proc.stderr
     (rule,) = [d for d in ct.documents(proc.stdout) if d["kind"] == "PrometheusRule"]

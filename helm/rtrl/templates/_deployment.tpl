@@ -55,6 +55,12 @@ spec:
       automountServiceAccountToken: false
       enableServiceLinks: false
       terminationGracePeriodSeconds: {{ $c.terminationGracePeriodSeconds }}
+      {{- with $c.runtimeClassName }}
+      runtimeClassName: {{ . }}
+      {{- end }}
+      {{- with $c.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
       {{- with $v.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -148,6 +154,10 @@ spec:
             - name: data
               mountPath: /var/lib/rtrl
             {{- end }}
+            {{- if and (eq .component "deployer") (eq $v.engine.kind "vllm") }}
+            - name: adapters
+              mountPath: {{ $v.engine.adapters.deployerPath }}
+            {{- end }}
             {{- if $kafkaTls.caSecret.name }}
             - name: kafka-ca
               mountPath: /etc/rtrl/kafka-ca
@@ -174,6 +184,11 @@ spec:
           {{- else }}
           emptyDir: {}
           {{- end }}
+        {{- end }}
+        {{- if and (eq .component "deployer") (eq $v.engine.kind "vllm") }}
+        - name: adapters
+          persistentVolumeClaim:
+            claimName: {{ include "rtrl.adapterClaim" $root }}
         {{- end }}
         {{- if $kafkaTls.caSecret.name }}
         - name: kafka-ca

@@ -78,6 +78,8 @@ app.kubernetes.io/component: {{ .component }}
 {{- if and .Values.kafka.sasl.password (not .Values.kafka.sasl.existingSecret.name) }}{{ $keys = append $keys "kafka-sasl-password" }}{{ end }}
 {{- if and .Values.redis.url (not .Values.redis.existingSecret.name) }}{{ $keys = append $keys "redis-url" }}{{ end }}
 {{- if and .Values.auth.keys (not .Values.auth.existingSecret.name) }}{{ $keys = append $keys "auth-keys" }}{{ end }}
+{{- if and .Values.gateway.apiKeys (not .Values.gateway.apiKeysSecret.name) }}{{ $keys = append $keys "gateway-api-keys" }}{{ end }}
+{{- if and .Values.engine.apiKey (not .Values.engine.existingSecret.name) }}{{ $keys = append $keys "engine-api-key" }}{{ end }}
 {{- join "," $keys }}
 {{- end }}
 
@@ -108,5 +110,57 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- if and (has .component (list "gateway" "ingest")) (or $v.auth.existingSecret.name $v.auth.keys) }}
 {{ include "rtrl.secretEnv" (dict "root" .root "env" "RTRL_AUTH__KEYS" "ref" $v.auth.existingSecret "ownKey" "auth-keys") }}
+{{- end }}
+{{- if and (eq .component "gateway") (or $v.gateway.apiKeysSecret.name $v.gateway.apiKeys) }}
+{{ include "rtrl.secretEnv" (dict "root" .root "env" "RTRL_GATEWAY__API_KEYS" "ref" $v.gateway.apiKeysSecret "ownKey" "gateway-api-keys") }}
+{{- end }}
+{{- if and (has .component (list "gateway" "deployer")) (eq $v.engine.kind "vllm") (or $v.engine.existingSecret.name $v.engine.apiKey) }}
+{{ include "rtrl.secretEnv" (dict "root" .root "env" "RTRL_ENGINE__API_KEY" "ref" $v.engine.existingSecret "ownKey" "engine-api-key") }}
+{{- end }}
+{{- end }}
+
+{{/* Engine ----------------------------------------------------------------------------- */}}
+{{- define "rtrl.vllmName" -}}
+{{- printf "%s-vllm" (include "rtrl.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The engine URL the gateway and deployer use: engine.baseUrl, else the chart's vLLM. */}}
+{{- define "rtrl.engineUrl" -}}
+{{- if .Values.engine.baseUrl }}
+{{- .Values.engine.baseUrl }}
+{{- else if .Values.engine.vllm.enabled }}
+{{- printf "http://%s:%d" (include "rtrl.vllmName" .) (int .Values.engine.vllm.port) }}
+{{- end }}
+{{- end }}
+
+{{- define "rtrl.adapterClaim" -}}
+{{- if .Values.engine.adapters.claimName }}
+{{- .Values.engine.adapters.claimName }}
+{{- else if .Values.engine.adapters.create }}
+{{- printf "%s-adapters" (include "rtrl.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Install-time checks: a release that would not start fails here, saying what to set. */}}
+{{- define "rtrl.validate" -}}
+{{- $v := .Values }}
+{{- if $v.gateway.enabled }}
+{{- if not (or $v.gateway.apiKeys $v.gateway.apiKeysSecret.name $v.gateway.allowAnonymous) }}
+{{- fail "the gateway needs client API keys: set gateway.apiKeys.<key-id>=<key> (or gateway.apiKeysSecret.name), or gateway.allowAnonymous=true for development only" }}
+{{- end }}
+{{- if not (or (hasKey $v.auth.keys $v.gateway.signingKeyId) $v.auth.existingSecret.name $v.auth.allowUnsigned) }}
+{{- fail (printf "the gateway signs the served events it sends with producer key %q: set auth.keys.%s=<secret> (or auth.existingSecret.name with that key id), or auth.allowUnsigned=true for development only" $v.gateway.signingKeyId $v.gateway.signingKeyId) }}
+{{- end }}
+{{- end }}
+{{- if eq $v.engine.kind "vllm" }}
+{{- if not (include "rtrl.engineUrl" .) }}
+{{- fail "engine.kind=vllm needs an engine: set engine.baseUrl (an external engine) or engine.vllm.enabled=true" }}
+{{- end }}
+{{- if not (include "rtrl.adapterClaim" .) }}
+{{- fail "engine.kind=vllm needs a volume that carries adapters from the deployer to the engine: set engine.adapters.claimName (an existing ReadWriteMany claim) or engine.adapters.create=true" }}
+{{- end }}
+{{- end }}
+{{- if and $v.engine.vllm.enabled (not $v.engine.vllm.model) }}
+{{- fail "engine.vllm.enabled needs engine.vllm.model: the base model's path (in engine.vllm.modelClaim, under /models) or hub name" }}
 {{- end }}
 {{- end }}

@@ -1,11 +1,11 @@
 {{/* What each component talks to; the NetworkPolicy allows exactly these. */}}
 {{- define "rtrl.dependencies" -}}
 {{- $deps := dict
-  "gateway" (list "kafka" "redis" "mlflow")
+  "gateway" (list "kafka" "redis" "mlflow" "engine")
   "ingest" (list "kafka" "redis")
   "reward" (list "kafka" "redis")
   "trainer" (list "kafka" "redis" "mlflow" "ray")
-  "deployer" (list "kafka" "redis" "mlflow") }}
+  "deployer" (list "kafka" "redis" "mlflow" "engine") }}
 {{- index $deps . | join "," }}
 {{- end }}
 
@@ -70,6 +70,16 @@ spec:
               ray.io/cluster: {{ include "rtrl.rayClusterName" $root }}
     {{- else if and (eq $dep "ray") (not $v.ray.address) }}
     {{- /* Ray runs inside the trainer pod: nothing to reach */}}
+    {{- else if and (eq $dep "engine") (ne $v.engine.kind "vllm") }}
+    {{- /* the local engine runs inside the gateway: nothing to reach */}}
+    {{- else if and (eq $dep "engine") $v.engine.vllm.enabled (not $v.engine.baseUrl) }}
+    - ports:
+        - port: {{ $v.engine.vllm.port }}
+          protocol: TCP
+      to:
+        - podSelector:
+            matchLabels:
+              {{- include "rtrl.selectorLabels" (dict "root" $root "component" "vllm") | nindent 14 }}
     {{- else }}
     {{- $rule := index $np.egress $dep }}
     - ports:
