@@ -299,6 +299,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stream", action="store_true", help="vllm: streamed requests (server-sent events)")
     parser.add_argument("--engine-url", help="vllm: an engine to use instead of starting one")
     parser.add_argument("--engine-model", default="base", help="vllm: the --engine-url's served model name")
+    parser.add_argument("--fake-engine", action="store_true",
+                        help="vllm: a stand-in engine that costs no CPU (bench/fake_engine.py), to measure "
+                             "the gateway's own relay cost apart from an engine sharing its cores")
+    parser.add_argument("--fake-token-ms", type=float, default=1.0, help="--fake-engine: time per token")
     parser.add_argument("--tick-s", type=float, default=2.0, help="vllm-canary: the deployer's tick")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="N concurrent keep-alive clients on the gateway path alone (no direct calls)")

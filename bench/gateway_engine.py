@@ -31,6 +31,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from bench.fake_engine import FakeEngine
 from bench.gateway_common import bench_settings, percentile, start_gateway, stop_gateway
 from deployer.ledger import TAG_GATE
 from services.gateway.engine_backend import engine_body
@@ -134,10 +135,15 @@ def engine_settings(base: Settings, url: str, model: str) -> Settings:
                                    "gateway": gw})
 
 
-def run_engine(root: Path, engine_url: str | None, engine_model: str) -> tuple[LocalVllm | None, str, str]:
-    """The engine to measure: the one at ``engine_url``, or a local one on the tiny model."""
+def run_engine(root: Path, engine_url: str | None, engine_model: str,
+               fake_token_ms: float | None = None) -> tuple[LocalVllm | FakeEngine | None, str, str]:
+    """The engine to measure: the one at ``engine_url``, a stand-in that costs no CPU
+    (``fake_token_ms`` per token), or a local vLLM on the tiny model."""
     if engine_url:
         return None, engine_url, engine_model
+    if fake_token_ms is not None:
+        fake = FakeEngine(fake_token_ms).start()
+        return fake, fake.base_url, "base"
     model_dir = build_tiny_llm(root / "tiny")
     engine = LocalVllm(model_dir, "tiny-base", root / "vllm.log").start()
     print(f"vLLM ready in {engine.wait_ready():.0f}s", flush=True)
@@ -146,8 +152,8 @@ def run_engine(root: Path, engine_url: str | None, engine_model: str) -> tuple[L
 
 def bench_vllm(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens: int,
                concurrency: int | None, stream: bool, engine_url: str | None = None,
-               engine_model: str = "base") -> dict[str, float]:
-    engine, url, model = run_engine(root, engine_url, engine_model)
+               engine_model: str = "base", fake_token_ms: float | None = None) -> dict[str, float]:
+    engine, url, model = run_engine(root, engine_url, engine_model, fake_token_ms)
     try:
         settings = engine_settings(bench_settings(stack, root, f"v{int(time.time())}"), url, model)
         _gw, server, parts = start_gateway(settings)
@@ -228,7 +234,7 @@ def bench_first_canary(stack: EmbeddedStack, root: Path, tick_s: float) -> dict[
     from deployer.adapters.mlflow_registry import MlflowRegistry
 
     engine, url, model = run_engine(root, None, "")
-    assert engine is not None
+    assert isinstance(engine, LocalVllm)
     try:
         base = engine_settings(bench_settings(stack, root, f"c{int(time.time())}"), url, model)
         eng = base.engine.model_copy(update={"adapter_dir": root / "adapters"})
@@ -290,10 +296,12 @@ def main_engine(args: Any, stack: EmbeddedStack, run: tuple[Any, ...]) -> int:
             ok = res["to_first_canary_s"] <= 30
         else:
             n, warmup, max_tokens, concurrency = run
+            fake = args.fake_token_ms if args.fake_engine else None
             res = bench_vllm(stack, stack.data_dir.parent, n, warmup, max_tokens, concurrency, args.stream,
-                             args.engine_url, args.engine_model)
+                             args.engine_url, args.engine_model, fake)
             what = f"{args.concurrency} concurrent clients" if args.concurrency else "one client, alternating"
-            report({f"vllm{' stream' if args.stream else ''}": res},
+            engine = f"fake engine ({args.fake_token_ms:g} ms/token)" if args.fake_engine else "vllm"
+            report({f"{engine}{' stream' if args.stream else ''}": res},
                    f"rtrl bench gateway --mode vllm: {args.requests} chat requests per path "
                    f"(+{args.warmup} warm-up), max_tokens {args.max_tokens}, {what}; load average "
                    f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

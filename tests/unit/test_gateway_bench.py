@@ -35,3 +35,29 @@ def test_summarise_differences() -> None:
     s = summarise("x", res)
     assert s["added_p50_ms"] == pytest.approx(0.5) and s["added_p99_ms"] == pytest.approx(0.5)
     assert s["overhead_p99_ms"] == pytest.approx(0.5) and s["ratio_p99"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_fake_engine_speaks_what_the_gateway_reads(kind: str, stream: bool) -> None:
+    """The relay benchmark's stand-in engine answers in vLLM's shape: the gateway's own engine
+    backend gets the ids, text and logprobs it would get from vLLM."""
+    from bench.fake_engine import PROMPT_IDS, FakeEngine
+    from services.gateway.engine_backend import EngineBackend, EngineClient
+    from services.gateway.generation import GenRequest
+
+    fake = FakeEngine(token_ms=0.0).start()
+    try:
+        backend = EngineBackend(EngineClient(fake.base_url), "base")
+        req = (GenRequest("chat", 5, 1.0, messages=({"role": "user", "content": "hi"},), seed=2)
+               if kind == "chat" else GenRequest("completion", 5, 1.0, prompt="hi", seed=2))
+        pieces = list(backend.stream(req, stream=stream))
+        tokens = [t for p in pieces for t in p.tokens]
+        assert tokens == [5, 6, 7, 8, 9]
+        assert [lp for p in pieces for lp in p.logprobs] == [-0.5] * 5
+        assert "".join(p.text for p in pieces) == " w5 w6 w7 w8 w9"
+        assert any(p.prompt_tokens == PROMPT_IDS for p in pieces)
+        assert pieces[-1].finish_reason == "length"
+        backend.client.close()
+    finally:
+        fake.stop()

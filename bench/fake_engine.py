@@ -1,0 +1,112 @@
+"""A stand-in for a vLLM server that costs almost no CPU: the engine of
+``rtrl bench gateway --mode vllm --fake-engine``, which measures the gateway's own relay cost
+(parsing the engine's chunks, re-encoding them for the client, logging the exposure) apart
+from an engine competing for the same cores.
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` answer ``max_tokens`` tokens in
+vLLM's shape with ``return_token_ids`` (``prompt_token_ids``, per-choice ``token_ids``, chat
+``logprobs.content`` or completion ``logprobs.token_logprobs``), whole or streamed as
+server-sent events, one event per token. Each token takes ``token_ms`` (a sleep, not work),
+like an engine's decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+PROMPT_IDS = [1, 5, 9, 14]
+
+
+class FakeEngine:
+    def __init__(self, token_ms: float = 1.0) -> None:
+        self.token_s = token_ms / 1000
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-engine", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> FakeEngine:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    @staticmethod
+    def choice(chat: bool, ids: list[int], final: bool, delta: bool) -> dict[str, Any]:
+        text = "".join(f" w{i}" for i in ids)
+        lps = [-0.5] * len(ids)
+        out: dict[str, Any] = {"index": 0, "token_ids": ids, "finish_reason": "length" if final else None}
+        if chat:
+            out["delta" if delta else "message"] = {"role": "assistant", "content": text}
+            out["logprobs"] = {"content": [{"token": f"w{i}", "logprob": lp, "top_logprobs": []}
+                                           for i, lp in zip(ids, lps, strict=True)]}
+        else:
+            out["text"] = text
+            out["logprobs"] = {"tokens": [f"w{i}" for i in ids], "token_logprobs": lps}
+        return out
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
+
+            def do_GET(self) -> None:
+                self._json({"object": "list", "data": [{"id": "base", "object": "model"}]})
+
+            def do_POST(self) -> None:
+                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                chat = self.path.endswith("/chat/completions")
+                n = int(req.get("max_tokens") or 16)
+                ids = [3 + (int(req.get("seed") or 0) + i) % 60 for i in range(n)]
+                head = {"id": "cmpl-fake", "model": req.get("model"), "created": int(time.time()),
+                        "object": "chat.completion" if chat else "text_completion"}
+                if not req.get("stream"):
+                    time.sleep(fake.token_s * n)
+                    whole = {**fake.choice(chat, ids, True, False), "prompt_token_ids": PROMPT_IDS}
+                    self._json({**head, "prompt_token_ids": PROMPT_IDS, "choices": [whole]})
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                if chat:
+                    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": [],
+                               "prompt_token_ids": PROMPT_IDS}
+                    self._event({**head, "prompt_token_ids": PROMPT_IDS, "choices": [opening]})
+                for k, tok in enumerate(ids):
+                    time.sleep(fake.token_s)
+                    self._event({**head, "choices": [fake.choice(chat, [tok], k == n - 1, True)],
+                                 **({} if chat or k else {"prompt_token_ids": PROMPT_IDS})})
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+
+            def _event(self, data: dict[str, Any]) -> None:
+                self._chunk(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+            def _chunk(self, data: bytes) -> None:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+
+            def _json(self, data: dict[str, Any]) -> None:
+                payload = json.dumps(data).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, format: str, *args: object) -> None:
+                return
+
+        return Handler
