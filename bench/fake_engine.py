@@ -13,32 +13,23 @@ like an engine's decode step.
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from bench.fake_upstream import JsonHandler, LoopbackServer
 
 PROMPT_IDS = [1, 5, 9, 14]
 
 
-class FakeEngine:
+class FakeEngine(LoopbackServer):
     def __init__(self, token_ms: float = 1.0) -> None:
         self.token_s = token_ms / 1000
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-engine", daemon=True)
+        super().__init__(self._handler(), "fake-engine")
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def start(self) -> FakeEngine:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        return self.url
 
     @staticmethod
     def choice(chat: bool, ids: list[int], final: bool, delta: bool) -> dict[str, Any]:
@@ -57,14 +48,11 @@ class FakeEngine:
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True
+        class Handler(JsonHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server names its handlers so)
+                self.answer({"object": "list", "data": [{"id": "base", "object": "model"}]})
 
-            def do_GET(self) -> None:
-                self._json({"object": "list", "data": [{"id": "base", "object": "model"}]})
-
-            def do_POST(self) -> None:
+            def do_POST(self) -> None:  # noqa: N802 (http.server names its handlers so)
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
                 chat = self.path.endswith("/chat/completions")
                 n = int(req.get("max_tokens") or 16)
@@ -74,7 +62,7 @@ class FakeEngine:
                 if not req.get("stream"):
                     time.sleep(fake.token_s * n)
                     whole = {**fake.choice(chat, ids, True, False), "prompt_token_ids": PROMPT_IDS}
-                    self._json({**head, "prompt_token_ids": PROMPT_IDS, "choices": [whole]})
+                    self.answer({**head, "prompt_token_ids": PROMPT_IDS, "choices": [whole]})
                     return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -97,16 +85,5 @@ class FakeEngine:
             def _chunk(self, data: bytes) -> None:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                 self.wfile.flush()
-
-            def _json(self, data: dict[str, Any]) -> None:
-                payload = json.dumps(data).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, format: str, *args: object) -> None:
-                return
 
         return Handler

@@ -13,30 +13,55 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 
 
-class FakeCompletionsServer:
-    def __init__(self, delay_s: float = 0.0, text_tokens: bool = False, status: int = 200) -> None:
-        self.delay_s = delay_s
-        self.text_tokens = text_tokens
-        self.status = status
-        self.requests: list[dict[str, Any]] = []
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+class LoopbackServer:
+    """A threaded HTTP server on a free loopback port, serving ``handler`` until ``stop``."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], name: str) -> None:
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-upstream", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name=name, daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def start(self) -> FakeCompletionsServer:
+    def start(self) -> Self:
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """Keep-alive HTTP/1.1 without Nagle or access logs, answering JSON with ``answer``."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+
+    def answer(self, data: Any, status: int = 200) -> None:
+        payload = json.dumps(data).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+class FakeCompletionsServer(LoopbackServer):
+    def __init__(self, delay_s: float = 0.0, text_tokens: bool = False, status: int = 200) -> None:
+        self.delay_s = delay_s
+        self.text_tokens = text_tokens
+        self.status = status
+        self.requests: list[dict[str, Any]] = []
+        super().__init__(self._handler(), "fake-upstream")
 
     def answer(self, req: dict[str, Any]) -> dict[str, Any]:
         prompt = req.get("prompt") or [0]
@@ -52,10 +77,7 @@ class FakeCompletionsServer:
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True
-
+        class Handler(JsonHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 req = json.loads(body)
@@ -63,14 +85,6 @@ class FakeCompletionsServer:
                 fake.requests.append(req)
                 if fake.delay_s:
                     time.sleep(fake.delay_s)
-                payload = json.dumps(fake.answer(req) if fake.status == 200 else {"error": "fake"}).encode()
-                self.send_response(fake.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, format: str, *args: object) -> None:
-                return
+                self.answer(fake.answer(req) if fake.status == 200 else {"error": "fake"}, fake.status)
 
         return Handler
