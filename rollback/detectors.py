@@ -25,15 +25,14 @@ from rollback.metrics import (
     LABELS,
     METRICS,
     IndexedArm,
-    arm_stats,
+    cells_for,
     compare,
     fmt_delta,
     fmt_value,
-    index_arm,
-    ratio_sums,
-    sums_for,
+    ratio_cells,
 )
-from rollback.types import DetectorResult, JudgePolicy, JudgeState, MetricEvidence, RequestOutcome
+from rollback.stats import stratified_difference
+from rollback.types import DetectorResult, JudgePolicy, JudgeState, MetricEvidence
 
 Suspicious = Literal["down", "up", "either"]
 
@@ -87,27 +86,29 @@ def tolerance(name: str, policy: JudgePolicy, stable_mean: float) -> float:
 
 
 def run_detectors(
-    stable_outcomes: tuple[RequestOutcome, ...] | IndexedArm,
-    canary_outcomes: tuple[RequestOutcome, ...] | IndexedArm,
+    stable: IndexedArm,
+    canary: IndexedArm,
+    strata: int,
     policy: JudgePolicy,
     alpha: float,
     state: JudgeState,
 ) -> tuple[DetectorResult, ...]:
-    """Run every enabled detector; ``alpha`` is each detector's share of the error budget."""
-    stable, canary = index_arm(stable_outcomes), index_arm(canary_outcomes)
+    """Run every enabled detector (compared within time strata, like the metrics); ``alpha``
+    is each detector's share of the error budget."""
     results = []
     for name in policy.detectors.enabled:
         if name not in DETECTORS:
             raise ValueError(f"unknown detector {name!r}; known: {sorted(DETECTORS)}")
         if name == "invalid_tool_rate":
-            s_sums = ratio_sums(stable, lambda o: float(o.invalid_tool_calls), lambda o: float(o.tool_calls))
-            c_sums = ratio_sums(canary, lambda o: float(o.invalid_tool_calls), lambda o: float(o.tool_calls))
+            s_cells, c_cells = (ratio_cells(a, lambda o: float(o.invalid_tool_calls),
+                                            lambda o: float(o.tool_calls)) for a in (stable, canary))
         else:
-            s_sums, c_sums = sums_for(stable, METRICS[name]), sums_for(canary, METRICS[name])
-        s_stats, c_stats = arm_stats(s_sums), arm_stats(c_sums)
-        tol = tolerance(name, policy, s_stats[0])
+            s_cells, c_cells = cells_for(stable, METRICS[name]), cells_for(canary, METRICS[name])
+        st = stratified_difference(s_cells, c_cells, strata, policy.user_weight_cap)
+        tol = tolerance(name, policy, st.stable_mean)
         suspicious = DETECTORS[name]
-        ev = compare(name, s_stats, c_stats,
+        ev = compare(name, (st.stable_mean, st.var_stable, st.users_stable, 0),
+                     (st.canary_mean, st.var_canary, st.users_canary, 0),
                      direction="higher_is_better" if suspicious == "down" else "lower_is_better",
                      mde=tol, tau=policy.mixture_scale * tol, alpha=alpha,
                      min_n=policy.min_users, state=state)

@@ -15,21 +15,30 @@ See docs/judge.md for the method and how to tune it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+
+import numpy as np
 
 from rollback.detectors import run_detectors
 from rollback.metrics import (
     LABELS,
     METRICS,
     IndexedArm,
-    Sums,
-    arm_stats,
-    compare,
+    cells_for,
+    compare_cells,
+    error_cells,
     fmt_delta,
     fmt_value,
-    index_arm,
-    sums_for,
+    index_arms,
 )
-from rollback.stats import proportion_var, quantile
+from rollback.stats import (
+    Cells,
+    design_effect,
+    exceedance_log_lr,
+    quantile,
+    ratio_mean_var,
+    stratified_difference,
+)
 from rollback.types import (
     CohortData,
     Decision,
@@ -49,22 +58,26 @@ def judge(
     state: JudgeState | None = None,
     *,
     elapsed_s: float = 0.0,
+    boundaries: Sequence[float] = (),
 ) -> Verdict:
     """Judge the canary against stable over the same window.
 
     ``state`` is the ``Verdict.state`` of the previous tick (None on the first); ``elapsed_s``
-    is the time since the canary started, for the time budget.
+    is the time since the canary started, for the time budget; ``boundaries`` are the times the
+    canary's weight changed, its start first (each starts a new time stratum).
     """
     policy = policy or JudgePolicy()
     st: JudgeState = dict(state or {})
     st["ticks"] = st.get("ticks", 0.0) + 1.0
     users_s, users_c = stable.users(), canary.users()
 
-    guards = guardrails(stable, canary, policy)
     alpha_t = policy.alpha_per_test()
-    arms = index_arm(stable.outcomes), index_arm(canary.outcomes)
-    evidence = tuple(_metric(spec, stable, canary, arms, policy, alpha_t, st) for spec in policy.metrics)
-    detectors = run_detectors(*arms, policy, alpha_t, st)
+    arm_s, arm_c, strata = index_arms(stable, canary, boundaries, policy.stratum_s)
+    arms = (arm_s, arm_c)
+    guards = guardrails(stable, canary, policy, arms, strata)
+    evidence = tuple(_metric(spec, stable, canary, arms, strata, policy, alpha_t, st)
+                     for spec in policy.metrics)
+    detectors = run_detectors(arm_s, arm_c, strata, policy, alpha_t, st)
 
     reasons: list[str] = []
     level = 1.0 - 2.0 * alpha_t
@@ -108,48 +121,87 @@ def judge(
     return Verdict(Decision.CONTINUE, tuple(reasons), evidence, guards, detectors, users_s, users_c, st)
 
 
-def guardrails(stable: CohortData, canary: CohortData, policy: JudgePolicy) -> tuple[GuardrailResult, ...]:
-    """Absolute ceilings. A guardrail trips when the canary has served ``min_requests``, its value
-    is over the ceiling and over stable's (a ceiling both arms break is not the canary's fault)."""
+def guardrails(stable: CohortData, canary: CohortData, policy: JudgePolicy,
+               arms: tuple[IndexedArm, IndexedArm] | None = None,
+               strata: int = 1) -> tuple[GuardrailResult, ...]:
+    """Absolute ceilings, each an anytime-valid test on the canary alone: the share of its
+    requests over the ceiling (failed, or slower than the p99 ceiling) must be confidently above
+    what the ceiling allows (the error-rate ceiling; 1% for a p99), with the counts discounted by
+    their design effect (clustered by user). It trips only if the canary is also worse than stable
+    within the same time strata (a ceiling both arms break is not the canary's fault)."""
     g = policy.guardrails
+    if arms is None:
+        s_, c_, strata = index_arms(stable, canary, (), policy.stratum_s)
+        arms = (s_, c_)
+    needed = math.log(1.0 / policy.alpha_per_test())
     enough = canary.request_count() >= g.min_requests
-    err_c = canary.error_count() / max(1, canary.request_count())
-    err_s = stable.error_count() / max(1, stable.request_count())
-    p99_c = quantile((o.latency_ms for o in canary.outcomes), 0.99)
-    p99_s = quantile((o.latency_ms for o in stable.outcomes), 0.99)
-    p99_trip = enough and math.isfinite(p99_c) and p99_c > g.max_p99_latency_ms and not p99_s >= p99_c
+
+    def result(name: str, cells: tuple[Cells, Cells], k: int, n: int, q0: float,
+               values: tuple[float, float], ceiling: float) -> GuardrailResult:
+        c = cells[1]
+        clustered = _clustered_var(c)
+        deff = design_effect(k, n, clustered)
+        log_lr = float(exceedance_log_lr(k / deff, n / deff, q0)) if n > 0 else 0.0
+        diff = stratified_difference(cells[0], c, strata, None).estimate
+        if not math.isfinite(diff):  # too few users to compare within strata: plain shares
+            diff = k / max(n, 1) - _share(cells[0])
+        tripped = enough and log_lr >= needed and diff > 0
+        return GuardrailResult(name, values[1], values[0], ceiling, tripped, k, n,
+                               float(math.exp(min(log_lr, 700.0))))
+
+    err = (error_cells(arms[0], stable.unattributed_errors()),
+           error_cells(arms[1], canary.unattributed_errors()))
+    slow = tuple(cells_for(a, lambda o: float(o.latency_ms > g.max_p99_latency_ms)) for a in arms)
+    err_rates = (stable.error_count() / max(1, stable.request_count()),
+                 canary.error_count() / max(1, canary.request_count()))
+    p99 = (quantile((o.latency_ms for o in stable.outcomes), 0.99),
+           quantile((o.latency_ms for o in canary.outcomes), 0.99))
     return (
-        GuardrailResult("error_rate", err_c, err_s, g.max_error_rate,
-                        enough and err_c > g.max_error_rate and err_c > err_s),
-        GuardrailResult("p99_latency_ms", p99_c, p99_s, g.max_p99_latency_ms, p99_trip),
+        result("error_rate", err, canary.error_count(), canary.request_count(), g.max_error_rate,
+               err_rates, g.max_error_rate),
+        result("p99_latency_ms", (slow[0], slow[1]), int(slow[1].num.sum()), int(slow[1].num.size), 0.01,
+               p99, g.max_p99_latency_ms),
     )
 
 
+def _clustered_var(c: Cells) -> float:
+    """User-clustered variance of a rate over all of an arm's cells (no strata)."""
+    s = np.bincount(c.user, weights=c.num, minlength=c.users)
+    n = np.bincount(c.user, weights=c.den, minlength=c.users)
+    keep = n > 0
+    s, n = s[keep], n[keep]
+    _, var = ratio_mean_var(s.sum(), n.sum(), (s * s).sum(), (s * n).sum(), (n * n).sum(), int(keep.sum()))
+    return float(var)
+
+
+def _share(c: Cells) -> float:
+    total = float(c.den.sum())
+    return float(c.num.sum()) / total if total > 0 else 0.0
+
+
 def _metric(spec: MetricSpec, stable: CohortData, canary: CohortData,
-            arms: tuple[IndexedArm, IndexedArm], policy: JudgePolicy, alpha_t: float,
+            arms: tuple[IndexedArm, IndexedArm], strata: int, policy: JudgePolicy, alpha_t: float,
             st: JudgeState) -> MetricEvidence:
     tau = policy.mixture_scale * spec.mde
     if spec.name == "error_rate":
-        r_s, v_s = proportion_var(stable.error_count(), stable.request_count())
-        r_c, v_c = proportion_var(canary.error_count(), canary.request_count())
-        return compare(spec.name, (float(r_s), float(v_s), stable.request_count(), 0),
-                       (float(r_c), float(v_c), canary.request_count(), 0),
-                       direction=spec.direction, mde=spec.mde, tau=tau, alpha=alpha_t,
-                       min_n=policy.min_users, state=st)
-    s_sums, c_sums = _sums(spec.name, *arms)
-    return compare(spec.name, arm_stats(s_sums), arm_stats(c_sums), direction=spec.direction,
-                   mde=spec.mde, tau=tau, alpha=alpha_t, min_n=policy.min_users, state=st)
+        cells = (error_cells(arms[0], stable.unattributed_errors()),
+                 error_cells(arms[1], canary.unattributed_errors()))
+    else:
+        cells = _cells(spec.name, *arms)
+    return compare_cells(spec.name, cells[0], cells[1], strata, cap=policy.user_weight_cap,
+                         direction=spec.direction, mde=spec.mde, tau=tau, alpha=alpha_t,
+                         min_n=policy.min_users, state=st)
 
 
-def _sums(name: str, stable: IndexedArm, canary: IndexedArm) -> tuple[Sums, Sums]:
+def _cells(name: str, stable: IndexedArm, canary: IndexedArm) -> tuple[Cells, Cells]:
     if name == "latency_tail":
         threshold = quantile((o.latency_ms for o in (*stable.outcomes, *canary.outcomes)), 0.95)
         fn = lambda o: float(o.latency_ms > threshold)  # noqa: E731
-        return sums_for(stable, fn), sums_for(canary, fn)
+        return cells_for(stable, fn), cells_for(canary, fn)
     if name not in METRICS:
         known = sorted([*METRICS, "latency_tail", "error_rate"])
         raise ValueError(f"unknown metric {name!r}; known: {known}")
-    return sums_for(stable, METRICS[name]), sums_for(canary, METRICS[name])
+    return cells_for(stable, METRICS[name]), cells_for(canary, METRICS[name])
 
 
 def _is_primary(e: MetricEvidence, specs: tuple[MetricSpec, ...]) -> bool:
@@ -161,7 +213,7 @@ def describe(e: MetricEvidence, level: float) -> str:
     label = LABELS.get(e.metric, e.metric)
     if e.status == "insufficient":
         return f"{label.capitalize()}: too few users yet ({e.n_canary} canary, {e.n_stable} stable)"
-    unit = "requests" if e.metric == "error_rate" else "users"
+    unit = "users"
     return (f"{label.capitalize()} {fmt_value(e.metric, e.canary_mean)} on the canary vs "
             f"{fmt_value(e.metric, e.stable_mean)} on stable (difference "
             f"{fmt_delta(e.metric, e.estimate)}, always-valid {level:.1%} interval "
@@ -171,7 +223,10 @@ def describe(e: MetricEvidence, level: float) -> str:
 
 def _guard_reason(g: GuardrailResult) -> str:
     if g.name == "error_rate":
-        return (f"Guardrail: canary error rate {g.canary_value:.2%} is over the {g.ceiling:.2%} "
-                f"ceiling (stable {g.stable_value:.2%}).")
-    return (f"Guardrail: canary p99 latency {g.canary_value:,.0f} ms is over the "
-            f"{g.ceiling:,.0f} ms ceiling (stable {g.stable_value:,.0f} ms).")
+        return (f"Guardrail: canary error rate {g.canary_value:.2%} is confidently over the "
+                f"{g.ceiling:.2%} ceiling ({g.exceeding:,} of {g.requests:,} canary requests failed; "
+                f"stable {g.stable_value:.2%}).")
+    return (f"Guardrail: canary p99 latency {g.canary_value:,.0f} ms is confidently over the "
+            f"{g.ceiling:,.0f} ms ceiling ({g.exceeding:,} of {g.requests:,} canary requests took "
+            f"longer, more than the 1% a p99 under the ceiling allows; stable "
+            f"{g.stable_value:,.0f} ms).")

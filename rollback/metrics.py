@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
-from rollback.stats import grouped_sums, mixture_radius, msprt_p_value, ratio_mean_var
-from rollback.types import Direction, JudgeState, MetricEvidence, RequestOutcome, Status
+from rollback.stats import Cells, mixture_radius, msprt_p_value, stratified_difference
+from rollback.types import CohortData, Direction, JudgeState, MetricEvidence, RequestOutcome, Status
 
 ValueFn = Callable[[RequestOutcome], float | None]
 
@@ -71,40 +71,100 @@ def fmt_delta(metric: str, x: float, sign: bool = True) -> str:
         return f"{x:{plus},.1f} {UNITS[metric]}"
     return f"{x:{plus}.3g}"
 
-Sums = tuple[float, float, float, float, float, int]
-
-
 @dataclass(frozen=True)
 class IndexedArm:
-    """An arm's outcomes with each request's user as an integer index, built once per tick."""
+    """An arm's outcomes with each request's user and time stratum as integer indices, built
+    once per tick. Error events (the gateway's per-user error counts) are indexed alongside."""
 
     outcomes: tuple[RequestOutcome, ...]
     user: NDArray[np.int64]
+    stratum: NDArray[np.int64]
     users: int
+    """Distinct user indices, including users seen only in error events."""
+    error_user: NDArray[np.int64]
+    error_stratum: NDArray[np.int64]
+    error_count: NDArray[np.float64]
 
 
-def index_arm(outcomes: tuple[RequestOutcome, ...] | IndexedArm) -> IndexedArm:
-    if isinstance(outcomes, IndexedArm):
-        return outcomes
+class Strata:
+    """Maps serving times to time strata: a new stratum at every weight change (``boundaries``,
+    the canary's start first) and every ``width_s`` seconds since the first boundary (or the
+    earliest time seen). Requests in one stratum were served under one weight, close in time."""
+
+    def __init__(self, times: NDArray[np.float64], boundaries: Sequence[float], width_s: float) -> None:
+        self.bounds = np.sort(np.asarray(boundaries, dtype=np.float64))
+        self.t0 = float(self.bounds[0]) if self.bounds.size else float(times.min(initial=0.0))
+        self.width_s = width_s
+        self.keys, self.index = np.unique(self._raw(times), return_inverse=True)
+
+    def _raw(self, times: NDArray[np.float64]) -> NDArray[np.int64]:
+        bucket = np.floor(np.maximum(times - self.t0, 0.0) / self.width_s).astype(np.int64)
+        step = np.searchsorted(self.bounds, times, side="right").astype(np.int64)
+        return bucket * (self.bounds.size + 1) + step
+
+    @property
+    def count(self) -> int:
+        return max(int(self.keys.size), 1)
+
+    def of(self, times: NDArray[np.float64]) -> NDArray[np.int64]:
+        """Strata of ``times`` (which must be among those the strata were built from)."""
+        return np.searchsorted(self.keys, self._raw(times)).astype(np.int64)
+
+
+def index_arms(stable: CohortData, canary: CohortData, boundaries: Sequence[float] = (),
+               stratum_s: float = math.inf) -> tuple[IndexedArm, IndexedArm, int]:
+    """Both arms indexed against the same strata; returns (stable, canary, number of strata)."""
+    times = [np.fromiter((o.ts for o in c.outcomes), dtype=np.float64, count=len(c.outcomes))
+             for c in (stable, canary)]
+    err_times = [np.fromiter((e.ts for e in c.user_errors), dtype=np.float64, count=len(c.user_errors))
+                 for c in (stable, canary)]
+    strata = Strata(np.concatenate([*times, *err_times]), boundaries, stratum_s)
+    stable_arm = _index(stable, strata, times[0], err_times[0])
+    canary_arm = _index(canary, strata, times[1], err_times[1])
+    return stable_arm, canary_arm, strata.count
+
+
+def _index(c: CohortData, strata: Strata, times: NDArray[np.float64],
+           err_times: NDArray[np.float64]) -> IndexedArm:
     ids: dict[str, int] = {}
-    user = np.fromiter((ids.setdefault(o.user_key, len(ids)) for o in outcomes), dtype=np.int64,
-                       count=len(outcomes))
-    return IndexedArm(outcomes, user, len(ids))
+    user = np.fromiter((ids.setdefault(o.user_key, len(ids)) for o in c.outcomes), dtype=np.int64,
+                       count=len(c.outcomes))
+    error_user = np.fromiter((ids.setdefault(e.user_key, len(ids)) for e in c.user_errors),
+                             dtype=np.int64, count=len(c.user_errors))
+    count = np.fromiter((e.count for e in c.user_errors), dtype=np.float64, count=len(c.user_errors))
+    return IndexedArm(c.outcomes, user, strata.of(times), len(ids), error_user, strata.of(err_times), count)
 
 
-def sums_for(arm: IndexedArm, fn: ValueFn) -> Sums:
-    """Per-user sums of a per-request metric (requests where ``fn`` is None do not count)."""
+def cells_for(arm: IndexedArm, fn: ValueFn) -> Cells:
+    """A per-request metric's cells (requests where ``fn`` is None do not count)."""
     raw = [fn(o) for o in arm.outcomes]
     counted = np.fromiter((v is not None for v in raw), dtype=bool, count=len(raw))
     values = np.fromiter((0.0 if v is None else v for v in raw), dtype=np.float64, count=len(raw))
-    return grouped_sums(arm.user[counted], values[counted], np.ones(int(counted.sum())), arm.users)
+    return Cells(arm.user[counted], arm.stratum[counted], values[counted],
+                 np.ones(int(counted.sum())), arm.users)
 
 
-def ratio_sums(arm: IndexedArm, num: ValueFn, den: ValueFn) -> Sums:
-    """Sums for a ratio of two per-request quantities (e.g. invalid tool calls / tool calls)."""
+def ratio_cells(arm: IndexedArm, num: ValueFn, den: ValueFn) -> Cells:
+    """Cells of a ratio of two per-request quantities (e.g. invalid tool calls / tool calls)."""
     n = np.fromiter((den(o) or 0.0 for o in arm.outcomes), dtype=np.float64, count=len(arm.outcomes))
     s = np.fromiter((num(o) or 0.0 for o in arm.outcomes), dtype=np.float64, count=len(arm.outcomes))
-    return grouped_sums(arm.user, s, n, arm.users)
+    return Cells(arm.user, arm.stratum, s, n, arm.users)
+
+
+def error_cells(arm: IndexedArm, unattributed: int = 0) -> Cells:
+    """The error rate's cells: every served request with a reward record counts as one success,
+    every gateway error as one failure of the user it failed for. ``unattributed`` errors (no
+    user known) count as one user each, in the latest stratum."""
+    n_ok = len(arm.outcomes)
+    last = int(max(arm.stratum.max(initial=0), arm.error_stratum.max(initial=0)))
+    extra = np.arange(arm.users, arm.users + unattributed, dtype=np.int64)
+    return Cells(
+        np.concatenate([arm.user, arm.error_user, extra]),
+        np.concatenate([arm.stratum, arm.error_stratum, np.full(unattributed, last, dtype=np.int64)]),
+        np.concatenate([np.zeros(n_ok), arm.error_count, np.ones(unattributed)]),
+        np.concatenate([np.ones(n_ok), arm.error_count, np.ones(unattributed)]),
+        arm.users + unattributed,
+    )
 
 
 def classify(
@@ -160,7 +220,11 @@ def compare(
                           status)
 
 
-def arm_stats(sums: Sums) -> tuple[float, float, float, float]:
-    s, n, s2, sn, n2, users = sums
-    m, v = ratio_mean_var(s, n, s2, sn, n2, users)
-    return float(m), float(v), float(users), n
+def compare_cells(metric: str, stable: Cells, canary: Cells, strata: int, *, cap: float | None,
+                  direction: Direction, mde: float, tau: float, alpha: float, min_n: int,
+                  state: JudgeState) -> MetricEvidence:
+    """The stratified, user-clustered comparison of one metric, as evidence."""
+    st = stratified_difference(stable, canary, strata, cap)
+    return compare(metric, (st.stable_mean, st.var_stable, st.users_stable, 0),
+                   (st.canary_mean, st.var_canary, st.users_canary, 0), direction=direction, mde=mde,
+                   tau=tau, alpha=alpha, min_n=min_n, state=state)

@@ -69,6 +69,9 @@ class RequestOutcome:
     """Of which were invalid (malformed, unknown tool, bad arguments)."""
     completion_tokens: int = 0
     """Completion length in tokens."""
+    ts: float = 0.0
+    """When it was served (Unix seconds): places the request in its time stratum. Outcomes
+    that all carry the same ts (e.g. the default 0) fall in one stratum."""
 
 
 def outcome_from_reward(record: RewardRecord, horizon_s: int | None = None) -> RequestOutcome:
@@ -95,7 +98,18 @@ def outcome_from_reward(record: RewardRecord, horizon_s: int | None = None) -> R
         tool_calls=record.tool_calls,
         invalid_tool_calls=record.invalid_tool_calls,
         completion_tokens=len(record.completion_tokens),
+        ts=record.served_ts.timestamp(),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorCount:
+    """Requests the gateway failed for one user in one time bucket."""
+
+    user_key: str
+    ts: float
+    """Start of the bucket the errors fell in (Unix seconds)."""
+    count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,12 +126,20 @@ class CohortData:
     errors: int = 0
     """Requests the gateway failed for this arm in the window (counted at the gateway, since a
     failed request never produces a reward record). Outcomes with ``error=True`` are added."""
+    user_errors: tuple[ErrorCount, ...] = ()
+    """The same failures by user and time, so that the error rate is clustered by user like
+    every other metric (one user's burst of retries is one user's evidence). Errors counted in
+    ``errors`` but missing here are treated as one user each."""
 
     def request_count(self) -> int:
         return max(self.requests, len(self.outcomes))
 
     def error_count(self) -> int:
         return self.errors + sum(1 for o in self.outcomes if o.error)
+
+    def unattributed_errors(self) -> int:
+        """Errors known only as a count, without the user they failed for."""
+        return max(0, self.error_count() - sum(e.count for e in self.user_errors))
 
     def users(self) -> int:
         return len({o.user_key for o in self.outcomes})
@@ -140,16 +162,22 @@ class MetricSpec:
     """Primary metrics must be non-inferior for promotion; all listed metrics can roll back."""
 
 
+GUARDRAILS = ("error_rate", "p99_latency_ms")
+
+
 @dataclass(frozen=True, slots=True)
 class GuardrailPolicy:
     """Absolute ceilings that roll back at once, without waiting for a test."""
 
     max_error_rate: float = 0.05
-    """Roll back when the canary's error rate over the window exceeds this (and stable's)."""
+    """Roll back when the canary's error rate is confidently over this (and over stable's)."""
     max_p99_latency_ms: float = 10_000.0
-    """Roll back when the canary's p99 latency over the window exceeds this (and stable's)."""
-    min_requests: int = 200
-    """Guardrails look only once the canary served this many requests (p99 needs a few hundred)."""
+    """Roll back when the canary's p99 latency is confidently over this (and over stable's):
+    more than 1% of its requests confidently took longer."""
+    min_requests: int = 1
+    """A floor on the canary's requests before a guardrail may act. The guardrails' own test
+    already waits for enough data (a p99 needs hundreds of requests to be confidently over a
+    ceiling, a canary failing everything a handful), so the default adds nothing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +232,12 @@ class JudgePolicy:
     """Time budget: seconds since the canary started. Reached without a decision: inconclusive."""
     require_improvement: bool = False
     """If True, promotion also needs at least one primary metric confidently better."""
+    stratum_s: float = 600.0
+    """Width of the time strata (seconds). Arms are compared only within a stratum (and within
+    one canary weight step), so a drift shared by both arms cannot look like an effect."""
+    user_weight_cap: float | None = 10.0
+    """A user's requests count at most this many times in a metric (their mean keeps its value,
+    their weight is capped), so a few heavy users cannot drown the others. None: no cap."""
     mixture_scale: float = 1.0
     """The mSPRT normal mixture has standard deviation mixture_scale × MDE; 1.0 makes the test
     most sensitive near the MDE."""
@@ -215,6 +249,10 @@ class JudgePolicy:
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+        if not self.stratum_s > 0:
+            raise ValueError(f"stratum_s must be > 0, got {self.stratum_s}")
+        if self.user_weight_cap is not None and not self.user_weight_cap >= 1:
+            raise ValueError(f"user_weight_cap must be >= 1 or None, got {self.user_weight_cap}")
         if self.mixture_scale <= 0:
             raise ValueError(f"mixture_scale must be > 0, got {self.mixture_scale}")
         if not 1 <= self.min_users <= self.max_users:
@@ -227,8 +265,8 @@ class JudgePolicy:
             raise ValueError(f"metrics listed twice: {names}")
 
     def n_tests(self) -> int:
-        """Number of sequential tests sharing alpha."""
-        return len(self.metrics) + len(self.detectors.enabled)
+        """Number of sequential tests sharing alpha: metrics, detectors and the two guardrails."""
+        return len(self.metrics) + len(self.detectors.enabled) + len(GUARDRAILS)
 
     def alpha_per_test(self) -> float:
         return self.alpha / max(1, self.n_tests())
@@ -267,6 +305,13 @@ class GuardrailResult:
     stable_value: float
     ceiling: float
     tripped: bool
+    exceeding: int = 0
+    """Canary requests over the ceiling (failed ones for the error rate)."""
+    requests: int = 0
+    """Canary requests the guardrail looked at."""
+    evidence: float = 1.0
+    """The anytime-valid likelihood ratio against "the canary is within the ceiling"; the
+    guardrail trips once it reaches 1/α for its share of the error budget."""
 
 
 @dataclass(frozen=True, slots=True)

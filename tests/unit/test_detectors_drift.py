@@ -6,6 +6,7 @@ import pytest
 
 from rollback.detectors import drift_check, run_detectors, tolerance
 from rollback.judge import judge
+from rollback.metrics import index_arms
 from rollback.types import (
     CohortData,
     Decision,
@@ -39,7 +40,8 @@ def _cohort(arm: str, users: int, *, edit_every: int = 0, question_every: int = 
 
 def _by_name(stable: tuple[RequestOutcome, ...], canary: tuple[RequestOutcome, ...],
              policy: JudgePolicy = POLICY) -> dict:
-    return {d.name: d for d in run_detectors(stable, canary, policy, policy.alpha_per_test(), {})}
+    arm_s, arm_c, strata = index_arms(CohortData("stable", stable), CohortData("canary", canary))
+    return {d.name: d for d in run_detectors(arm_s, arm_c, strata, policy, policy.alpha_per_test(), {})}
 
 
 @pytest.mark.parametrize(("direction", "lo", "hi", "est", "tol", "want"), [
@@ -120,4 +122,4 @@ def test_detector_rollback_verdict_names_reward_hacking() -> None:
 def test_unknown_detector_is_a_clear_error() -> None:
     policy = JudgePolicy(detectors=DetectorPolicy(enabled=("vibes",)))
     with pytest.raises(ValueError, match="unknown detector 'vibes'"):
-        run_detectors((), (), policy, 0.01, {})
+        _by_name((), (), policy)
