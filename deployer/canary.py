@@ -116,7 +116,8 @@ def _pending(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) -> R
     if status.paused:
         return status, []
     w = policy.steps[0]
-    return enter(status, Phase.PROGRESSING, obs.now, step=0, weight=w, step_since=obs.now), [SetWeight(w)]
+    return enter(status, Phase.PROGRESSING, obs.now, step=0, weight=w, step_since=obs.now,
+                 step_times=(obs.now,)), [SetWeight(w)]
 
 
 # ---------------------------------------------------------------------------- progressing
@@ -143,7 +144,8 @@ def _progressing(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) 
         return status, actions
     if status.step + 1 < len(policy.steps):
         w = policy.steps[status.step + 1]
-        return replace(status, step=status.step + 1, weight=w, step_since=now), [*actions, SetWeight(w)]
+        return replace(status, step=status.step + 1, weight=w, step_since=now,
+                       step_times=(*status.step_times, now)), [*actions, SetWeight(w)]
     if verdict == "promote":
         reason = _why(status, "judge: canary at least as good on every metric")
         return decide(status, now, "promoted", reason, ledger.CONTROLLER, actions)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from deployer.status import Judgement
 from ingest.events import RewardRecord
 from rollback.stats import quantile
-from rollback.types import CohortData, RequestOutcome, Verdict, outcome_from_reward
+from rollback.types import CohortData, ErrorCount, RequestOutcome, Verdict, outcome_from_reward
 
 ARMS = ("stable", "canary")
 
@@ -46,14 +46,17 @@ class CohortWindow:
         return sum(self.add(r) for r in records)
 
     def cohorts(
-        self, requests: Mapping[str, int] | None = None, errors: Mapping[str, int] | None = None
+        self, requests: Mapping[str, int] | None = None, errors: Mapping[str, int] | None = None,
+        user_errors: Mapping[str, Iterable[tuple[str, float, int]]] | None = None,
     ) -> tuple[CohortData, CohortData]:
         """(stable, canary) for ``rollback.judge.judge``; ``requests``/``errors`` are the
-        gateway's per-arm counts when known (failed requests never make a reward record)."""
-        req, err = requests or {}, errors or {}
+        gateway's per-arm counts when known (failed requests never make a reward record) and
+        ``user_errors`` its errors by (user, time bucket)."""
+        req, err, by_user = requests or {}, errors or {}, user_errors or {}
         stable, canary = (
             CohortData(arm=arm, outcomes=tuple(self.outcomes[arm]), requests=req.get(arm, 0),  # type: ignore[arg-type]
-                       errors=err.get(arm, 0))
+                       errors=err.get(arm, 0),
+                       user_errors=tuple(ErrorCount(u, ts, n) for u, ts, n in by_user.get(arm, ())))
             for arm in ARMS
         )
         return stable, canary

@@ -122,6 +122,9 @@ class CanaryStatus:
     started_at: float = 0.0
     phase_since: float = 0.0
     step_since: float = 0.0
+    step_times: tuple[float, ...] = ()
+    """When each weight step of this canary began, in order: the judge compares the arms only
+    within a step (and a time bucket), so the ramp cannot bias the comparison."""
     ticks: int = 0
     """Judged ticks of this canary (the ledger's step index)."""
     errors: int = 0
@@ -143,6 +146,7 @@ class CanaryStatus:
         out["phase"] = self.phase.value
         out["reasons"] = list(self.reasons)
         out["handled"] = [list(h) for h in self.handled]
+        out["step_times"] = list(self.step_times)
         out["cohorts"], out["judge_state"] = dict(self.cohorts), dict(self.judge_state)
         return out
 
@@ -152,6 +156,7 @@ class CanaryStatus:
         known["phase"] = Phase(known.get("phase", "idle"))
         known["reasons"] = tuple(known.get("reasons", ()))
         known["handled"] = tuple((str(a), str(b)) for a, b in known.get("handled", ()))
+        known["step_times"] = tuple(float(t) for t in known.get("step_times", ()))
         return cls(**known)
 
 

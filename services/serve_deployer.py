@@ -82,10 +82,11 @@ class RewardReader:
         self._redis_settings = settings.redis
         self._redis: object | None = None
 
-    def served_counts(self, status: CanaryStatus) -> tuple[dict[str, int], dict[str, int]]:
-        """The gateway's per-arm request and error counts since the canary started
-        (services/gateway/counts.py): failed requests never make a reward record, so the
-        error-rate guardrail needs them."""
+    def served_counts(self, status: CanaryStatus
+                      ) -> tuple[dict[str, int], dict[str, int], dict[str, list[tuple[str, float, int]]]]:
+        """The gateway's per-arm request and error counts since the canary started, and the
+        errors by user (services/gateway/counts.py): failed requests never make a reward
+        record, so the error rate and its guardrail need them."""
         assert status.stable is not None and status.candidate is not None
         if self._redis is None:
             self._redis = make_redis(self._redis_settings)
@@ -187,7 +188,8 @@ class Controller:
             window = self.rewards.read(status)
             stable, canary = window.cohorts(*self.rewards.served_counts(status))
             verdict = judge(stable, canary, self.judge_policy, dict(status.judge_state),
-                            elapsed_s=obs.now - status.started_at)
+                            elapsed_s=obs.now - status.started_at,
+                            boundaries=(status.started_at, *status.step_times))
         except Exception as exc:  # any failure to observe is counted by the state machine
             log.exception("observing canary %s failed", status.canary_id)
             return replace(obs, error=f"{type(exc).__name__}: {exc}")

@@ -152,7 +152,7 @@ class OpenAIRoutes:
                     return self._failed(call, exc)
                 log.warning("canary %s failed, serving from stable: %s", version, exc)
                 GATEWAY_FALLBACKS.inc()
-                self.gw.count(version, "canary", True)
+                self.gw.count(version, "canary", True, call.user_key)
                 version, backend = stable
         raise AssertionError("unreachable")
 
@@ -160,7 +160,7 @@ class OpenAIRoutes:
         code = exc.status if isinstance(exc, UpstreamError) else 500
         if isinstance(exc, UpstreamError) and code == 400:
             return oai_error(400, str(exc), arm=call.arm, version=call.version)
-        self.gw.count(call.version, call.arm, True)
+        self.gw.count(call.version, call.arm, True, call.user_key)
         log.error("%s %s failed: %s", call.arm, call.version, exc)
         return oai_error(code, f"model {call.version} failed: {exc}", "server_error", arm=call.arm,
                          version=call.version)
@@ -197,7 +197,7 @@ class OpenAIRoutes:
             if served.tokens and served.problem() is None:
                 self._log(call, served)
             else:
-                self.gw.count(call.version, call.arm, True)
+                self.gw.count(call.version, call.arm, True, call.user_key)
 
     # ----------------------------------------------------------------- logging
     def _headers(self, call: Call) -> tuple[tuple[str, str], ...]:

@@ -110,12 +110,13 @@ class Gateway:
         model_name: str,
         health: Health | None = None,
         registry: CollectorRegistry = REGISTRY,
-        count: Callable[[str, str, bool], object] | None = None,
+        count: Callable[..., object] | None = None,
         request_ids: RequestIds | None = None,
     ) -> None:
         self.settings = settings
-        self.count = count or (lambda _version, _arm, _error: None)
-        """Per (version, arm) request/error counts for the judge (services/gateway/counts.py)."""
+        self.count = count or (lambda _version, _arm, _error, _user=None: None)
+        """Per (version, arm) request/error counts for the judge, errors also per user
+        (services/gateway/counts.py): ``count(version, arm, error, user)``."""
         self.slots = slots
         self._table = table
         self.log_exposure = log_exposure
@@ -236,12 +237,12 @@ class Gateway:
         result = self._generate(arm, version, backend, req)
         if isinstance(result, Response):
             if result.code >= 500:
-                self.count(version, arm, True)
+                self.count(version, arm, True, req.user_key)
             return result
         gen, gen_s = result
         if arm == "canary" and gen is None:  # canary raised: stable serves, counted
             GATEWAY_FALLBACKS.inc()
-            self.count(version, "canary", True)  # the canary cohort is counted by assignment
+            self.count(version, "canary", True, req.user_key)  # counted by assignment
             arm, (version, backend) = "stable", stable
             retry = self._generate(arm, version, backend, req)
             if isinstance(retry, Response):

@@ -144,9 +144,10 @@ def test_served_from_the_champion_with_a_signed_exposure_on_the_raw_topic(
     [rec] = raw_records(running.settings, 1)
     assert rec.key == b"req-1"
     running.parts[3].flush()
-    req, err = read_counts(make_redis(running.settings.redis), running.settings.redis.key_prefix,
-                           {"stable": versions["good1"]}, since_ts=time.time() - 60)
-    assert (req, err) == ({"stable": 1}, {"stable": 0}), "the judge's request counts are in Redis"
+    req, err, by_user = read_counts(make_redis(running.settings.redis), running.settings.redis.key_prefix,
+                                    {"stable": versions["good1"]}, since_ts=time.time() - 60)
+    assert (req, err, by_user) == ({"stable": 1}, {"stable": 0}, {"stable": []}), \
+        "the judge's request counts are in Redis"
     assert authenticate(rec.value, rec.headers, AuthPolicy(keys={"gateway": SECRET.encode()})) is None
     event = parse_event(rec.value)
     assert isinstance(event, CompletionServed)

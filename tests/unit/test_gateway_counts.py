@@ -8,22 +8,29 @@ from typing import Any
 import fakeredis
 
 from deployer.routing import RoutingTable
-from services.gateway.counts import BUCKET_S, ServedCounts, read_counts, served_key, sum_since
+from services.gateway.counts import (
+    BUCKET_S,
+    MAX_USER_FIELDS,
+    ServedCounts,
+    read_counts,
+    served_key,
+    sum_since,
+)
 from services.gateway.models import ModelSlots
 from services.gateway.server import Gateway
 from services.runtime.service_settings import GatewaySettings
 from tests.unit.test_gateway_core import REQ, FakeBackend
 
 
-def counted_gateway(stable: Any, canary: Any, weight: float) -> tuple[Gateway, list[tuple[str, str, bool]]]:
+def counted_gateway(stable: Any, canary: Any, weight: float) -> tuple[Gateway, list[tuple[Any, ...]]]:
     backends = {"1": stable, "2": canary}
     slots = ModelSlots(lambda _arm, version: backends[version])  # type: ignore[arg-type,return-value]
     slots.want("1", "2" if canary else None)
     slots.step()
     table = RoutingTable(weight, "salt", "1", "2" if canary else None)
-    seen: list[tuple[str, str, bool]] = []
+    seen: list[tuple[Any, ...]] = []
     gw = Gateway(GatewaySettings(allow_anonymous=True), slots, lambda: table, lambda _e: None, "rtrl-policy",
-                 count=lambda v, a, e: seen.append((v, a, e)))
+                 count=lambda v, a, e, u=None: seen.append((v, a, e) if u is None else (v, a, e, u)))
     return gw, seen
 
 
@@ -34,13 +41,13 @@ def post(gw: Gateway, user: str) -> int:
 def test_success_failure_and_canary_fallback_are_counted_by_assignment() -> None:
     gw, seen = counted_gateway(FakeBackend(), FakeBackend(fail=RuntimeError("boom")), weight=1.0)
     assert post(gw, "a") == 200  # canary raised, stable served
-    assert seen == [("2", "canary", True)], "a canary failure is the canary cohort's error"
+    assert seen == [("2", "canary", True, "a")], "a canary failure is the canary cohort's error, by user"
     gw, seen = counted_gateway(FakeBackend(), None, weight=0.0)
     assert post(gw, "b") == 200
     assert seen == [("1", "stable", False)]
     gw, seen = counted_gateway(FakeBackend(fail=RuntimeError("down")), None, weight=0.0)
     assert post(gw, "c") == 500
-    assert seen == [("1", "stable", True)]
+    assert seen == [("1", "stable", True, "c")]
     gw, seen = counted_gateway(FakeBackend(), None, weight=0.0)
     bad = gw.handle("POST", "/v1/completions", b"{not json").code
     assert bad == 400 and seen == [], "client errors are not the model's errors"
@@ -59,19 +66,35 @@ def test_flush_accumulates_in_redis_and_reads_back_per_arm() -> None:
     counts = ServedCounts(client, "p:", clock=lambda: now[0])
     for _ in range(3):
         counts.count("7", "canary", error=False)
-    counts.count("7", "canary", error=True)
+    counts.count("7", "canary", error=True, user="alice")
     counts.count("6", "stable", error=False)
     counts.flush()
-    counts.count("7", "canary", error=True)
+    counts.count("7", "canary", error=True, user="alice")
     counts.flush()
     now[0] = 5000.0
     counts.count("7", "canary", error=False)  # a later bucket
     counts.flush()
     assert client.ttl(served_key("p:", "7", "canary")) > 0
-    req, err = read_counts(client, "p:", {"stable": "6", "canary": "7"}, since_ts=990.0)
+    req, err, users = read_counts(client, "p:", {"stable": "6", "canary": "7"}, since_ts=990.0)
     assert req == {"stable": 1, "canary": 6} and err == {"stable": 0, "canary": 2}
-    req, err = read_counts(client, "p:", {"stable": "6", "canary": "7"}, since_ts=4000.0)
+    assert users == {"stable": [], "canary": [("alice", 1000.0, 2)]}  # both errors: one user, one bucket
+    req, err, users = read_counts(client, "p:", {"stable": "6", "canary": "7"}, since_ts=4000.0)
     assert req == {"stable": 0, "canary": 1} and err == {"stable": 0, "canary": 0}
+    assert users == {"stable": [], "canary": []}
+
+
+def test_errors_by_user_keep_any_user_key_and_stay_bounded() -> None:
+    client = fakeredis.FakeRedis()
+    counts = ServedCounts(client, "p:", clock=lambda: 100.0)
+    counts.count("7", "canary", error=True, user="team:a:b")  # colons in a key survive
+    counts.count("7", "canary", error=True)  # no user known: counted, not attributed
+    for u in range(MAX_USER_FIELDS + 50):
+        counts.count("8", "canary", error=True, user=f"u{u}")
+    counts.flush()
+    _, err, users = read_counts(client, "p:", {"canary": "7"}, 0.0)
+    assert err == {"canary": 2} and users == {"canary": [("team:a:b", 100.0, 1)]}
+    _, err, users = read_counts(client, "p:", {"canary": "8"}, 0.0)
+    assert err == {"canary": MAX_USER_FIELDS + 50} and len(users["canary"]) == MAX_USER_FIELDS
 
 
 def test_counts_survive_a_failed_flush() -> None:
@@ -85,4 +108,4 @@ def test_counts_survive_a_failed_flush() -> None:
     client = fakeredis.FakeRedis()
     counts._client = client
     counts.flush()
-    assert read_counts(client, "p:", {"stable": "1"}, 0.0) == ({"stable": 1}, {"stable": 1})
+    assert read_counts(client, "p:", {"stable": "1"}, 0.0) == ({"stable": 1}, {"stable": 1}, {"stable": []})

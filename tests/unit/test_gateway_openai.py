@@ -65,7 +65,7 @@ def make(stable: Backend | None, canary: Backend | None = None, weight: float = 
     counts: list[tuple[str, str, bool]] = []
     cfg = GatewaySettings(**{"api_keys": {"team": SecretStr(KEY)}, **settings})
     gw = Gateway(cfg, slots, lambda: table, logged.append, "rtrl-policy",
-                 count=lambda v, a, e: counts.append((v, a, e)))
+                 count=lambda v, a, e, u=None: counts.append((v, a, e) if u is None else (v, a, e, u)))
     return gw, logged, counts
 
 
@@ -257,7 +257,8 @@ def test_a_failing_canary_falls_back_to_stable_and_is_counted() -> None:
     gw, logged, counts = make(StreamBackend(), StreamBackend(fail=RuntimeError("boom")), weight=1.0)
     resp, out = call(gw, "/v1/chat/completions", CHAT)
     assert resp.code == 200 and out["rtrl"]["arm"] == "stable"
-    assert ("2", "canary", True) in counts and logged[0]["arm"] == "stable"
+    # the failure is counted against the canary and the user it failed for (the judge clusters by user)
+    assert ("2", "canary", True, logged[0]["user_key"]) in counts and logged[0]["arm"] == "stable"
 
 
 def test_backend_refusals_are_400_and_engine_errors_keep_their_status() -> None:

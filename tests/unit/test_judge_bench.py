@@ -10,9 +10,10 @@ from scipy import stats
 from bench.judge import (
     SimConfig,
     bench_policy,
+    bounds_by_tick,
     cohort_at_tick,
+    guard_by_tick,
     ours_by_tick,
-    ratio_by_tick,
     simulate_arm,
 )
 from rollback import baselines
@@ -22,27 +23,52 @@ from rollback.types import Decision
 CODES = {Decision.ROLLBACK: -1, Decision.PROMOTE: 1, Decision.CONTINUE: 0, Decision.INCONCLUSIVE: 0}
 
 
-@pytest.mark.parametrize(("seed", "shift"), [(1, 0.0), (2, -0.08), (3, -0.04)])
-def test_vectorised_decisions_match_judge(seed: int, shift: float) -> None:
-    cfg = SimConfig(ticks=5, users_per_tick=120)
+SHAPES = {
+    "even": SimConfig(ticks=5, users_per_tick=120),
+    "ramp, drift, bursts": SimConfig(ticks=7, users_per_tick=150, schedule="ramp", ramp_ticks=2,
+                                     latency_drift=0.3, error_rate=0.01, error_burst=5.0),
+    "zipf, pareto": SimConfig(ticks=5, users_per_tick=120, requests="zipf", latency="pareto",
+                              p99_ceiling_ms=3_000.0),
+}
+
+
+@pytest.mark.parametrize(("shape", "seed", "shifts"), [
+    ("even", 1, {}), ("even", 2, {"persistence_shift": -0.08}), ("even", 3, {"persistence_shift": -0.04}),
+    ("ramp, drift, bursts", 4, {}), ("ramp, drift, bursts", 5, {"persistence_shift": -0.1}),
+    ("zipf, pareto", 6, {"persistence_shift": -0.08}), ("zipf, pareto", 7, {"latency_shift_ms": 300.0}),
+])
+def test_vectorised_decisions_match_judge(shape: str, seed: int, shifts: dict[str, float]) -> None:
+    cfg = SHAPES[shape]
     rng = np.random.default_rng(seed)
-    stable = simulate_arm(rng, cfg, 2)
-    canary = simulate_arm(rng, cfg, 2, persistence_shift=shift)
-    policy = bench_policy(cfg.budget)
+    stable = simulate_arm(rng, cfg, 2, arm="stable")
+    canary = simulate_arm(rng, cfg, 2, arm="canary", **shifts)
+    policy = bench_policy(cfg.budget, cfg)
     code, _ = ours_by_tick(stable, canary, cfg, policy)
+    specs = {m.name: m.mde for m in policy.metrics} | {"edit_rate": policy.detectors.edit_rate_drop}
+    bounds = {name: bounds_by_tick(stable, canary, cfg, policy, name, mde) for name, mde in specs.items()}
+    guards = {"error_rate": guard_by_tick(stable, canary, policy, "error_rate"),
+              "p99_latency_ms": guard_by_tick(stable, canary, policy, "p99_latency_ms")}
     seen = set()
+    tripped = 0
     for c in range(2):
         for t in range(cfg.ticks):
             v = judge(cohort_at_tick(stable, c, t, cfg, "stable"),
-                      cohort_at_tick(canary, c, t, cfg, "canary"), policy)
+                      cohort_at_tick(canary, c, t, cfg, "canary"), policy, boundaries=cfg.boundaries())
             assert CODES[v.decision] == code[c, t], (c, t, v.reasons)
             seen.add(int(code[c, t]))
-    m_s, _ = ratio_by_tick(stable, "persistence", cfg)
-    m_c, _ = ratio_by_tick(canary, "persistence", cfg)
-    ev = {e.metric: e for e in v.metrics}["persistence"]
-    assert ev.estimate == pytest.approx(m_c[1, -1] - m_s[1, -1])
-    if shift < -0.05:
+            for g in v.guardrails:
+                assert g.tripped == guards[g.name][c, t], (g.name, c, t)
+                tripped += g.tripped
+            for ev in (*v.metrics, *(d.evidence for d in v.detectors)):
+                est, lower, upper, defined = (x[c, t] for x in bounds[ev.metric])
+                assert (ev.status != "insufficient") == defined, (ev.metric, c, t)
+                if defined:
+                    assert (ev.estimate, ev.ci_lower, ev.ci_upper) == pytest.approx((est, lower, upper)), \
+                        (ev.metric, c, t)
+    if shifts.get("persistence_shift", 0) < -0.05:
         assert -1 in seen
+    if "latency_shift_ms" in shifts:
+        assert tripped  # the p99 guardrail's path is exercised
 
 
 def test_first_true() -> None:
