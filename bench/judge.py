@@ -34,10 +34,12 @@ from numpy.typing import NDArray
 from scipy import stats as sps
 
 from bench.judge_sim import (
+    DIRECTIONS,
     TICK_S,
     Arm,
     SimConfig,
     cohort_at_tick,
+    flagger_thresholds,
     interval_values,
     metric_arrays,
     simulate_arm,
@@ -51,7 +53,7 @@ from rollback.stats import (
     ratio_mean_var,
     strata_difference,
 )
-from rollback.types import DetectorPolicy, Direction, GuardrailPolicy, JudgePolicy, MetricSpec
+from rollback.types import DetectorPolicy, GuardrailPolicy, JudgePolicy, MetricSpec
 
 __all__ = ["SimConfig", "cohort_at_tick", "main", "simulate_arm"]
 
@@ -223,12 +225,6 @@ SCENARIOS: dict[str, Scenario] = {
 """Shifts of the canary and traffic shapes. "edit rate -10 pts" is reward hacking (fewer edits,
 same persistence): only our judge watches behaviour rates. A negative ``p99_ceiling_ms`` means
 that multiple of the true p99 (a ceiling a healthy canary sits just under)."""
-DIRECTIONS: dict[str, Direction] = {
-    "persistence": "higher_is_better", "latency_ms": "lower_is_better",
-    "dissatisfied": "lower_is_better", "error_rate": "lower_is_better",
-}
-
-
 def scenario_config(name: str, base: SimConfig) -> SimConfig:
     overrides = dict(SCENARIOS[name].config)
     if "users_per_tick" in overrides:  # scaled with the base, so --users-per-tick still applies
@@ -259,7 +255,8 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     return lo, hi
 
 
-def run_scenario(name: str, base: SimConfig, canaries: int, seed: int, chunk: int = 50) -> list[Row]:
+def run_scenario(name: str, base: SimConfig, canaries: int, seed: int, chunk: int = 50,
+                 with_baselines: bool = True) -> list[Row]:
     scenario = SCENARIOS[name]
     cfg = scenario_config(name, base)
     policy = bench_policy(cfg.budget, cfg)
@@ -278,6 +275,8 @@ def run_scenario(name: str, base: SimConfig, canaries: int, seed: int, chunk: in
         codes.append(np.where(tick >= 0, code[np.arange(c), np.maximum(tick, 0)], 0))
         any_rollback.append(baselines.first_true(code == -1))
         promoted_at.append(baselines.first_true(code == 1))
+        if not with_baselines:
+            continue
         iv_s, iv_c = interval_values(stable), interval_values(canary)
         first["kayenta"].append(baselines.kayenta_sequential(iv_s, iv_c, DIRECTIONS))
         first["kayenta_fixed"].append(baselines.kayenta_fixed(iv_s, iv_c, DIRECTIONS))
@@ -286,6 +285,8 @@ def run_scenario(name: str, base: SimConfig, canaries: int, seed: int, chunk: in
     cum_canary = cfg.cum_users("canary")
     rows = []
     for judge_name, ticks in first.items():
+        if not ticks:
+            continue
         t = np.concatenate(ticks)
         promote_rate = users_promoted = None
         if judge_name == "ours":
@@ -301,21 +302,6 @@ def run_scenario(name: str, base: SimConfig, canaries: int, seed: int, chunk: in
                         float(np.median(users)) if users.size else float("nan"), promote_rate,
                         clopper_pearson(int(rolled.sum()), rolled.size), users_promoted))
     return rows
-
-
-def flagger_thresholds(stable_intervals: dict[str, Arr], level: dict[str, float],
-                       mdes: dict[str, float]) -> dict[str, float]:
-    """Thresholds as a careful operator would set them: at the baseline level moved by the MDE in
-    the bad direction, or beyond stable's own 1st/99th percentile interval value if that is
-    further out (so a healthy canary rarely fails a check)."""
-    out = {}
-    for k, direction in DIRECTIONS.items():
-        values = stable_intervals[k][np.isfinite(stable_intervals[k])]
-        if direction == "higher_is_better":
-            out[k] = min(level[k] - mdes[k], float(np.quantile(values, 0.01)))
-        else:
-            out[k] = max(level[k] + mdes[k], float(np.quantile(values, 0.99)))
-    return out
 
 
 LABEL = {"ours": "ours (stratified mSPRT)", "kayenta": "Kayenta-style MW, every interval",

@@ -10,7 +10,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import stats as sps
 
-from rollback.types import CohortData, ErrorCount, RequestOutcome
+from rollback.types import CohortData, Direction, ErrorCount, RequestOutcome
 
 Arr = NDArray[np.float64]
 IntArr = NDArray[np.int64]
@@ -217,4 +217,25 @@ def interval_values(arm: Arm) -> dict[str, Arr]:
         s, n = metric_arrays(arm, name)
         total = n.sum(-1)
         out[name] = np.where(total > 0, s.sum(-1) / np.maximum(total, 1), np.nan)
+    return out
+
+
+DIRECTIONS: dict[str, Direction] = {
+    "persistence": "higher_is_better", "latency_ms": "lower_is_better",
+    "dissatisfied": "lower_is_better", "error_rate": "lower_is_better",
+}
+
+
+def flagger_thresholds(stable_intervals: dict[str, Arr], level: dict[str, float],
+                       mdes: dict[str, float]) -> dict[str, float]:
+    """Thresholds as a careful operator would set them: at the baseline level moved by the MDE in
+    the bad direction, or beyond stable's own 1st/99th percentile interval value if that is
+    further out (so a healthy canary rarely fails a check)."""
+    out = {}
+    for k, direction in DIRECTIONS.items():
+        values = stable_intervals[k][np.isfinite(stable_intervals[k])]
+        if direction == "higher_is_better":
+            out[k] = min(level[k] - mdes[k], float(np.quantile(values, 0.01)))
+        else:
+            out[k] = max(level[k] + mdes[k], float(np.quantile(values, 0.99)))
     return out
