@@ -61,7 +61,8 @@ def judge_policy(d: DeployerSettings) -> JudgePolicy:
     return JudgePolicy(
         metrics=tuple(replace(s, mde=d.judge_mde.get(s.name, s.mde)) for s in specs),
         alpha=d.judge_alpha, min_users=d.judge_min_users, max_users=d.judge_max_users,
-        max_duration_s=d.max_duration_s,
+        max_duration_s=d.max_duration_s, stratum_s=d.judge_stratum_s,
+        user_weight_cap=d.judge_user_weight_cap,
         guardrails=GuardrailPolicy(max_error_rate=d.judge_max_error_rate,
                                    max_p99_latency_ms=d.judge_max_p99_latency_ms,
                                    min_requests=d.judge_min_requests),

@@ -369,8 +369,15 @@ class DeployerSettings(Section):
     """Guardrail: the canary's error-rate ceiling (rolls back at once)."""
     judge_max_p99_latency_ms: Annotated[float, Field(gt=0.0)] = 10_000.0
     """Guardrail: the canary's p99 latency ceiling in ms (rolls back at once)."""
-    judge_min_requests: Annotated[int, Field(ge=1)] = 200
-    """Guardrails look only once the canary served this many requests."""
+    judge_min_requests: Annotated[int, Field(ge=1)] = 1
+    """A floor of canary requests before a guardrail may act. The guardrails' own
+    anytime-valid test already waits for enough evidence (docs/judge.md), so 1 adds nothing."""
+    judge_stratum_s: Annotated[float, Field(gt=0.0)] = 600.0
+    """Width of the judge's time strata: arms are compared only within one stratum and one
+    weight step, so a drift shared by both arms cannot look like an effect."""
+    judge_user_weight_cap: Annotated[float, Field(ge=1.0)] | None = 10.0
+    """A user's requests count at most this many times in a judged metric (heavy users cannot
+    drown the others); null: no cap."""
     judge_mde: dict[str, float] = Field(default_factory=dict)
     """Minimum detectable effect per judged metric, overriding the judge's defaults (see
     docs/judge.md), e.g. RTRL_DEPLOYER__JUDGE_MDE='{"reward": 0.1, "persistence": 0.05}'."""
