@@ -52,6 +52,20 @@ def test_better_candidate_steps_through_every_weight_then_is_promoted() -> None:
     assert run_.metrics["canary.weight"][4] == 0.5 and run_.metrics["judge.verdict"][4] == 1.0
 
 
+def test_the_start_of_every_weight_step_is_kept_for_the_judges_strata() -> None:
+    w = world()
+    starts = []
+    for d in [None, None, "continue", "continue", "continue"]:
+        before = w.status.weight
+        run(w, d)
+        if w.status.weight != before:
+            starts.append(w.now)
+    assert w.status.weight == 0.5 and len(starts) == 4
+    assert w.status.step_times == tuple(starts)  # 1%, 5%, 25%, 50%
+    restored = CanaryStatus.from_json(json.loads(json.dumps(w.status.to_json())))
+    assert restored.step_times == w.status.step_times
+
+
 def test_ledger_run_names_the_candidates_data_reward_spec_and_training_run() -> None:
     w = world()
     w.registry.set_tags("2", {"rtrl.parent_version": "1", "rtrl.reward_spec_version": "default-3",
