@@ -34,7 +34,8 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              f"sum by (arm, defaulted) (rate(rtrl_rewards_emitted_total[{RATE}]))"),
         ]),
         ("Mean reward by arm", "short", [
-            ("{{arm}}", f"sum by (arm) (rate(rtrl_reward_value_sum[{RATE}])) "
+            ("{{arm}}", f"(sum by (arm) (rate(rtrl_reward_value_positive_total[{RATE}])) "
+                        f"- sum by (arm) (rate(rtrl_reward_value_negative_total[{RATE}]))) "
                         f"/ sum by (arm) (rate(rtrl_reward_value_count[{RATE}]))"),
         ]),
         ("Open reward windows", "short", [

@@ -21,6 +21,7 @@ from services.gateway.server import Gateway, GatewayServer
 from services.gateway.upstream import UpstreamBackend
 from services.runtime.engine_settings import EngineSettings
 from services.runtime.health import Health
+from services.runtime.metrics import BUILD_INFO, registry_for
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.redis_io import make_redis
 from services.runtime.service_settings import GatewaySettings
@@ -125,7 +126,7 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
     health.add_check("broker", lambda: exposures.healthy)
     counts = ServedCounts(make_redis(settings.redis), settings.redis.key_prefix)
     gateway = Gateway(gw, slots, lambda: poller.table, exposures.log, model_name, health,
-                      count=counts.count,
+                      registry=registry_for("gateway"), count=counts.count,
                       request_ids=RequestIds(make_redis(settings.redis), settings.redis.key_prefix))
     exposures.start()
     slots.start()
@@ -145,6 +146,7 @@ def main(argv: list[str]) -> int:
         gateway_settings = settings.gateway.model_copy(update={"port": args.port})
         settings = settings.model_copy(update={"gateway": gateway_settings})
     setup_logging(settings.log_level, "gateway")
+    BUILD_INFO.info({"service": "gateway"})
     gw = settings.gateway
     if gw.key_id is not None and gw.secret is None and gw.key_id not in settings.auth.keys:
         log.error("no signing secret for key id %r: set RTRL_GATEWAY__SECRET (or RTRL_AUTH__KEYS), "

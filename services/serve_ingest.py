@@ -210,7 +210,8 @@ def run_worker(
     batch = max_batch or s.max_batch
     health = Health()
     http = HttpEndpoints(health, settings.http.host,
-                         settings.http.port if metrics_port is None else metrics_port).start()
+                         settings.http.port if metrics_port is None else metrics_port,
+                         m.registry_for(SERVICE)).start()
     if on_ready is not None:
         on_ready(http)
     loop: ExactlyOnceLoop[IngestCounts] | None = None

@@ -143,7 +143,7 @@ class RewardJoin:
         done_t = time.time()
         for c in result.closed:
             m.REWARDS_EMITTED.labels(c.arm, str(c.defaulted).lower()).inc()
-            m.REWARD_VALUE.labels(c.arm).observe(c.reward)
+            m.observe_reward(c.arm, c.reward)
             m.REWARD_CLOSE_SECONDS.observe(max(0.0, done_t - c.close_time))
         if result.orphan_events:
             m.REWARD_ORPHANS.inc(result.orphan_events)
@@ -363,7 +363,7 @@ def main(argv: list[str]) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     health = Health()
     port = args.metrics_port if args.metrics_port is not None else settings.http.port
-    http = HttpEndpoints(health, settings.http.host, port).start()
+    http = HttpEndpoints(health, settings.http.host, port, m.registry_for(SERVICE)).start()
     worker = RewardWorker(settings, spec, health)
     try:
         worker.start()

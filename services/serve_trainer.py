@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
     health = Health(liveness_timeout_s=60)
     health.add_check("scheduler", lambda: bool(scheduler.running))
     port = args.metrics_port if args.metrics_port is not None else settings.http.port
-    http = HttpEndpoints(health, settings.http.host, port).start()
+    http = HttpEndpoints(health, settings.http.host, port, metrics.registry_for("trainer")).start()
     scheduler.start()
     schedule(scheduler, settings)
     job = scheduler.get_job(JOB_ID)

@@ -50,7 +50,7 @@ from services.local.sim_users import (
 )
 from services.runtime.event_producer import EventProducer
 from services.runtime.health import Health, HttpEndpoints
-from services.runtime.metrics import SIM_REQUESTS
+from services.runtime.metrics import BUILD_INFO, SIM_REQUESTS, registry_for
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.service_settings import SimulatorSettings
 from services.runtime.settings import Settings, get_settings
@@ -271,12 +271,14 @@ def main(argv: list[str]) -> int:
         settings = settings.model_copy(
             update={"simulator": settings.simulator.model_copy(update=overrides)})
     setup_logging(settings.log_level, "simulator")
+    BUILD_INFO.info({"service": "simulator"})
     stopper = Stopper().install()
     producer = EventProducer(settings, settings.simulator.key_id, _secret(settings))
     sim = Simulator(settings, producer.send)
     health = Health()
     health.add_check("gateway_answered_recently", lambda: time.monotonic() - sim.last_ok < 30)
-    endpoints = HttpEndpoints(health, settings.http.host, settings.http.port).start()
+    endpoints = HttpEndpoints(health, settings.http.host, settings.http.port,
+                              registry_for("simulator")).start()
     log.info("simulating %d users against %s at %s req/s (time scale %g)", len(sim.users),
              settings.simulator.gateway_url, settings.simulator.rate_per_s or "max",
              settings.simulator.time_scale)

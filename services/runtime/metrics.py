@@ -2,12 +2,25 @@
 checked against the names services really register (see tests/unit/test_metric_names.py).
 
 Each service imports the metrics it updates from here. Add new metrics here, in the
-section of the service that owns them.
+section of the service that owns them, and list them in ``OWNERS``: a process serves
+``registry_for(its service)``, so it exports only its own metrics (and the shared ones),
+never another service's gauges at their initial 0 (which made alerts such as
+RtrlTrainingOverdue fire on every process).
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+)
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -59,6 +72,14 @@ REWARD_VALUE = Histogram(
     "rtrl_reward_value", "Emitted reward values", ["arm"],
     buckets=(-2, -1, -0.5, -0.25, 0, 0.25, 0.5, 1, 2),
 )
+REWARD_VALUE_POSITIVE = Counter(
+    "rtrl_reward_value_positive", "Sum of the emitted reward values above 0", ["arm"]
+)
+REWARD_VALUE_NEGATIVE = Counter(
+    "rtrl_reward_value_negative", "Sum of the magnitudes of the emitted reward values below 0", ["arm"]
+)
+"""A histogram with buckets below 0 exports no ``_sum``; the mean reward of an arm is
+(rate(positive) - rate(negative)) / rate(rtrl_reward_value_count)."""
 REWARD_CLOSE_SECONDS = Histogram(
     "rtrl_reward_close_latency_seconds",
     "From the closing event (or due time) to the reward record being committed",
@@ -109,6 +130,20 @@ JUDGE_STAT = Gauge(
 HACKING_DETECTIONS = Counter(
     "rtrl_reward_hacking_detections_total", "Reward-hacking detectors that fired", ["detector"]
 )
+GROUP_LAG_MESSAGES = Gauge(
+    "rtrl_group_lag_messages",
+    "Records between a pipeline consumer group's committed offsets and the partitions' ends, "
+    "read from the broker (services/runtime/group_lag.py)",
+    ["group", "topic"],
+)
+GROUP_LAG_SECONDS = Gauge(
+    "rtrl_group_lag_seconds",
+    "How long the oldest record the group has not committed has waited (0 with no backlog)",
+    ["group", "topic"],
+)
+GROUP_LAG_READ = Gauge(
+    "rtrl_group_lag_read_timestamp_seconds", "Unix time of the last successful group-lag read"
+)
 
 # --- gateway -----------------------------------------------------------------------------
 GATEWAY_REQUESTS = Counter(
@@ -158,3 +193,48 @@ SIM_REQUESTS = Counter(
 )
 SIM_EVENTS = Counter("rtrl_sim_events_total", "Client events sent by the simulated users", ["type"])
 SIM_SCHEDULED = Gauge("rtrl_sim_scheduled_events", "Client events waiting for their due time")
+
+
+SHARED: tuple[Collector, ...] = (BUILD_INFO, CONSUMER_LAG, BATCH_SECONDS, DEPENDENCY_RETRIES)
+"""Exported by every service."""
+OWNERS: dict[str, tuple[Collector, ...]] = {
+    "ingest": (INGEST_EVENTS, INGEST_REJECTED),
+    "reward": (REWARD_EVENTS, REWARD_LATE, REWARD_ORPHANS, REWARD_OPEN_WINDOWS, REWARD_OLDEST_OPEN_AGE,
+               REWARDS_EMITTED, REWARD_VALUE, REWARD_VALUE_POSITIVE, REWARD_VALUE_NEGATIVE,
+               REWARD_CLOSE_SECONDS, REWARD_RECOVERED),
+    "trainer": (TRAIN_INCREMENTS, TRAIN_RUNNING, TRAIN_LAST_SUCCESS, TRAIN_CADENCE, TRAIN_DURATION,
+                TRAIN_STAT, GATE_RESULTS),
+    "deployer": (CANARY_PHASE, CANARY_WEIGHT, CANARY_PHASE_AGE, CANARY_VERDICTS, CANARY_PROMOTIONS,
+                 CANARY_ROLLBACKS, CANARY_ABORTS, JUDGE_STAT, HACKING_DETECTIONS, GROUP_LAG_MESSAGES,
+                 GROUP_LAG_SECONDS, GROUP_LAG_READ),
+    "gateway": (GATEWAY_REQUESTS, GATEWAY_ERRORS, GATEWAY_SECONDS, GATEWAY_FALLBACKS, GATEWAY_EXPOSURES,
+                GATEWAY_MODEL_LOADS, GATEWAY_SERVING, GATEWAY_ROUTING_AGE, GATEWAY_CONNECTIONS,
+                GATEWAY_CLIENT_REQUESTS, GATEWAY_OPEN_CONNECTIONS),
+    "simulator": (SIM_REQUESTS, SIM_EVENTS, SIM_SCHEDULED),
+}
+"""The metrics each service updates, and so exports."""
+
+
+def registry_for(*services: str) -> CollectorRegistry:
+    """A registry holding the process, platform and GC collectors, the shared metrics and
+    the given services' own: what that process's ``/metrics`` serves. The metric objects
+    are the catalogue's, so updates through the module's names show up in it."""
+    unknown = sorted(set(services) - set(OWNERS))
+    if unknown:
+        raise ValueError(f"unknown service(s) {unknown}; known: {sorted(OWNERS)}")
+    registry = CollectorRegistry(auto_describe=True)
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR, *SHARED):
+        registry.register(collector)
+    for service in dict.fromkeys(services):
+        for collector in OWNERS[service]:
+            registry.register(collector)
+    return registry
+
+
+def observe_reward(arm: str, value: float) -> None:
+    """Record one emitted reward: its bucket, and its sign's running sum."""
+    REWARD_VALUE.labels(arm).observe(value)
+    if value > 0:
+        REWARD_VALUE_POSITIVE.labels(arm).inc(value)
+    elif value < 0:
+        REWARD_VALUE_NEGATIVE.labels(arm).inc(-value)
