@@ -8,6 +8,7 @@ with the command that installs it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -105,3 +106,22 @@ def alert_groups() -> dict[Path, list[dict[str, Any]]]:
 def alert_rules() -> list[dict[str, Any]]:
     groups = [g for file_groups in alert_groups().values() for g in file_groups]
     return [rule for g in groups for rule in g["rules"] if "alert" in rule]
+
+
+_PROMQL_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
+                    "bool", "offset", "inf", "nan", "atan2"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names in a PromQL expression (functions, keywords, labels and durations removed)."""
+    text = re.sub(r'"(?:\\.|[^"\\])*"', '""', expr)  # string literals
+    text = re.sub(r"\{[^}]*\}", "", text)  # label matchers
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    text = re.sub(r"\[[^\]]*\]", "", text)  # ranges and subqueries
+    names = set()
+    for match in re.finditer(r"(?<![\w.$])[A-Za-z_:][\w:]*", text):
+        rest = text[match.end():]
+        if re.match(r"\s*\(", rest) or match.group() in _PROMQL_KEYWORDS:
+            continue  # a function call or an operator keyword
+        names.add(match.group())
+    return names

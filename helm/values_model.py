@@ -216,6 +216,15 @@ class ServiceMonitor(_Values):
     """Extra labels, e.g. {release: kube-prometheus-stack} to match the Prometheus selector."""
 
 
+class Slo(_Values):
+    availability: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.999
+    """Share of gateway requests not answered 5xx (RtrlGatewayErrorBudgetBurn)."""
+    latency: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.99
+    """Share of gateway requests answered within latencyThresholdSeconds (RtrlGatewayLatencyBudgetBurn)."""
+    latency_threshold_seconds: Literal["0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "30.0"] = "5.0"
+    """The latency objective's threshold: one of the gateway histogram's bucket bounds, as exported."""
+
+
 class PrometheusRule(_Values):
     enabled: bool = False
     """Create a PrometheusRule with the alerts in files/alerts/."""
@@ -225,6 +234,8 @@ class PrometheusRule(_Values):
         "https://github.com/rtrl/rtrl/blob/main/docs/runbooks"
     )
     """Base of every alert's runbook_url (no trailing slash); point it at your fork or wiki."""
+    slo: Slo = Slo()
+    """The gateway's service-level objectives, for the burn-rate alerts."""
 
 
 class Dashboards(_Values):

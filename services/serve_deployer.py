@@ -35,8 +35,9 @@ from rollback.judge import judge
 from rollback.types import GuardrailPolicy, JudgePolicy, default_metrics
 from services.gateway.counts import read_counts
 from services.runtime import metrics as m
+from services.runtime.group_lag import BrokerOffsets, GroupLagMonitor
 from services.runtime.health import Health, HttpEndpoints
-from services.runtime.kafka_io import ensure_topics, make_consumer, wait_for_broker
+from services.runtime.kafka_io import ensure_topics, make_admin, make_consumer, wait_for_broker
 from services.runtime.mlflow_http import bound_mlflow_http, dependency_of
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.redis_io import make_redis
@@ -302,6 +303,20 @@ def build_engine(settings: Settings, redis_client: Any, registry: Any) -> Engine
                       eng.engine_adapter_dir, key, settings.deployer.engine_check_tolerance, eng.timeout_s)
 
 
+def start_lag_monitor(settings: Settings) -> GroupLagMonitor | None:
+    """Reads the ingest and reward groups' lag from the broker in the background."""
+    if settings.deployer.lag_interval_s <= 0:
+        return None
+    groups = [(settings.ingest.group_id, settings.topics.raw),
+              (settings.reward.group_id, settings.topics.events)]
+
+    def connect() -> BrokerOffsets:
+        consumer = make_consumer(settings.kafka, None, allow_auto_create_topics=False)
+        return BrokerOffsets(make_admin(settings.kafka), consumer)
+
+    return GroupLagMonitor(SERVICE, groups, connect, settings.deployer.lag_interval_s).start()
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="rtrl serve deployer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--once", action="store_true", help="run one tick and exit")
@@ -322,7 +337,8 @@ def main(argv: list[str]) -> int:
     health = Health(liveness_timeout_s=max(60.0, 3 * tick_s))
     health.add_check("redis", lambda: bool(ports.state.r.ping()))
     port = args.metrics_port if args.metrics_port is not None else settings.http.port
-    http = HttpEndpoints(health, settings.http.host, port).start()
+    http = HttpEndpoints(health, settings.http.host, port, m.registry_for(SERVICE)).start()
+    lag = start_lag_monitor(settings)
     log.info("deployer %s: tick every %.1fs, steps %s, bake %.0fs", ports.state.owner, tick_s,
              settings.deployer.steps, settings.deployer.bake_s)
     try:
@@ -335,6 +351,8 @@ def main(argv: list[str]) -> int:
     finally:
         ports.state.release()
         rewards.close()
+        if lag is not None:
+            lag.stop()
         http.stop()
     log.info("deployer stopped")
     return 0

@@ -383,3 +383,6 @@ class DeployerSettings(Section):
     docs/judge.md), e.g. RTRL_DEPLOYER__JUDGE_MDE='{"reward": 0.1, "persistence": 0.05}'."""
     poll_timeout_ms: Annotated[int, Field(ge=1)] = 500
     """Longest wait for new reward records in one tick."""
+    lag_interval_s: Annotated[float, Field(ge=0.0)] = 30.0
+    """Seconds between reads of the ingest and reward groups' lag from the broker
+    (``rtrl_group_lag_seconds``, which outlives the consumers); 0 turns them off."""

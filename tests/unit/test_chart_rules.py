@@ -18,7 +18,15 @@ import chart_tools as ct
 import dashboard
 
 REQUIRED_ALERTS = {
-    "RtrlConsumerLagGrowing",
+    "RtrlPipelineLagHigh",
+    "RtrlServiceDown",
+    "RtrlWorkerDown",
+    "RtrlExposuresLost",
+    "RtrlRollbackFailing",
+    "RtrlGatewayErrorBudgetBurn",
+    "RtrlGatewayErrorBudgetSlowBurn",
+    "RtrlGatewayLatencyBudgetBurn",
+    "RtrlGatewayLatencyBudgetSlowBurn",
     "RtrlRewardWindowsNotClosing",
     "RtrlDeadLetterRateSpike",
     "RtrlTrainingIncrementFailed",
@@ -27,7 +35,6 @@ REQUIRED_ALERTS = {
     "RtrlCanaryInconclusive",
     "RtrlCanaryStuck",
     "RtrlRewardHackingDetected",
-    "RtrlGatewayErrorRateHigh",
     "RtrlDependencyUnavailable",
 }
 ALERT_FILES = sorted(ct.ALERTS.glob("*.yaml"))
@@ -128,3 +135,26 @@ def test_dashboard_promql_parses(promtool: str, tmp_path: Path) -> None:
     proc = ct.run([promtool, "check", "rules", str(path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {len(rules)} rules found" in proc.stdout
+
+
+def test_prometheusrule_writes_the_slo_values_and_the_chart_name_in(tmp_path: Path) -> None:
+    helm = ct.tool("helm")
+    values = tmp_path / "slo.yaml"
+    values.write_text(yaml.safe_dump({"nameOverride": "loop", "prometheusRule": {
+        "enabled": True, "slo": {"availability": 0.99, "latency": 0.95, "latencyThresholdSeconds": "2.5"}}}))
+    proc = ct.helm_template(helm, ct.helm_env(tmp_path), [*ct.REQUIRED, "-f", str(values)])
+    assert proc.returncode == 0, proc.stderr
+    (rule,) = [d for d in ct.documents(proc.stdout) if d["kind"] == "PrometheusRule"]
+    exprs = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+    assert "14.4 * (1 - 0.99)" in exprs["RtrlGatewayErrorBudgetBurn"]
+    assert "0.999" not in exprs["RtrlGatewayErrorBudgetBurn"]
+    assert "14.4 * (1 - 0.95)" in exprs["RtrlGatewayLatencyBudgetBurn"]
+    latency = exprs["RtrlGatewayLatencyBudgetBurn"]
+    assert 'le="2.5"' in latency and 'le="5.0"' not in latency
+    assert 'app_kubernetes_io_name="loop"' in exprs["RtrlServiceDown"]
+    assert 'app_kubernetes_io_name="rtrl"' not in exprs["RtrlWorkerDown"]
+    monitor = ct.helm_template(helm, ct.helm_env(tmp_path),
+                               [*ct.REQUIRED, "--set", "serviceMonitor.enabled=true"])
+    (monitor_doc,) = [d for d in ct.documents(monitor.stdout) if d["kind"] == "ServiceMonitor"]
+    assert {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"} <= set(
+        monitor_doc["spec"]["targetLabels"])

@@ -169,3 +169,13 @@ def test_ruff_fails_a_domain_folder_that_imports_services(path: str) -> None:
 def test_ruff_lets_services_import_services() -> None:
     assert "TID251" not in _ruff("services/probe.py", PROBE)
 
+
+
+def test_test_files_have_unique_basenames() -> None:
+    """pytest imports test files that sit outside a package by their basename alone, so two
+    tiers holding the same file name stop the whole run at collection."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if not (path.parent / "__init__.py").exists():
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

@@ -1,0 +1,173 @@
+"""Consumer-group lag read from the broker, by a process that outlives the consumers.
+
+A consumer exports its own lag (``rtrl_consumer_lag_messages``), so when it dies its series
+vanish while the backlog grows. The deployer (one replica, always running) therefore also
+reads each pipeline group's committed offsets and the partitions' ends from the broker and
+exports, per group and topic, the backlog in messages and its age in seconds: how long the
+oldest record not yet committed by the group has waited (``rtrl_group_lag_seconds``). An
+empty backlog is 0 seconds, whatever the age of the last record.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kafka import TopicPartition
+
+from services.runtime import metrics as m
+from services.runtime.kafka_io import committed_offsets
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PartitionLag:
+    partition: int
+    messages: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GroupLag:
+    group: str
+    topic: str
+    messages: int
+    """Records between the group's committed offsets and the partitions' ends, summed."""
+    seconds: float
+    """Age of the oldest uncommitted record over the partitions (0 with no backlog)."""
+
+
+def partition_lags(
+    committed: Mapping[int, int],
+    starts: Mapping[int, int],
+    ends: Mapping[int, int],
+    head_ts: Mapping[int, float],
+    now: float,
+) -> list[PartitionLag]:
+    """Lag per partition of ``ends``. A partition the group never committed counts from its
+    first retained offset; a committed offset below it (records removed by retention) counts
+    from there too. ``head_ts`` maps a partition to the timestamp (s) of its first
+    uncommitted record; a backlog without one (not read yet) has age 0."""
+    out = []
+    for p in sorted(ends):
+        start = max(committed.get(p, starts.get(p, 0)), starts.get(p, 0))
+        messages = max(0, ends[p] - start)
+        seconds = max(0.0, now - head_ts[p]) if messages and p in head_ts else 0.0
+        out.append(PartitionLag(p, messages, seconds))
+    return out
+
+
+def summarise(group: str, topic: str, lags: list[PartitionLag]) -> GroupLag:
+    return GroupLag(group, topic, sum(x.messages for x in lags), max((x.seconds for x in lags), default=0.0))
+
+
+class BrokerOffsets:
+    """Reads offsets and head timestamps with kafka-python (an admin client and an
+    unassigned consumer, ``group_id=None``, so reading never joins or moves a group)."""
+
+    def __init__(self, admin: Any, consumer: Any) -> None:
+        self.admin = admin
+        self.consumer = consumer
+
+    def group_lag(self, group: str, topic: str, now: float) -> GroupLag:
+        parts = self.consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        if not tps:
+            return GroupLag(group, topic, 0, 0.0)
+        ends = {tp.partition: off for tp, off in self.consumer.end_offsets(tps).items()}
+        starts = {tp.partition: off for tp, off in self.consumer.beginning_offsets(tps).items()}
+        committed = committed_offsets(self.admin, group, topic)
+        first = {p: max(committed.get(p, starts[p]), starts[p]) for p in ends}
+        behind = [tp for tp in tps if first[tp.partition] < ends[tp.partition]]
+        return summarise(group, topic, partition_lags(committed, starts, ends,
+                                                      self._head_ts(behind, first), now))
+
+    def _head_ts(self, tps: list[Any], first: Mapping[int, int], timeout_s: float = 2.0) -> dict[int, float]:
+        """The timestamp of the record at ``first[p]`` (or the next readable one) per partition."""
+        if not tps:
+            return {}
+        self.consumer.assign(tps)
+        for tp in tps:
+            self.consumer.seek(tp, first[tp.partition])
+        found: dict[int, float] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(found) < len(tps) and time.monotonic() < deadline:
+            for tp, records in self.consumer.poll(timeout_ms=200, max_records=100).items():
+                if records and tp.partition not in found:
+                    found[tp.partition] = records[0].timestamp / 1000.0
+                    self.consumer.pause(tp)
+        self.consumer.resume(*tps)
+        return found
+
+    def close(self) -> None:
+        self.consumer.close(autocommit=False)
+        self.admin.close()
+
+
+class GroupLagMonitor:
+    """Every ``interval_s``, reads each (group, topic) lag and sets
+    ``rtrl_group_lag_messages`` and ``rtrl_group_lag_seconds``. A failed read is counted in
+    ``rtrl_dependency_retries_total{dependency="kafka"}`` and leaves the last values, with
+    ``rtrl_group_lag_read_timestamp_seconds`` showing their age."""
+
+    def __init__(self, service: str, groups: list[tuple[str, str]], connect: Callable[[], BrokerOffsets],
+                 interval_s: float = 30.0, clock: Callable[[], float] = time.time) -> None:
+        self.service = service
+        self.groups = groups
+        self.connect = connect
+        self.interval_s = interval_s
+        self.clock = clock
+        self._offsets: BrokerOffsets | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="group-lag", daemon=True)
+
+    def read_once(self) -> list[GroupLag]:
+        if self._offsets is None:
+            self._offsets = self.connect()
+        out = []
+        for group, topic in self.groups:
+            lag = self._offsets.group_lag(group, topic, self.clock())
+            m.GROUP_LAG_MESSAGES.labels(group, topic).set(lag.messages)
+            m.GROUP_LAG_SECONDS.labels(group, topic).set(lag.seconds)
+            out.append(lag)
+        m.GROUP_LAG_READ.set(self.clock())
+        return out
+
+    def tick(self) -> bool:
+        """One read; False (counted, connection dropped for a fresh one) when it failed."""
+        try:
+            self.read_once()
+            return True
+        except Exception as exc:  # the broker is down or the group is rebalancing: retry
+            m.DEPENDENCY_RETRIES.labels(self.service, "kafka").inc()
+            log.warning("reading consumer-group lag failed (%s: %s); retrying in %.0fs",
+                        type(exc).__name__, str(exc)[:200], self.interval_s)
+            self._drop()
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.tick()
+            self._stop.wait(self.interval_s)
+        self._drop()
+
+    def _drop(self) -> None:
+        if self._offsets is not None:
+            try:
+                self._offsets.close()
+            except Exception:  # closing a broken client
+                log.debug("closing the lag reader failed", exc_info=True)
+            self._offsets = None
+
+    def start(self) -> GroupLagMonitor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)

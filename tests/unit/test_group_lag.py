@@ -1,0 +1,100 @@
+"""Consumer-group lag from the broker's offsets (services/runtime/group_lag.py): the maths
+against a plain reference, and the monitor's metrics and failure handling with a fake reader."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.runtime import metrics as m
+from services.runtime.group_lag import GroupLag, GroupLagMonitor, PartitionLag, partition_lags, summarise
+
+pytestmark = pytest.mark.unit
+
+
+def _reference(committed: dict[int, int], starts: dict[int, int], ends: dict[int, int],
+               head: dict[int, float], now: float) -> list[tuple[int, int, float]]:
+    rows = []
+    for p in sorted(ends):
+        first = starts.get(p, 0)
+        if p in committed and committed[p] > first:
+            first = committed[p]
+        n = ends[p] - first if ends[p] > first else 0
+        age = now - head[p] if (n > 0 and p in head and now > head[p]) else 0.0
+        rows.append((p, n, age))
+    return rows
+
+
+def test_partition_lags_match_a_plain_reference_on_random_offsets() -> None:
+    rng = random.Random(5)
+    for _ in range(500):
+        parts = rng.randint(1, 6)
+        starts = {p: rng.randint(0, 50) for p in range(parts)}
+        ends = {p: starts[p] + rng.randint(0, 100) for p in range(parts)}
+        committed = {p: rng.randint(0, ends[p]) for p in range(parts) if rng.random() < 0.7}
+        head = {p: rng.uniform(900.0, 1100.0) for p in range(parts) if rng.random() < 0.8}
+        got = partition_lags(committed, starts, ends, head, now=1000.0)
+        assert [(x.partition, x.messages, x.seconds) for x in got] == _reference(
+            committed, starts, ends, head, 1000.0)
+
+
+def test_a_group_that_never_committed_counts_from_the_first_retained_record() -> None:
+    got = partition_lags({}, {0: 40}, {0: 100}, {0: 10.0}, now=70.0)
+    assert got == [PartitionLag(0, 60, 60.0)]
+
+
+def test_records_removed_by_retention_are_not_counted() -> None:
+    assert partition_lags({0: 5}, {0: 40}, {0: 100}, {}, now=70.0) == [PartitionLag(0, 60, 0.0)]
+
+
+def test_no_backlog_has_age_zero_whatever_the_last_records_age() -> None:
+    assert partition_lags({0: 100}, {0: 0}, {0: 100}, {0: 1.0}, now=5000.0) == [PartitionLag(0, 0, 0.0)]
+
+
+def test_the_group_sums_messages_and_takes_the_oldest_wait() -> None:
+    lags = [PartitionLag(0, 3, 12.5), PartitionLag(1, 0, 0.0), PartitionLag(2, 7, 40.0)]
+    assert summarise("g", "t", lags) == GroupLag("g", "t", 10, 40.0)
+    assert summarise("g", "t", []) == GroupLag("g", "t", 0, 0.0)
+
+
+class _Reader:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.closed = False
+
+    def group_lag(self, group: str, topic: str, now: float) -> GroupLag:
+        if self.fail:
+            raise ConnectionError("broker down")
+        return GroupLag(group, topic, 42, 17.0)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_monitor_exports_each_groups_lag() -> None:
+    mon = GroupLagMonitor("deployer", [("g-ingest", "raw"), ("g-reward", "events")],
+                          lambda: _Reader(), clock=lambda: 1234.0)  # type: ignore[arg-type,return-value]
+    assert mon.tick()
+    reg = m.registry_for("deployer")
+    for group, topic in (("g-ingest", "raw"), ("g-reward", "events")):
+        labels = {"group": group, "topic": topic}
+        assert reg.get_sample_value("rtrl_group_lag_messages", labels) == 42
+        assert reg.get_sample_value("rtrl_group_lag_seconds", labels) == 17.0
+    assert reg.get_sample_value("rtrl_group_lag_read_timestamp_seconds") == 1234.0
+
+
+def test_a_failed_read_is_counted_and_the_next_one_reconnects() -> None:
+    readers: list[_Reader] = []
+
+    def connect() -> _Reader:
+        readers.append(_Reader(fail=len(readers) == 0))
+        return readers[-1]
+
+    before = m.DEPENDENCY_RETRIES.labels("deployer", "kafka")._value.get()
+    mon = GroupLagMonitor("deployer", [("g", "t")], connect)  # type: ignore[arg-type]
+    assert not mon.tick()
+    assert m.DEPENDENCY_RETRIES.labels("deployer", "kafka")._value.get() == before + 1
+    assert readers[0].closed
+    assert mon.tick()
+    assert len(readers) == 2
