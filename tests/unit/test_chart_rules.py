@@ -123,6 +123,38 @@ def test_dashboard_covers_the_loop() -> None:
     assert all(p["datasource"]["uid"] == "${datasource}" for p in board["panels"] if p["type"] != "row")
 
 
+def test_scoped_adds_the_install_matchers_to_every_rtrl_selector() -> None:
+    scope = dashboard.SCOPE
+    assert dashboard.scoped("sum(rate(rtrl_a_total[5m]))") == f"sum(rate(rtrl_a_total{{{scope}}}[5m]))"
+    assert dashboard.scoped('rtrl_b{result!="sent"} / rtrl_c') == \
+        f'rtrl_b{{{scope}, result!="sent"}} / rtrl_c{{{scope}}}'
+    assert dashboard.scoped("time() - max(up)") == "time() - max(up)"
+
+
+def test_every_dashboard_series_is_scoped_to_the_chosen_install() -> None:
+    board = _dashboard()
+    names = [v["name"] for v in board["templating"]["list"]]
+    assert names == ["datasource", "namespace", "release"]
+    for expr in dashboard.expressions(board):
+        for match in re.finditer(r"\brtrl_\w+", expr):
+            rest = expr[match.end():]
+            assert rest.startswith("{" + dashboard.SCOPE), f"unscoped {match.group()} in {expr}"
+
+
+def test_every_panel_says_what_it_shows_and_decisions_are_marked() -> None:
+    board = _dashboard()
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    assert all(len(p.get("description", "")) > 20 for p in panels), [p["title"] for p in panels]
+    kinds = {p["title"]: p["type"] for p in panels}
+    assert kinds["Canary phase"] == kinds["Serving version by arm"] == "state-timeline"
+    exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
+    assert "histogram_quantile(0.99" in exprs  # the latency guardrail's quantile
+    assert 'rtrl_gateway_exposures_total{' in exprs and 'result!="sent"' in exprs
+    marks = {a["name"]: a["expr"] for a in board["annotations"]["list"]}
+    assert set(marks) == {"Promotions", "Rollbacks", "Aborts"}
+    assert all("rtrl_canary_" in e for e in marks.values())
+
+
 def test_dashboard_promql_parses(promtool: str, tmp_path: Path) -> None:
     exprs = dashboard.expressions(_dashboard())
     assert len(exprs) > 25
