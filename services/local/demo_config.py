@@ -26,7 +26,8 @@ from ingest.reward.spec import default_spec_text, load_spec
 from services.local.sim_users import bootstrap_corpus
 from services.local.stack import EmbeddedStack, free_port
 from services.local.supervisor import stop_recorded
-from services.runtime.service_settings import DemoSettings, DeployerSettings
+from services.runtime.demo_settings import DemoSettings
+from services.runtime.service_settings import DeployerSettings
 from services.runtime.settings import Settings, settings_from_env
 
 MARKER = ".rtrl-demo"

@@ -20,7 +20,7 @@ from typing import Any
 from deployer.registry import LockUnavailableError, Registry, Tag, offer_candidate
 from services.local.demo_config import say
 from services.local.sim_users import World
-from services.runtime.service_settings import DemoSettings
+from services.runtime.demo_settings import DemoSettings
 
 MAX_BAD_TRIES = 3
 BASELINE_REWARDS = 150

@@ -48,11 +48,11 @@ from services.local.sim_users import (
     make_world,
     react,
 )
+from services.runtime.demo_settings import SimulatorSettings
 from services.runtime.event_producer import EventProducer
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.metrics import BUILD_INFO, SIM_REQUESTS, registry_for
 from services.runtime.process import Stopper, setup_logging
-from services.runtime.service_settings import SimulatorSettings
 from services.runtime.settings import Settings, get_settings
 
 log = logging.getLogger("rtrl.simulator")

@@ -17,6 +17,7 @@ class EngineSettings(Section):
     candidate's adapter into before it gets traffic."""
 
     kind: Literal["local", "vllm"] = "local"
+    """``local``: rtrl's own policies in the gateway process; ``vllm``: an engine at ``base_url``."""
     base_url: str | None = None
     """The engine's base URL without ``/v1``, e.g. ``http://rtrl-vllm:8000`` (kind vllm)."""
     api_key: SecretStr | None = None

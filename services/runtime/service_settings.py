@@ -1,5 +1,6 @@
 """Per-service settings: one frozen section per long-running process or command (ingest,
-reward, trainer and its gate, gateway and its upstreams, deployer, simulator, demo).
+reward, trainer and its gate, gateway and its upstreams, deployer); the simulated users and
+the demo are in services/runtime/demo_settings.py.
 
 ``Settings`` in services/runtime/settings.py composes them with the infrastructure sections
 (Kafka, topics, Redis, MLflow, Ray, auth, HTTP, the embedded stack) and reads the
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 class Section(BaseModel):
     """The base of every settings section (here and in settings.py): frozen, unknown keys rejected."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 class IngestSettings(Section):
@@ -42,6 +43,7 @@ class IngestSettings(Section):
     max_batch: int = 500
     """Most records per poll; one Kafka transaction covers one polled batch."""
     poll_timeout_ms: int = 500
+    """Longest wait for new raw records in one poll."""
     max_poll_interval_ms: int = 30_000
     """A worker that does not poll for this long leaves the group. It is also how long a
     rebalance waits for members to rejoin, so it bounds the stall after a worker dies."""
@@ -139,11 +141,13 @@ class TrainerSettings(Section):
     """``champions``: learn only from completions served by versions that were champion; the
     records of canaries rolled back, aborted or undecided are consumed but not trained on."""
     batch_size: Annotated[int, Field(ge=1)] = 32
+    """Records per optimiser step."""
     epochs: Annotated[int, Field(ge=1)] = 1
     """Passes over the window (1: each record trained once)."""
     lr: Annotated[float, Field(gt=0.0)] = 3e-4
     """Adam learning rate (all parameters)."""
     max_grad_norm: Annotated[float, Field(gt=0.0)] = 1.0
+    """Gradients are clipped to this global norm before each step."""
     clip_low: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.2
     """PPO clip: ratios to the parent below 1 - clip_low stop pulling."""
     clip_high: Annotated[float, Field(ge=0.0)] = 0.28
@@ -166,6 +170,7 @@ class TrainerSettings(Section):
     """On SIGTERM, wait this long for a running increment to finish; after that the process
     exits and the next run resumes the same window from its last checkpoint."""
     seed: int = 0
+    """Seeds shuffling and initialisation, so an increment on the same window is reproducible."""
     policy_kind: str = "tiny-transformer"
     """Kind of a policy made from scratch by ``rtrl bootstrap`` (hf: pass --hf-model)."""
     gate: GateSettings = GateSettings()
@@ -252,91 +257,11 @@ class GatewaySettings(Section):
     allow_anonymous: bool = False
     """Development only: serve requests that carry no API key (key id ``anonymous``)."""
     upstream_timeout_s: float = 30.0
+    """Longest wait for an upstream engine's answer; past it the request fails (504)."""
     upstream_token_ids: Literal["require", "hash"] = "require"  # noqa: S105 (a mode, not a secret)
     """How upstream completion tokens become token ids in served events: ``require`` asks
     the server for ids (vLLM ``return_tokens_as_token_ids``) and fails the request (502)
     when it returns text tokens; ``hash`` maps text tokens to stable 31-bit hashes."""
-
-
-class SimulatorSettings(Section):
-    """Simulated users (``rtrl serve simulator``): they call the gateway and send the client
-    events of the contract (accept/reject, persistence at horizons, dissatisfied follow-ups)."""
-
-    gateway_url: str = "http://127.0.0.1:8080"
-    """Base URL of the gateway's HTTP API."""
-    seed: int = 0
-    """Seeds the world (tasks, preferences), the population and every reaction."""
-    n_users: int = 200
-    """Simulated users; each has a user_key, a type from the mix and hidden preferences."""
-    user_mix: dict[str, float] = Field(default_factory=dict)
-    """Overrides of the user types' shares by name (patient, typical, impatient),
-    e.g. RTRL_SIMULATOR__USER_MIX='{"impatient": 0.6}'. Empty: the default mix."""
-    ambiguous_share: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
-    """Share of requests on ambiguous tasks, where asking a question beats guessing."""
-    concurrency: Annotated[int, Field(ge=1)] = 4
-    """Requests in flight at once (one thread each)."""
-    rate_per_s: Annotated[float, Field(ge=0.0)] = 20.0
-    """Target requests per second over all users; 0: as fast as the gateway answers."""
-    max_tokens: Annotated[int, Field(ge=1, le=256)] = 24
-    temperature: Annotated[float, Field(gt=0.0)] = 1.0
-    time_scale: Annotated[float, Field(gt=0.0)] = 1.0
-    """Multiplies the reward spec's horizons and the users' delays (same meaning as
-    ``reward.time_scale``; set both to the same value): 0.005 sends the 1 h persistence
-    report 18 s after the edit."""
-    accept_delay_s: Annotated[float, Field(ge=0.0)] = 2.0
-    """Seconds (before time_scale) between a completion and the user's accept/reject."""
-    followup_delay_s: Annotated[float, Field(ge=0.0)] = 20.0
-    """Seconds (before time_scale) between the reaction and a dissatisfied follow-up."""
-    max_requests: Annotated[int, Field(ge=0)] = 0
-    """Stop after this many requests (0: run until stopped)."""
-    request_timeout_s: float = 10.0
-    api_key: SecretStr | None = None
-    """The gateway API key the simulated users send (``Authorization: Bearer``)."""
-    key_id: str | None = "simulator"
-    """Key id that signs the client events; None sends them unsigned (development)."""
-    secret: SecretStr | None = None
-    """Signing secret; None: the secret of ``key_id`` in ``auth.keys``."""
-
-
-class DemoSettings(Section):
-    """``rtrl demo``: the closed loop on an embedded stack (flags override these)."""
-
-    data_dir: Path = Path(".rtrl/demo")
-    """The demo's own stack, registry and logs; wiped at the start of each run."""
-    report_dir: Path = Path("reports")
-    minutes: Annotated[float, Field(gt=0.0)] = 15.0
-    """Wall-clock budget of the whole demo, from the stack's start until it is stopped: the
-    loop gets what the stack start and the bootstrap leave, less a reserve for stopping."""
-    increments: Annotated[int, Field(ge=1)] = 4
-    """Stop early once this many trainer increments have been decided by the deployer."""
-    until_promoted: bool = False
-    """Count only promoted increments towards ``increments`` (the e2e test: run until the loop
-    has promoted one by itself, within the time budget)."""
-    time_scale: Annotated[float, Field(gt=0.0)] = 0.005
-    """Time compression of reward windows and simulated users (1 h -> 18 s at 0.005)."""
-    trainer_cadence_s: Annotated[float, Field(gt=0.0)] = 150.0
-    """Seconds between scheduled RL increments during the demo (production: 5 h)."""
-    simulated_ms_per_token: float = 40.0
-    """Simulated generation cost per token added to latency_ms by the gateway (large enough
-    that the real, load-dependent generation time on a busy 2-core machine is a small part)."""
-    bad_candidate: Literal["reward-hacked", "corrupted", "none"] = "reward-hacked"
-    """The deliberately bad candidate injected once: a policy that asks questions instead
-    of editing, or the champion with corrupted weights."""
-    bad_candidate_after_decisions: Annotated[int, Field(ge=0)] = 0
-    """Inject the bad candidate once this many canaries have been decided (0: as soon as the
-    champion has a baseline, before the first increment is ready)."""
-    progress_every_s: Annotated[float, Field(gt=0.0)] = 5.0
-    chaos: bool = False
-    """Kill a random service (ingest, reward, trainer, deployer, gateway) with SIGKILL every
-    ``chaos_every_s`` and restart it; verify at the end that nothing was lost or duplicated."""
-    chaos_every_s: Annotated[float, Field(gt=0.0)] = 90.0
-    sim_rate_per_s: Annotated[float, Field(ge=0.0)] = 25.0
-    sim_users: int = 300
-    seed: int = 0
-    no_edit_penalty: Annotated[float, Field(ge=0.0)] = 0.5
-    """The demo reward spec's ``no_edit`` penalty for a question or an empty completion (0:
-    the packaged spec's none; the increments then learn to answer ambiguous tasks with no
-    edit, which the edit-rate detector catches)."""
 
 
 class DeployerSettings(Section):

@@ -22,15 +22,14 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 from pydantic_settings.sources.utils import parse_env_vars
 
+from services.runtime.demo_settings import DemoSettings, SimulatorSettings
 from services.runtime.engine_settings import EngineSettings
 from services.runtime.service_settings import (
-    DemoSettings,
     DeployerSettings,
     GatewaySettings,
     IngestSettings,
     RewardSettings,
     Section,
-    SimulatorSettings,
     TrainerSettings,
 )
 
@@ -45,14 +44,19 @@ class KafkaSettings(Section):
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     """SASL mechanism when security_protocol uses SASL."""
     sasl_username: str | None = None
+    """SASL user name when security_protocol uses SASL."""
     sasl_password: SecretStr | None = None
+    """SASL password when security_protocol uses SASL."""
     ssl_cafile: str | None = None
     """CA bundle that signs the brokers' certificates (Strimzi: the cluster CA)."""
     ssl_certfile: str | None = None
     """Client certificate for mutual TLS."""
     ssl_keyfile: str | None = None
+    """Private key of the client certificate."""
     client_id: str = "rtrl"
+    """Client id the broker sees in its logs and quotas."""
     request_timeout_ms: int = 30_000
+    """Longest wait for one broker request."""
     max_message_bytes: Annotated[int, Field(ge=64 * 1024)] = 1_000_000
     """The largest record on any rtrl topic, measured as Kafka does (a record batch holding
     the record: key, value, headers and framing). rtrl's producers refuse a bigger record
@@ -94,11 +98,14 @@ class TopicSettings(Section):
     partitions: int = 4
     """Partitions for topics rtrl creates itself. raw/events/rewards must match."""
     replication_factor: int = 1
+    """Replication factor for topics rtrl creates itself (3 on a production cluster)."""
     create: bool = True
     """Create missing topics at start-up (turn off where topics are managed, e.g. Strimzi KafkaTopic)."""
 
 
 class RedisSettings(Section):
+    """How to reach Redis (dedup keys, reward windows, the routing table)."""
+
     url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     """redis:// or rediss:// URL; may carry a password, hence secret."""
     key_prefix: str = "rtrl:"
@@ -106,10 +113,16 @@ class RedisSettings(Section):
 
 
 class MlflowSettings(Section):
+    """The MLflow server: model registry, training runs and the decision ledger."""
+
     tracking_uri: str = "http://127.0.0.1:5000"
+    """The MLflow tracking server (registry, training runs, decision ledger)."""
     registered_model: str = "rtrl-policy"
+    """Registered model holding every candidate; aliases ``champion`` and ``canary`` mark the arms."""
     training_experiment: str = "rtrl-training"
+    """Experiment of the trainer's runs (one per increment)."""
     deployments_experiment: str = "rtrl-deployments"
+    """Experiment of the decision ledger (one run per canary)."""
     http_timeout_s: Annotated[int, Field(ge=1)] = 20
     """Timeout of one MLflow HTTP request (MLFLOW_HTTP_REQUEST_TIMEOUT) in the trainer and the
     deployer. MLflow's own default is 120 s."""
@@ -121,12 +134,18 @@ class MlflowSettings(Section):
 
 
 class RaySettings(Section):
+    """Where RL increments run: an existing Ray cluster, or a local Ray."""
+
     address: str | None = None
     """Existing Ray cluster (e.g. ray://head:10001 or auto). None: start local Ray."""
     num_cpus: int = 2
+    """CPUs of the local Ray started when ``address`` is none."""
     object_store_mb: int = 200
+    """Object store of the local Ray, in MiB."""
     num_workers: int = 1
+    """Ray Train workers per increment."""
     use_gpu: bool = False
+    """Give each Ray Train worker a GPU."""
 
 
 class AuthSettings(Section):
@@ -137,11 +156,16 @@ class AuthSettings(Section):
     allow_unsigned: bool = False
     """Development only: accept events without a signature header."""
     signature_header: str = "rtrl-signature"
+    """Kafka header carrying the HMAC-SHA256 signature of a raw record."""
     key_id_header: str = "rtrl-key-id"
+    """Kafka header naming the key that signed a raw record."""
 
 
 class HttpSettings(Section):
+    """Each process's own HTTP endpoint (metrics and health checks)."""
+
     host: str = "127.0.0.1"
+    """Address the process's HTTP server listens on (0.0.0.0 in a pod)."""
     port: int = 0
     """Port for /metrics, /healthz and /readyz; 0 picks a free port (printed at start)."""
 
@@ -150,9 +174,13 @@ class StackSettings(Section):
     """The embedded default stack started by ``rtrl up``."""
 
     data_dir: Path = Path(".rtrl")
+    """Where ``rtrl up`` keeps the embedded broker's, Redis's and MLflow's data and logs."""
     kafka_port: int = 9092
+    """Port of the embedded Kafka-protocol broker."""
     redis_port: int = 6390
+    """Port of the embedded Redis."""
     mlflow_port: int = 5000
+    """Port of the embedded MLflow server."""
 
 
 class Settings(BaseSettings):
@@ -160,6 +188,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(
         env_prefix="RTRL_", env_nested_delimiter="__", frozen=True, extra="ignore",
+        use_attribute_docstrings=True,
         env_parse_none_str="null",  # RTRL_GATEWAY__KEY_ID=null: an optional setting set to None
     )
 
@@ -180,6 +209,7 @@ class Settings(BaseSettings):
     demo: DemoSettings = DemoSettings()
     deployer: DeployerSettings = DeployerSettings()
     log_level: str = "INFO"
+    """Python logging level of every process (DEBUG, INFO, WARNING, ERROR)."""
     reward_spec: Path | None = None
     """Reward spec file; None uses the packaged default (ingest/reward/specs/default.toml)."""
 

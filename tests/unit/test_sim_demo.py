@@ -36,7 +36,7 @@ from services.local.report import write_report
 from services.local.report_markdown import render_markdown
 from services.local.report_sources import Decision
 from services.local.supervisor import ProcSpec, RewardsTracker, Supervisor
-from services.runtime.service_settings import DemoSettings
+from services.runtime.demo_settings import DemoSettings
 from services.runtime.settings import Settings, settings_from_env
 from trainer.tokens import EOS
 

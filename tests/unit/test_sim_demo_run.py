@@ -19,7 +19,7 @@ from services.local.demo_config import DemoPlan
 from services.local.demo_inject import BASELINE_REWARDS, MAX_BAD_TRIES, BadCandidateInjector
 from services.local.demo_watch import increments_decided, progress_line
 from services.local.sim_users import World, make_world
-from services.runtime.service_settings import DemoSettings
+from services.runtime.demo_settings import DemoSettings
 
 QUIET = {"phase": "idle"}
 

@@ -13,8 +13,8 @@ from pydantic import BaseModel
 from services.local.sim_io import EventScheduler, GatewayError, RateLimiter
 from services.local.sim_users import Outcome
 from services.local.simulator import Simulator, plan_events, user_types_with_mix
+from services.runtime.demo_settings import SimulatorSettings
 from services.runtime.process import Stopper
-from services.runtime.service_settings import SimulatorSettings
 from services.runtime.settings import AuthSettings, Settings
 from trainer.tokens import ASK, EOS
 
