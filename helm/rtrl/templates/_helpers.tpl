@@ -28,6 +28,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: rtrl
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Selector labels of one component; call with (dict "root" $ "component" "gateway") */}}
@@ -50,8 +53,27 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/* registry/repository:tag, or registry/repository@digest when a digest is set;
+global.imageRegistry replaces image.registry. */}}
 {{- define "rtrl.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $i := .Values.image }}
+{{- $registry := default $i.registry .Values.global.imageRegistry }}
+{{- $repo := $i.repository }}
+{{- if $registry }}{{ $repo = printf "%s/%s" (trimSuffix "/" $registry) $repo }}{{ end }}
+{{- if $i.digest }}
+{{- printf "%s@%s" $repo $i.digest }}
+{{- else }}
+{{- printf "%s:%s" $repo (default .Chart.AppVersion $i.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* engine.vllm.image, behind global.imageRegistry when that is set. */}}
+{{- define "rtrl.vllmImage" -}}
+{{- if .Values.global.imageRegistry }}
+{{- printf "%s/%s" (trimSuffix "/" .Values.global.imageRegistry) .Values.engine.vllm.image }}
+{{- else }}
+{{- .Values.engine.vllm.image }}
+{{- end }}
 {{- end }}
 
 {{- define "rtrl.secretName" -}}
