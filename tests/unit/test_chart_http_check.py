@@ -53,7 +53,8 @@ class FakeOpener:
         if isinstance(answer, Exception):
             raise answer
         if answer >= 400:
-            raise HTTPError(request.full_url, answer, "error", {}, io.BytesIO())  # type: ignore[arg-type]
+            body = io.BytesIO(b'{"failing": ["broker"]}')
+            raise HTTPError(request.full_url, answer, "error", {}, body)  # type: ignore[arg-type]
         return _Response(answer)
 
 
@@ -76,6 +77,12 @@ def test_any_other_answer_fails_naming_the_url(answer: int | Exception, capsys) 
     assert check_script.main([f"{GW}/readyz", "http://rel-rtrl-ingest:9100/readyz"], {}, opener) == 1
     err = capsys.readouterr().err
     assert "FAIL http://rel-rtrl-ingest:9100/readyz" in err and "gateway" not in err
+
+
+def test_a_failing_readiness_check_is_named() -> None:
+    opener = FakeOpener({"http://rel-rtrl-reward:9100/readyz": 503})
+    problem = check_script.check("http://rel-rtrl-reward:9100/readyz", None, 5.0, opener)
+    assert problem == 'http://rel-rtrl-reward:9100/readyz: HTTP 503 {"failing": ["broker"]}'
 
 
 def test_without_urls_or_with_another_scheme_it_fails() -> None:

@@ -37,8 +37,9 @@ def check(url: str, token: str | None, timeout: float, opener: Opener = urllib.r
     try:
         with opener(request, timeout=timeout) as response:
             status = int(response.status)
-    except HTTPError as exc:
-        return f"{url}: HTTP {exc.code}"
+    except HTTPError as exc:  # /readyz answers 503 with {"failing": [...checks]}: show it
+        body = exc.read(300).decode("utf-8", errors="replace").strip() if exc.fp else ""
+        return f"{url}: HTTP {exc.code} {body}".rstrip()
     except (URLError, OSError) as exc:
         return f"{url}: {exc}"
     return None if status == 200 else f"{url}: HTTP {status}"
