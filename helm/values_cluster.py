@@ -22,15 +22,16 @@ class Global(BaseModel):
     model_config = ConfigDict(**{**VALUES_CONFIG, "extra": "allow"})
 
     image_registry: str = ""
-    """Registry of every image the chart runs (a mirror); empty keeps image.registry and
-    the vLLM image as they are."""
+    """Registry of every image the chart runs (a mirror) whose reference names no registry
+    host of its own; empty keeps image.registry and the vLLM image as they are."""
 
 
 class Image(_Values):
     registry: str = "ghcr.io"
     """Registry host; global.imageRegistry, when set, replaces it."""
     repository: str = "rtrl/rtrl"
-    """Image built from the repository's Dockerfile, within the registry."""
+    """Image built from the repository's Dockerfile, within the registry. A repository that
+    starts with its own registry host (e.g. myregistry.example.com/rtrl) is used as it is."""
     tag: str = ""
     """Image tag; empty uses the chart's appVersion."""
     digest: Annotated[str, Field(pattern=r"^(sha256:[a-f0-9]{64})?$")] = ""

@@ -85,11 +85,19 @@ def test_a_digest_wins_over_the_tag_and_the_global_registry_over_the_images(exam
         assert test_pod["spec"]["containers"][0]["image"].endswith(f"@{DIGEST}")
 
 
-def test_a_tag_is_used_without_a_digest(helm: str, env: dict[str, str]) -> None:
-    docs = render(helm, env, *ct.REQUIRED, "--set", "image.tag=1.2.3", "--set", "image.registry=",
-                  "--set", "image.repository=example.org/rtrl")
-    images = {c["image"] for d in kind(docs, "Deployment") for c in pod(d)["containers"]}
-    assert images == {"example.org/rtrl:1.2.3"}
+@pytest.mark.parametrize(("settings", "image"), [
+    (["image.registry=", "image.repository=example.org/rtrl"], "example.org/rtrl:1.2.3"),
+    (["image.repository=example.org/rtrl"], "example.org/rtrl:1.2.3"),  # a host of its own stays
+    (["image.repository=localhost:5000/rtrl", "global.imageRegistry=mirror.example"],
+     "localhost:5000/rtrl:1.2.3"),
+    (["image.repository=team/rtrl", "global.imageRegistry=mirror.example/"],
+     "mirror.example/team/rtrl:1.2.3"),
+])
+def test_a_tag_is_used_without_a_digest(helm: str, env: dict[str, str], settings: list[str],
+                                        image: str) -> None:
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    docs = render(helm, env, *ct.REQUIRED, "--set", "image.tag=1.2.3", *sets)
+    assert {c["image"] for d in kind(docs, "Deployment") for c in pod(d)["containers"]} == {image}
 
 
 @pytest.mark.parametrize("setting", ["image.digest=sha256:short", "image.digest=latest", "image.registy=x"])

@@ -54,12 +54,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/* registry/repository:tag, or registry/repository@digest when a digest is set;
-global.imageRegistry replaces image.registry. */}}
+global.imageRegistry replaces image.registry. A repository that starts with its own
+registry host (a first part with "." or ":", or localhost, as Docker reads it) is used as
+it is, so repository: myregistry.example.com/rtrl keeps working. */}}
 {{- define "rtrl.image" -}}
 {{- $i := .Values.image }}
 {{- $registry := default $i.registry .Values.global.imageRegistry }}
 {{- $repo := $i.repository }}
-{{- if $registry }}{{ $repo = printf "%s/%s" (trimSuffix "/" $registry) $repo }}{{ end }}
+{{- if and $registry (not (include "rtrl.hasRegistryHost" $repo)) }}
+{{- $repo = printf "%s/%s" (trimSuffix "/" $registry) $repo }}
+{{- end }}
 {{- if $i.digest }}
 {{- printf "%s@%s" $repo $i.digest }}
 {{- else }}
@@ -67,9 +71,17 @@ global.imageRegistry replaces image.registry. */}}
 {{- end }}
 {{- end }}
 
-{{/* engine.vllm.image, behind global.imageRegistry when that is set. */}}
+{{/* "true" when an image reference starts with a registry host, else "". */}}
+{{- define "rtrl.hasRegistryHost" -}}
+{{- $parts := splitList "/" . }}
+{{- $first := first $parts }}
+{{- if and (gt (len $parts) 1) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) }}true{{ end }}
+{{- end }}
+
+{{/* engine.vllm.image, behind global.imageRegistry when that is set and the image names no
+registry of its own. */}}
 {{- define "rtrl.vllmImage" -}}
-{{- if .Values.global.imageRegistry }}
+{{- if and .Values.global.imageRegistry (not (include "rtrl.hasRegistryHost" .Values.engine.vllm.image)) }}
 {{- printf "%s/%s" (trimSuffix "/" .Values.global.imageRegistry) .Values.engine.vllm.image }}
 {{- else }}
 {{- .Values.engine.vllm.image }}
