@@ -38,6 +38,7 @@ VALUES_SETS: dict[str, list[str]] = {
     "vllm": [*REQUIRED, "-f", str(HELM_DIR / "examples" / "vllm-gpu.yaml")],
     "strimzi": ["-f", str(HELM_DIR / "examples" / "strimzi.yaml")],
     "small": ["-f", str(HELM_DIR / "examples" / "small.yaml")],
+    "extension-points": ["-f", str(HELM_DIR / "examples" / "extension-points.yaml")],
     "everything": [
         "--set", "serviceMonitor.enabled=true",
         "--set", "prometheusRule.enabled=true",

@@ -4,6 +4,7 @@ helm/values_components.py) and helm/dashboard.py:
     helm/rtrl/values.yaml               defaults, each value preceded by its docstring
     helm/rtrl/values.schema.json        what `helm lint/template/install` rejects
     helm/rtrl/files/dashboards/rtrl.json
+    helm/rtrl/README.md                 install, upgrade and a table of every value (helm/readme.py)
 
 Run `.venv/bin/python helm/generate.py` after editing either module; `--check` exits 1
 when a file is stale (tests/unit/test_chart_schema.py runs it).
@@ -23,6 +24,7 @@ from pydantic import BaseModel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dashboard
+import readme
 from values_model import Values
 
 CHART = Path(__file__).resolve().parent / "rtrl"
@@ -97,6 +99,7 @@ def outputs() -> dict[Path, str]:
         CHART / "values.yaml": values_yaml(),
         CHART / "values.schema.json": values_schema(),
         CHART / "files" / "dashboards" / "rtrl.json": dashboard_json(),
+        CHART / "README.md": readme.readme(Values()),
     }
 
 

@@ -84,8 +84,39 @@ class Autoscaling(_Values):
     """Average CPU utilisation (percent of requests) the autoscaler aims for."""
 
 
-class Component(_Values):
-    """Settings every component shares."""
+class PodExtras(_Values):
+    """What every pod the chart runs (the components and the optional vLLM server) can be
+    extended with; each entry is as in a PodSpec and is added to what the chart sets."""
+
+    extra_env: list[dict[str, Any]] = []
+    """Extra EnvVar entries as in a PodSpec, e.g. a valueFrom.secretKeyRef for an upstream API key."""
+    pod_annotations: dict[str, str] = {}
+    """Annotations added to the pods."""
+    pod_labels: dict[str, str] = {}
+    """Labels added to the pods (never used in selectors)."""
+    priority_class_name: str = ""
+    """PriorityClass of the pods; empty uses the cluster default."""
+    topology_spread_constraints: list[dict[str, Any]] = []
+    """TopologySpreadConstraints, as in a PodSpec; an empty labelSelector is filled with the
+    component's selector labels."""
+    pod_security_context: dict[str, Any] = {}
+    """Merged over the pod securityContext the chart sets (for rtrl's pods: runAsNonRoot,
+    the user and group from the top-level securityContext, seccomp RuntimeDefault)."""
+    security_context: dict[str, Any] = {}
+    """Merged over the main container's securityContext (for rtrl's pods: non-root,
+    read-only root filesystem, no privilege escalation, every capability dropped)."""
+    init_containers: list[dict[str, Any]] = []
+    """Containers run to completion before the main one, as in a PodSpec."""
+    sidecars: list[dict[str, Any]] = []
+    """Extra containers beside the main one, as in a PodSpec (e.g. a log shipper or a proxy)."""
+    extra_volumes: list[dict[str, Any]] = []
+    """Extra Volumes of the pods, as in a PodSpec."""
+    extra_volume_mounts: list[dict[str, Any]] = []
+    """Extra VolumeMounts of the main container (sidecars and init containers list their own)."""
+
+
+class _Placement(_Values):
+    """Settings every component shares, besides its pod extras."""
 
     enabled: bool = True
     """Run this component."""
@@ -94,12 +125,6 @@ class Component(_Values):
     env: dict[EnvName, str] = {}
     """Extra environment for this component only, e.g. RTRL_<SERVICE>__<FIELD>: value
     (see services/runtime/service_settings.py for the settings each service reads)."""
-    extra_env: list[dict[str, Any]] = []
-    """Extra EnvVar entries as in a PodSpec, e.g. a valueFrom.secretKeyRef for an upstream API key."""
-    pod_annotations: dict[str, str] = {}
-    """Annotations added to the pods."""
-    pod_labels: dict[str, str] = {}
-    """Labels added to the pods (never used in selectors)."""
     node_selector: dict[str, str] = {}
     """Node labels the pods must match."""
     tolerations: list[dict[str, Any]] = []
@@ -108,12 +133,14 @@ class Component(_Values):
     """Affinity, as in a PodSpec."""
     runtime_class_name: str = ""
     """RuntimeClass of the pods (e.g. nvidia for GPU nodes); empty uses the cluster default."""
-    priority_class_name: str = ""
-    """PriorityClass of the pods; empty uses the cluster default."""
     termination_grace_period_seconds: Annotated[int, Field(ge=0)] = 60
     """Time between SIGTERM and SIGKILL: the service finishes its batch and commits in it."""
     tmp_size_limit: Quantity = "1Gi"
     """Size limit of the writable /tmp emptyDir (the root filesystem is read-only)."""
+
+
+class Component(PodExtras, _Placement):
+    """Settings every component shares: placement first, then the pod extras."""
 
 
 class ScalableComponent(Component):
@@ -123,9 +150,38 @@ class ScalableComponent(Component):
     """PodDisruptionBudget."""
 
 
+class Keda(_Values):
+    enabled: bool = False
+    """Create a KEDA ScaledObject (needs the KEDA operator) that scales on the consumer
+    group's lag instead of CPU; replicas is then ignored. Not with autoscaling.enabled."""
+    min_replica_count: Annotated[int, Field(ge=0)] = 1
+    """Lower bound; 0 lets KEDA stop every pod while there is no lag."""
+    max_replica_count: Annotated[int, Field(ge=1)] = 4
+    """Upper bound; replicas beyond the topic's partition count sit idle."""
+    lag_threshold: Annotated[int, Field(ge=1)] = 1000
+    """Messages of lag per replica the scaler aims for (the kafka scaler's lagThreshold)."""
+    polling_interval: Annotated[int, Field(ge=1)] = 30
+    """Seconds between lag checks."""
+    cooldown_period: Annotated[int, Field(ge=0)] = 300
+    """Seconds without lag before scaling to minReplicaCount 0."""
+    bootstrap_servers: str = ""
+    """Brokers the scaler reads the lag from; empty uses kafka.bootstrapServers."""
+    consumer_group: str = ""
+    """Consumer group whose lag counts; empty uses the service's default (rtrl-ingest,
+    rtrl-reward): set it when env overrides the group id."""
+    topic: str = ""
+    """Topic whose lag counts; empty uses the component's input (topics.raw for ingest,
+    topics.events for reward)."""
+    authentication_ref: str = ""
+    """An existing TriggerAuthentication with the brokers' SASL/TLS material; needed when
+    kafka.securityProtocol is not PLAINTEXT."""
+
+
 class WorkerComponent(ScalableComponent):
     autoscaling: Autoscaling = Autoscaling()
     """Optional HorizontalPodAutoscaler on CPU."""
+    keda: Keda = Keda()
+    """Optional KEDA ScaledObject on consumer lag (instead of the HorizontalPodAutoscaler)."""
 
 
 class GatewayService(_Values):
@@ -137,12 +193,49 @@ class GatewayService(_Values):
     """Annotations on the Service (e.g. for a cloud load balancer)."""
 
 
+class IngressPath(_Values):
+    path: str = "/"
+    """URL path routed to the gateway."""
+    path_type: Literal["Prefix", "Exact", "ImplementationSpecific"] = "Prefix"
+    """How the path matches."""
+
+
+class IngressHost(_Values):
+    host: str
+    """Host name routed to the gateway."""
+    paths: list[IngressPath] = [IngressPath()]
+    """Paths of that host routed to the gateway."""
+
+
+class IngressTls(_Values):
+    hosts: list[str] = []
+    """Host names the certificate covers."""
+    secret_name: str = ""
+    """TLS Secret with the certificate and key (empty: the controller's default)."""
+
+
+class GatewayIngress(_Values):
+    enabled: bool = False
+    """Create an Ingress for the completions API. With gateway.allowedClients set, list the
+    ingress controller's pods there too."""
+    class_name: str = ""
+    """IngressClass (e.g. nginx); empty uses the cluster default."""
+    annotations: dict[str, str] = {}
+    """Annotations, e.g. for cert-manager or the controller's timeouts."""
+    hosts: list[IngressHost] = []
+    """Hosts and paths routed to the gateway's Service. Required when enabled."""
+    tls: list[IngressTls] = []
+    """TLS termination, as in an Ingress."""
+
+
 class Gateway(ScalableComponent):
     port: UnprivilegedPort = 8080
     """Container port of the HTTP API (POST /v1/completions), which also serves /metrics,
     /healthz and /readyz (RTRL_GATEWAY__PORT)."""
     service: GatewayService = GatewayService()
     """The Service in front of the API."""
+    ingress: GatewayIngress = GatewayIngress()
+    """An optional Ingress in front of that Service."""
     allowed_clients: list[Peer] = []
     """NetworkPolicy peers allowed to call the API; empty allows every source (ingress
     controllers, other namespaces). Example: [{namespaceSelector: {matchLabels:

@@ -9,7 +9,15 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
-from values_components import VALUES_CONFIG, Quantity, ResourceList, Resources, SecretKeyRef, UnprivilegedPort
+from values_components import (
+    VALUES_CONFIG,
+    PodExtras,
+    Quantity,
+    ResourceList,
+    Resources,
+    SecretKeyRef,
+    UnprivilegedPort,
+)
 
 
 class _Values(BaseModel):
@@ -36,7 +44,7 @@ class EngineAdapters(_Values):
     there; an external engine must mount the same volume at this path."""
 
 
-class EngineVllm(_Values):
+class EngineVllm(PodExtras, _Values):
     enabled: bool = False
     """Run a vLLM server with the chart (a Deployment and a Service) with runtime LoRA
     updating on; engine.baseUrl then defaults to it."""

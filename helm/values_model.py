@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
+from values_cluster import Dashboards, Global, HelmTests, Image, PrometheusRule, ServiceMonitor
 from values_components import (
     VALUES_CONFIG,
     Deployer,
-    Duration,
     Gateway,
     Peer,
     Port,
@@ -175,15 +175,6 @@ class Auth(_Values):
 
 
 # --- cluster plumbing ---------------------------------------------------------------------
-class Image(_Values):
-    repository: str = "ghcr.io/rtrl/rtrl"
-    """Image built from the repository's Dockerfile."""
-    tag: str = ""
-    """Image tag; empty uses the chart's appVersion."""
-    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    """Kubernetes imagePullPolicy."""
-
-
 class SecurityContext(_Values):
     run_as_user: Annotated[int, Field(ge=1)] = 10001
     """Non-root user id the containers run as (the Dockerfile's rtrl user)."""
@@ -205,48 +196,6 @@ class ServiceAccount(_Values):
 class Metrics(_Values):
     port: UnprivilegedPort = 9100
     """Port of /metrics, /healthz and /readyz in every pod (RTRL_HTTP__PORT)."""
-
-
-class ServiceMonitor(_Values):
-    enabled: bool = False
-    """Create a prometheus-operator ServiceMonitor for every component."""
-    interval: Duration = "30s"
-    """Scrape interval."""
-    labels: dict[str, str] = {}
-    """Extra labels, e.g. {release: kube-prometheus-stack} to match the Prometheus selector."""
-
-
-class Slo(_Values):
-    availability: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.999
-    """Share of gateway requests not answered 5xx (RtrlGatewayErrorBudgetBurn)."""
-    latency: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.99
-    """Share of gateway requests answered within latencyThresholdSeconds (RtrlGatewayLatencyBudgetBurn)."""
-    latency_threshold_seconds: Literal["0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "30.0"] = "5.0"
-    """The latency objective's threshold: one of the gateway histogram's bucket bounds, as exported."""
-
-
-class PrometheusRule(_Values):
-    enabled: bool = False
-    """Create a PrometheusRule with the alerts in files/alerts/."""
-    labels: dict[str, str] = {}
-    """Extra labels, e.g. {release: kube-prometheus-stack}."""
-    runbook_base_url: Annotated[str, Field(pattern=r"^https?://\S+[^/]$")] = (
-        "https://github.com/rtrl/rtrl/blob/main/docs/runbooks"
-    )
-    """Base of every alert's runbook_url (no trailing slash); point it at your fork or wiki."""
-    slo: Slo = Slo()
-    """The gateway's service-level objectives, for the burn-rate alerts."""
-
-
-class Dashboards(_Values):
-    enabled: bool = False
-    """Ship the Grafana dashboard in a ConfigMap for the Grafana sidecar."""
-    label: str = "grafana_dashboard"
-    """Label the Grafana sidecar watches."""
-    label_value: str = "1"
-    """Value of that label."""
-    annotations: dict[str, str] = {}
-    """Annotations, e.g. {grafana_folder: rtrl} for the sidecar's folder support."""
 
 
 class Egress(_Values):
@@ -298,6 +247,8 @@ class Values(_Values):
     """Replaces the release-derived prefix of resource names."""
     image: Image = Image()
     """Container image of every component."""
+    common_labels: dict[str, str] = {}
+    """Labels added to every resource the chart creates (never used in selectors)."""
     image_pull_secrets: list[dict[str, str]] = []
     """Secrets for a private registry, e.g. [{name: regcred}]."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -343,5 +294,7 @@ class Values(_Values):
     """prometheus-operator PrometheusRule with the alerts."""
     dashboards: Dashboards = Dashboards()
     """Grafana dashboard ConfigMap."""
-    global_: dict[str, Any] = Field(default={}, alias="global")
-    """Helm's global values (not used by this chart)."""
+    tests: HelmTests = HelmTests()
+    """The pods `helm test` runs."""
+    global_: Global = Field(default=Global(), alias="global")
+    """Helm's global values."""

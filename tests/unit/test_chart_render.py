@@ -61,6 +61,13 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def main_container(dep: dict[str, Any]) -> dict[str, Any]:
+    """The component's own container (sidecars from <component>.sidecars sit beside it)."""
+    (container,) = [c for c in dep["spec"]["template"]["spec"]["containers"]
+                    if c["name"] == component_of(dep)]
+    return container
+
+
 def pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
     deps = by_kind(docs, "Deployment")
     return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in deps}
@@ -78,7 +85,7 @@ def test_core_manifests_valid_under_strict_kubernetes_schemas(rendered, version:
     checked = 0
     for name, docs in rendered.items():
         for doc in docs:
-            if doc["apiVersion"].startswith(("monitoring.coreos.com/", "ray.io/")):
+            if doc["apiVersion"].startswith(("monitoring.coreos.com/", "ray.io/", "keda.sh/")):
                 continue
             try:
                 kubernetes_validate.validate(doc, version, strict=True)
@@ -110,7 +117,7 @@ def test_monitoring_resources_match_the_prometheus_operator_models(rendered, kin
     from cloudcoil.models.prometheus_operator import v1
 
     found = list(each(rendered, kind))
-    assert {name for name, _ in found} == {"everything", "strimzi"}
+    assert {name for name, _ in found} == {"everything", "strimzi", "extension-points"}
     for name, doc in found:
         model = getattr(v1, kind).model_validate(doc)
         # The models ignore unknown fields: a field lost on the round trip is a typo.
@@ -122,7 +129,7 @@ def test_every_component_has_a_deployment(rendered) -> None:
     for name, docs in rendered.items():
         components = {component_of(d) for d in by_kind(docs, "Deployment")}
         assert components - {"vllm"} == set(COMPONENTS), name
-        assert ("vllm" in components) == (name == "vllm"), name
+        assert ("vllm" in components) == (name in {"vllm", "extension-points"}), name
 
 
 def test_pods_run_as_non_root_with_a_read_only_root_filesystem(rendered) -> None:
@@ -132,7 +139,7 @@ def test_pods_run_as_non_root_with_a_read_only_root_filesystem(rendered) -> None
         assert spec["securityContext"]["runAsUser"] > 0
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         assert spec["automountServiceAccountToken"] is False
-        (container,) = spec["containers"]
+        container = main_container(dep)
         sc = container["securityContext"]
         assert sc["readOnlyRootFilesystem"] is True, name
         assert sc["allowPrivilegeEscalation"] is False
@@ -144,7 +151,7 @@ def test_pods_run_as_non_root_with_a_read_only_root_filesystem(rendered) -> None
 
 def test_probes_hit_health_endpoints_on_a_declared_port(rendered) -> None:
     for name, dep in each(rendered, "Deployment"):
-        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        container = main_container(dep)
         ports = {p["name"] for p in container["ports"]}
         paths = {
             probe: (container[probe]["httpGet"]["path"], container[probe]["httpGet"]["port"])
@@ -186,7 +193,7 @@ def test_service_target_ports_exist_on_the_selected_pods(rendered) -> None:
     for name, docs in rendered.items():
         deps = {d["metadata"]["name"]: d for d in by_kind(docs, "Deployment")}
         for svc in by_kind(docs, "Service"):
-            (container,) = deps[svc["metadata"]["name"]]["spec"]["template"]["spec"]["containers"]
+            container = main_container(deps[svc["metadata"]["name"]])
             names = {p["name"] for p in container["ports"]}
             assert {p["targetPort"] for p in svc["spec"]["ports"]} <= names, name
             port_names = {p["name"] for p in svc["spec"]["ports"]}
@@ -243,7 +250,7 @@ def _env_of(docs: list[dict[str, Any]], component: str) -> dict[str, Any]:
     """The environment a component's container sees: ConfigMap plus env entries."""
     (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-settings")]
     dep = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith(f"-{component}"))
-    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    container = main_container(dep)
     env: dict[str, Any] = dict(cm["data"])
     env.update({e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]})
     return env

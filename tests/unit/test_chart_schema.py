@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helm"))
 import chart_tools as ct
 import generate
+import readme
 from values_model import Values
 
 EXAMPLES = sorted((ct.HELM_DIR / "examples").glob("*.yaml"))
@@ -22,6 +23,28 @@ EXAMPLES = sorted((ct.HELM_DIR / "examples").glob("*.yaml"))
 def test_generated_files_are_current() -> None:
     stale = [str(p.relative_to(ct.ROOT)) for p, text in generate.outputs().items() if p.read_text() != text]
     assert not stale, f"run .venv/bin/python helm/generate.py: stale {stale}"
+
+
+def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        return [p for k, v in node.items() for p in _leaf_paths(v, f"{prefix}{k}.")]
+    return [prefix.rstrip(".")]
+
+
+def test_the_chart_readme_lists_every_value_with_its_default() -> None:
+    text = (ct.CHART / "README.md").read_text()
+    assert text == readme.readme(Values()), "run .venv/bin/python helm/generate.py: README.md is stale"
+    rows = {r[0].strip("`"): r for r in readme.rows(Values())}
+    defaults = yaml.safe_load((ct.CHART / "values.yaml").read_text())
+    for path in _leaf_paths(defaults):
+        if path.count(".") and path.rsplit(".", 1)[0] in {r for r in rows if rows[r][1] in {"map", "list"}}:
+            continue  # an entry inside a map or list value's default
+        assert path in rows, f"{path} is missing from the chart README"
+        assert f"| `{path}` |" in text
+    assert rows["image.digest"][1:3] == ("string", '`""`')
+    assert rows["ingest.keda.lagThreshold"][1:3] == ("integer", "`1000`")
+    assert rows["logLevel"][1] == '"DEBUG" \\| "INFO" \\| "WARNING" \\| "ERROR"'
+    assert "helm upgrade" in text and "helm install" in text
 
 
 def _models(model: type[BaseModel]) -> list[type[BaseModel]]:

@@ -9,6 +9,7 @@ controllers never act at once.
 {{- $v := $root.Values }}
 {{- $c := index $v .component }}
 {{- $ctx := dict "root" $root "component" .component }}
+{{- $extras := dict "root" $root "component" .component "values" $c }}
 {{- $kafkaTls := $v.kafka.tls }}
 {{- /* The gateway serves /metrics and the probes on its API port; the others on metrics.port. */}}
 {{- $probePort := ternary "http" "metrics" (eq .component "gateway") }}
@@ -24,7 +25,7 @@ spec:
   strategy:
     type: Recreate
   {{- else }}
-  {{- if not (and (hasKey $c "autoscaling") $c.autoscaling.enabled) }}
+  {{- if not (and (hasKey $c "autoscaling") (or $c.autoscaling.enabled $c.keda.enabled)) }}
   replicas: {{ $c.replicas }}
   {{- end }}
   strategy:
@@ -58,20 +59,18 @@ spec:
       {{- with $c.runtimeClassName }}
       runtimeClassName: {{ . }}
       {{- end }}
-      {{- with $c.priorityClassName }}
-      priorityClassName: {{ . }}
+      {{- with include "rtrl.pod.spec" $extras }}
+      {{- . | trim | nindent 6 }}
       {{- end }}
       {{- with $v.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+      {{- $podSecurity := dict "runAsNonRoot" true "runAsUser" $v.securityContext.runAsUser
+            "runAsGroup" $v.securityContext.runAsGroup "fsGroup" $v.securityContext.fsGroup
+            "seccompProfile" (dict "type" "RuntimeDefault") }}
       securityContext:
-        runAsNonRoot: true
-        runAsUser: {{ $v.securityContext.runAsUser }}
-        runAsGroup: {{ $v.securityContext.runAsGroup }}
-        fsGroup: {{ $v.securityContext.fsGroup }}
-        seccompProfile:
-          type: RuntimeDefault
+        {{- include "rtrl.pod.securityContext" (dict "defaults" $podSecurity "values" $c) | nindent 8 }}
       containers:
         - name: {{ .component }}
           image: {{ include "rtrl.image" $root | quote }}
@@ -140,11 +139,8 @@ spec:
           resources:
             {{- include "rtrl.resources" $c.resources | trim | nindent 12 }}
           securityContext:
-            runAsNonRoot: true
-            allowPrivilegeEscalation: false
-            readOnlyRootFilesystem: true
-            capabilities:
-              drop: ["ALL"]
+            {{- $containerSecurity := include "rtrl.container.defaultSecurityContext" . | fromYaml }}
+            {{- include "rtrl.container.securityContext" (dict "defaults" $containerSecurity "values" $c) | nindent 12 }}
           volumeMounts:
             - name: tmp
               mountPath: /tmp
@@ -168,6 +164,12 @@ spec:
               mountPath: /etc/rtrl/kafka-client
               readOnly: true
             {{- end }}
+            {{- with $c.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+        {{- with $c.sidecars }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
       volumes:
         - name: tmp
           emptyDir:
@@ -207,6 +209,9 @@ spec:
                 path: client.crt
               - key: {{ $kafkaTls.clientSecret.keyKey }}
                 path: client.key
+        {{- end }}
+        {{- with $c.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
       {{- with $c.nodeSelector }}
       nodeSelector:

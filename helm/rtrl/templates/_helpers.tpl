@@ -28,6 +28,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: rtrl
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Selector labels of one component; call with (dict "root" $ "component" "gateway") */}}
@@ -50,8 +53,39 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/* registry/repository:tag, or registry/repository@digest when a digest is set;
+global.imageRegistry replaces image.registry. A repository that starts with its own
+registry host (a first part with "." or ":", or localhost, as Docker reads it) is used as
+it is, so repository: myregistry.example.com/rtrl keeps working. */}}
 {{- define "rtrl.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $i := .Values.image }}
+{{- $registry := default $i.registry .Values.global.imageRegistry }}
+{{- $repo := $i.repository }}
+{{- if and $registry (not (include "rtrl.hasRegistryHost" $repo)) }}
+{{- $repo = printf "%s/%s" (trimSuffix "/" $registry) $repo }}
+{{- end }}
+{{- if $i.digest }}
+{{- printf "%s@%s" $repo $i.digest }}
+{{- else }}
+{{- printf "%s:%s" $repo (default .Chart.AppVersion $i.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when an image reference starts with a registry host, else "". */}}
+{{- define "rtrl.hasRegistryHost" -}}
+{{- $parts := splitList "/" . }}
+{{- $first := first $parts }}
+{{- if and (gt (len $parts) 1) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) }}true{{ end }}
+{{- end }}
+
+{{/* engine.vllm.image, behind global.imageRegistry when that is set and the image names no
+registry of its own. */}}
+{{- define "rtrl.vllmImage" -}}
+{{- if and .Values.global.imageRegistry (not (include "rtrl.hasRegistryHost" .Values.engine.vllm.image)) }}
+{{- printf "%s/%s" (trimSuffix "/" .Values.global.imageRegistry) .Values.engine.vllm.image }}
+{{- else }}
+{{- .Values.engine.vllm.image }}
+{{- end }}
 {{- end }}
 
 {{- define "rtrl.secretName" -}}

@@ -33,6 +33,12 @@ spec:
       {{- with $np.metricsFrom }}
       from:
         {{- toYaml . | nindent 8 }}
+        {{- if $v.tests.enabled }}
+        # the helm test pods (templates/tests/) check /readyz here
+        - podSelector:
+            matchLabels:
+              {{- include "rtrl.selectorLabels" (dict "root" $root "component" "helm-test") | nindent 14 }}
+        {{- end }}
       {{- end }}
     {{- if eq .component "gateway" }}
     - ports:
