@@ -224,7 +224,7 @@ def _parser(name: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    """``argv[0]`` is the command name (status, history, promote, rollback, pause, resume)."""
+    """``argv[0]`` is the command name (status, history, promote, rollback, pause, resume, approve)."""
     if not argv or argv[0] not in ("status", "history", "promote", "rollback", "pause", "resume", "approve"):
         print(__doc__, file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ import json
 from deployer.adapters.memory import FakeWorld
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_REASON
 from deployer.status import CanaryPolicy, CanaryStatus, Command, Phase
+from services.serve_deployer import reason_kind
 
 POLICY = CanaryPolicy(steps=(0.01, 0.05), bake_s=60, max_duration_s=3600, approval_required=True,
                       approval_timeout_s=600)
@@ -123,3 +124,9 @@ def test_a_waiting_canary_whose_candidate_alias_moved_is_aborted() -> None:
     w.register("3", alias="candidate")
     w.tick("promote")
     assert w.phases[-2:] == ["rolling_back", "aborted"]
+
+
+def test_a_timed_out_approval_is_its_own_rollback_reason_in_the_metrics() -> None:
+    w = awaiting()
+    w.tick("promote", dt=700)
+    assert reason_kind(w.status) == "approval"
