@@ -32,8 +32,8 @@ from deployer.status import Command, Refusal
 SCHEME = "rtrl-operator-v1"
 UNAUTHENTICATED = "unauthenticated"
 """The identity of an unsigned command accepted because ``allow_unauthenticated`` is set."""
-RESULTS = ("accepted", UNAUTHENTICATED, "unsigned", "no_keys", "unknown_operator", "bad_signature",
-           "expired", "replayed")
+RESULTS = ("accepted", UNAUTHENTICATED, "unknown_command", "unsigned", "no_keys", "unknown_operator",
+           "bad_signature", "expired", "replayed")
 """Values of the ``result`` label of ``rtrl_operator_commands_total``."""
 KINDS = ("pause", "resume", "promote", "rollback", "approve")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
@@ -139,6 +139,8 @@ class Authority:
 def verify(cmd: Command, auth: Authority, now: float, seen: bool) -> Verdict:
     """Accept ``cmd`` only when an operator with a known key signed it, within ``max_age_s``
     of ``now``, and its id was not ``seen`` on an accepted command before."""
+    if cmd.kind not in KINDS:
+        return Verdict("unknown_command", message=f"unknown command {str(cmd.kind)[:40]!r}")
     if auth.error:
         return Verdict("no_keys", message=f"operator keys unavailable: {auth.error}")
     if not cmd.signature:

@@ -134,7 +134,8 @@ OPERATOR_COMMANDS = Counter(
     "rtrl_operator_commands_total", "Manual operator commands the deployer verified", ["command", "result"]
 )
 """result: accepted | unauthenticated (unsigned, allowed by operators.allow_unauthenticated) |
-refused as unsigned, no_keys, unknown_operator, bad_signature, expired or replayed."""
+refused as unknown_command, unsigned, no_keys, unknown_operator, bad_signature, expired or
+replayed."""
 GROUP_LAG_MESSAGES = Gauge(
     "rtrl_group_lag_messages",
     "Records between a pipeline consumer group's committed offsets and the partitions' ends, "

@@ -82,6 +82,13 @@ def test_unsigned_commands_are_refused_unless_explicitly_allowed() -> None:
     assert cmd.by == "unauthenticated" and cmd.reason == "hotfix [unauthenticated; claimed by carol]"
 
 
+def test_a_command_the_machine_does_not_know_is_refused_even_when_signed() -> None:
+    odd = sign(Command(id="c9", kind="delete_everything", by="alice"), "alice-token", NOW)  # type: ignore[arg-type]
+    assert result(odd) == "unknown_command"
+    lax = Authority({}, allow_unauthenticated=True)
+    assert result(replace(odd, signature=""), auth=lax) == "unknown_command"
+
+
 def test_unreadable_keys_refuse_every_command() -> None:
     broken = Authority(KEYS, error="no such file")
     assert result(sign(promote(), "alice-token", NOW), auth=broken) == "no_keys"
