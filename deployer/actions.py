@@ -102,6 +102,16 @@ class LedgerClose:
 
 
 @dataclass(frozen=True)
+class LedgerRefusal:
+    """Record an operator command the deployer refused, as its own finished ledger run
+    named ``canary_id`` (``refused-<kind>-<command id>``) with ``tags``."""
+
+    canary_id: str
+    ts: float
+    tags: Mapping[str, str]
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     """Ensure a version is loaded into the inference engine and checked (deployer/engine.py).
     The outcome is recorded by the engine port and observed on the next tick; with
@@ -118,7 +128,7 @@ class EngineUnload:
     version: str
 
 
-LedgerEvent = LedgerOpen | LedgerStep | LedgerNote | LedgerClose
+LedgerEvent = LedgerOpen | LedgerStep | LedgerNote | LedgerClose | LedgerRefusal
 EngineAction = EngineLoad | EngineUnload
 Action = SetRouting | SetWeight | MoveAlias | DeleteAlias | WriteTags | LedgerEvent | EngineAction
 
@@ -195,7 +205,7 @@ def apply_actions(
                     registry.delete_alias(alias)
             case WriteTags(version=version, tags=tags):
                 registry.set_tags(version, tags)
-            case LedgerOpen() | LedgerStep() | LedgerNote() | LedgerClose():
+            case LedgerOpen() | LedgerStep() | LedgerNote() | LedgerClose() | LedgerRefusal():
                 ledger.record(action)
             case _:
                 raise TypeError(f"unknown action {action!r}")

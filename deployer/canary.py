@@ -9,10 +9,14 @@ Lifecycle::
 
     idle ─candidate passed the gate─▶ pending ─routing set─▶ progressing (step weights, judge)
     progressing ─promote at last step─▶ promoting ─aliases moved─▶ succeeded
+    progressing ─promote, approval required─▶ awaiting_approval ─rtrl approve─▶ promoting
+    awaiting_approval ─rtrl rollback / judge turns / approval timed out─▶ rolling_back
     progressing ─rollback / guardrail─▶ rolling_back ─────────────▶ rolled_back
     progressing ─inconclusive / budget / errors─▶ rolling_back ───▶ aborted
 
 ``paused`` is a flag, not a phase: it holds the weight and blocks promotion, never a rollback.
+Operator commands reach ``next_state`` verified (deployer/operators.py); refused ones are
+only recorded: a line in ``handled`` for the CLI and a ledger record of their own.
 The phases, the status and the policy are deployer/status.py; the transitions that phase
 rules and operator commands (deployer/commands.py) share are deployer/transitions.py.
 """
@@ -28,6 +32,8 @@ from deployer.actions import (
     EngineLoad,
     EngineUnload,
     LedgerClose,
+    LedgerNote,
+    LedgerRefusal,
     LedgerStep,
     MoveAlias,
     SetRouting,
@@ -45,6 +51,7 @@ from deployer.status import (
     Command,
     Observations,
     Phase,
+    Refusal,
     Result,
 )
 from deployer.transitions import decide, enter, start
@@ -57,11 +64,15 @@ HANDLED_KEPT = 20
 def next_state(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) -> Result:
     """The one transition: operator commands first, then the current phase's rule."""
     actions: list[Action] = []
+    for refusal in obs.refused:
+        if not _handled(status, refusal.command.id):
+            status, more = _refuse(status, obs.now, refusal)
+            actions += more
     for cmd in obs.commands:
-        if any(cmd.id == done for done, _ in status.handled):
+        if _handled(status, cmd.id):
             continue  # handled before a crash; the queue was not trimmed yet
         status, more, result = _command(status, obs, policy, cmd)
-        status = replace(status, handled=(*status.handled, (cmd.id, result))[-HANDLED_KEPT:])
+        status = _note_handled(status, cmd.id, result)
         actions += more
     status, more = PHASE_RULES[status.phase](status, obs, policy)
     return status, actions + more + engine_upkeep(status, obs)
@@ -148,7 +159,44 @@ def _progressing(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) 
                        step_times=(*status.step_times, now)), [*actions, SetWeight(w)]
     if verdict == "promote":
         reason = _why(status, "judge: canary at least as good on every metric")
+        if policy.approval_required:
+            return _await_approval(status, now, policy, reason, actions)
         return decide(status, now, "promoted", reason, ledger.CONTROLLER, actions)
+    return status, actions
+
+
+# ---------------------------------------------------------------------------- approval
+def _await_approval(status: CanaryStatus, now: float, policy: CanaryPolicy, reason: str,
+                    actions: list[Action]) -> Result:
+    """The judge would promote; an operator decides. The canary keeps its weight meanwhile."""
+    cid = status.canary_id
+    assert cid is not None
+    status = enter(status, Phase.AWAITING_APPROVAL, now, reason=reason)
+    note = LedgerNote(cid, "rtrl.approval.requested", f"{ledger.iso(now)}: {reason}")
+    return replace(status, note=_approval_note(status, policy)), [*actions, note]
+
+
+def _approval_note(status: CanaryStatus, policy: CanaryPolicy) -> str:
+    deadline = ledger.iso(status.phase_since + policy.approval_timeout_s) if status.phase_since else "?"
+    return (f"v{status.candidate} passed the judge: rtrl approve {status.candidate} promotes it, "
+            f"rtrl rollback rejects it; rolled back at {deadline} without a decision")
+
+
+def _awaiting_approval(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) -> Result:
+    """Hold the weight and keep judging: a losing verdict still rolls back at once; no
+    operator decision within ``approval_timeout_s`` rolls back too."""
+    now = obs.now
+    if obs.candidate != status.candidate:
+        return decide(status, now, "aborted", _alias_moved(status, obs), ledger.CONTROLLER)
+    if obs.error is not None:
+        return _on_error(status, obs, policy)
+    status, actions = _record(replace(status, errors=0, note=_approval_note(status, policy)), obs)
+    if obs.judgement is not None and obs.judgement.decision == "rollback":
+        return decide(status, now, "rolled_back", _why(status, "judge: canary worse"), ledger.CONTROLLER,
+                      actions)
+    if now - status.phase_since > policy.approval_timeout_s:
+        reason = f"approval timed out after {policy.approval_timeout_s:g}s"
+        return decide(status, now, "rolled_back", reason, ledger.CONTROLLER, actions)
     return status, actions
 
 
@@ -233,6 +281,7 @@ PHASE_RULES = {
     Phase.ABORTED: _resting,
     Phase.PENDING: _pending,
     Phase.PROGRESSING: _progressing,
+    Phase.AWAITING_APPROVAL: _awaiting_approval,
     Phase.PROMOTING: _promoting,
     Phase.ROLLING_BACK: _rolling_back,
 }
@@ -244,3 +293,22 @@ def _command(
 ) -> tuple[CanaryStatus, list[Action], str]:
     """Handle one operator command; returns the new status, actions and a result line."""
     return handle(status, obs, policy, cmd)
+
+
+def _handled(status: CanaryStatus, command_id: str) -> bool:
+    return any(command_id == done for done, _ in status.handled)
+
+
+def _note_handled(status: CanaryStatus, command_id: str, result: str) -> CanaryStatus:
+    return replace(status, handled=(*status.handled, (command_id, result))[-HANDLED_KEPT:])
+
+
+def _refuse(status: CanaryStatus, now: float, refusal: Refusal) -> Result:
+    """Record a refused command: its own ledger record, a note on the running canary's."""
+    cmd = refusal.command
+    record_id = f"refused-{cmd.id}"
+    tags = ledger.refusal_tags(record_id, str(cmd.kind), cmd.by, cmd.version, refusal.why, now)
+    actions: list[Action] = [LedgerRefusal(record_id, now, tags)]
+    if status.phase not in RESTING and status.canary_id:
+        actions.append(LedgerNote(status.canary_id, f"rtrl.operator.{cmd.id}", tags[ledger.TAG_REASON]))
+    return _note_handled(status, cmd.id, f"refused: {refusal.why}"), actions

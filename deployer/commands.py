@@ -1,8 +1,9 @@
-"""Operator commands inside the state machine (pure): pause, resume, promote, rollback.
+"""Operator commands inside the state machine (pure): pause, resume, promote, rollback, approve.
 
 The CLI queues a ``Command``; the controller hands it to ``next_state`` on its next tick, so
 a manual decision goes through the same phases, actions and ledger as an automatic one,
-with ``decided_by`` = the operator. Each command yields a one-line result the CLI prints.
+with ``decided_by`` = the operator whose signature the deployer verified. Each command
+yields a one-line result the CLI prints.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from deployer.actions import Action, LedgerNote
-from deployer.status import RESTING, TRANSIENT, CanaryPolicy, CanaryStatus, Command, Observations
+from deployer.status import RESTING, TRANSIENT, CanaryPolicy, CanaryStatus, Command, Observations, Phase
 from deployer.transitions import decide, start
 
 Handled = tuple[CanaryStatus, list[Action], str]
@@ -21,6 +22,8 @@ def handle(status: CanaryStatus, obs: Observations, policy: CanaryPolicy, cmd: C
         return _pause(status, cmd, cmd.kind == "pause")
     if status.phase in TRANSIENT:
         return status, [], f"rejected: the canary of v{status.candidate} is finishing ({status.phase})"
+    if cmd.kind == "approve":
+        return _approve(status, obs, cmd)
     if cmd.kind == "promote":
         return _promote(status, obs, policy, cmd)
     return _rollback(status, obs, policy, cmd)
@@ -38,6 +41,16 @@ def _pause(status: CanaryStatus, cmd: Command, pause: bool) -> Handled:
     if status.phase not in RESTING and status.canary_id:
         actions.append(LedgerNote(status.canary_id, f"rtrl.operator.{cmd.id}", _said(cmd, word)))
     return replace(status, paused=pause), actions, word
+
+
+def _approve(status: CanaryStatus, obs: Observations, cmd: Command) -> Handled:
+    """Promote the canary that waits in awaiting_approval (and only that one)."""
+    if status.phase != Phase.AWAITING_APPROVAL:
+        return status, [], f"rejected: no canary awaits approval (phase {status.phase.value})"
+    if cmd.version != status.candidate:
+        return status, [], f"rejected: v{status.candidate} awaits approval, not v{cmd.version}"
+    st, actions = decide(status, obs.now, "promoted", _said(cmd, "approved"), cmd.by)
+    return st, actions, f"approved: promoting v{status.candidate}"
 
 
 def _promote(status: CanaryStatus, obs: Observations, policy: CanaryPolicy, cmd: Command) -> Handled:

@@ -130,6 +130,29 @@ def decision_tags(outcome: str, reason: str, decided_by: str, ts: float) -> dict
     }
 
 
+REFUSED_KIND = "refused_command"
+"""``rtrl.canary.kind`` of the ledger record of a refused operator command."""
+TAG_CLAIMED_BY = "rtrl.operator.claimed"
+
+
+def refusal_tags(record_id: str, kind: str, claimed: str, version: str | None, why: str,
+                 ts: float) -> dict[str, str]:
+    """Tags of the ledger record of an operator command the deployer refused: what it asked,
+    whom it claimed to be from (unverified, so never ``decided_by``) and why it was refused."""
+    asked = f"{kind} v{version}" if version else kind
+    return {
+        TAG_CANARY_ID: record_id,
+        TAG_KIND: REFUSED_KIND,
+        TAG_CANDIDATE: version or "",
+        TAG_OUTCOME: "refused",
+        TAG_DECISION: "refuse",
+        TAG_REASON: clip(f"refused {asked} claimed by {claimed}: {why}"),
+        TAG_DECIDED_BY: CONTROLLER,
+        TAG_DECIDED_AT: iso(ts),
+        TAG_CLAIMED_BY: clip(claimed),
+    }
+
+
 def version_tags(cid: str, outcome: str, reason: str, decided_by: str, ts: float) -> dict[str, str]:
     """What a model version carries after its canary: the decision plus the ledger run."""
     return {**decision_tags(outcome, reason, decided_by, ts), TAG_CANARY_ID: cid}

@@ -19,6 +19,8 @@ class Phase(StrEnum):
     IDLE = "idle"  # no canary yet: the champion serves everyone; waiting for a candidate
     PENDING = "pending"  # candidate passed the gate; routing keys written with weight 0
     PROGRESSING = "progressing"  # weight steps up after each bake; the judge runs every tick
+    AWAITING_APPROVAL = "awaiting_approval"  # passed the judge at the last step; holds its weight
+    # until an operator approves (promote) or rejects it, the judge turns, or the wait times out
     PROMOTING = "promoting"  # decided to promote; moving aliases and routing to the candidate
     ROLLING_BACK = "rolling_back"  # weight already 0; removing the candidate, tagging, closing
     SUCCEEDED = "succeeded"  # rest: the candidate is the champion (previous = old champion)
@@ -30,6 +32,8 @@ RESTING = frozenset({Phase.IDLE, Phase.SUCCEEDED, Phase.ROLLED_BACK, Phase.ABORT
 """Phases without a canary in flight: a new candidate may start."""
 TRANSIENT = frozenset({Phase.PROMOTING, Phase.ROLLING_BACK})
 """Phases that finish on their next tick; the controller runs it at once."""
+JUDGED = frozenset({Phase.PROGRESSING, Phase.AWAITING_APPROVAL})
+"""Phases in which the controller reads the cohorts and asks the judge every tick."""
 RESULT_PHASE = {"promoted": Phase.SUCCEEDED, "rolled_back": Phase.ROLLED_BACK, "aborted": Phase.ABORTED}
 
 
@@ -45,6 +49,10 @@ class CanaryPolicy:
     """Budget: a canary still undecided after this long is aborted (inconclusive)."""
     max_errors: int = 5
     """Consecutive ticks whose observations failed before the canary is aborted."""
+    approval_required: bool = False
+    """A canary that passes the judge waits in awaiting_approval for an operator's approval."""
+    approval_timeout_s: float = 24 * 3600.0
+    """Longest wait for that approval; then the canary is rolled back (approval timed out)."""
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -55,6 +63,8 @@ class CanaryPolicy:
             raise ValueError(f"canary steps must increase strictly: {self.steps}")
         if self.bake_s < 0 or self.max_duration_s <= 0 or self.max_errors < 1:
             raise ValueError("bake_s >= 0, max_duration_s > 0 and max_errors >= 1 are required")
+        if self.approval_timeout_s <= 0:
+            raise ValueError(f"approval_timeout_s must be > 0: {self.approval_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -71,14 +81,29 @@ class Judgement:
 
 @dataclass(frozen=True)
 class Command:
-    """An operator's request, queued by the CLI and handled on the controller's next tick."""
+    """An operator's request, queued by the CLI and handled on the controller's next tick.
+    The deployer verifies its signature first (deployer/operators.py); the state machine
+    sees only verified commands, with ``by`` = the verified operator."""
 
     id: str
-    kind: Literal["pause", "resume", "promote", "rollback"]
+    """Random; also the nonce that makes a copied command a replay."""
+    kind: Literal["pause", "resume", "promote", "rollback", "approve"]
     by: str
     version: str | None = None
-    """promote: the version to promote; rollback: ``--to`` version (None: the canary)."""
+    """promote / approve: the version; rollback: ``--to`` version (None: the canary)."""
     reason: str = ""
+    ts: float = 0.0
+    """When the operator signed it (Unix seconds)."""
+    signature: str = ""
+    """HMAC-SHA256 of the command under the operator's key, hex ('' when unsigned)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A queued command the deployer refused: who it claimed to be from, and why."""
+
+    command: Command
+    why: str
 
 
 @dataclass(frozen=True)
@@ -98,6 +123,9 @@ class Observations:
     cohorts: Mapping[str, float] = field(default_factory=dict)
     """Cohort metrics for the ledger, e.g. ``stable.n``, ``canary.reward_mean``."""
     commands: tuple[Command, ...] = ()
+    """Verified operator commands."""
+    refused: tuple[Refusal, ...] = ()
+    """Commands whose signature, operator or age did not verify: recorded, never executed."""
     error: str | None = None
     """Set when reading observations failed (e.g. the rewards topic was unreachable)."""
     engine: Mapping[str, Any] | None = None

@@ -19,6 +19,8 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 UnprivilegedPort = Annotated[int, Field(ge=1024, le=65535)]
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 Peer = dict[str, Any]
+OperatorName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")]
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 """A NetworkPolicyPeer (podSelector / namespaceSelector / ipBlock), as in Kubernetes."""
 
 
@@ -282,5 +284,38 @@ class Trainer(Component):
     pending data window and Ray checkpoints, so a restart resumes an interrupted increment."""
 
 
+class Operators(_Values):
+    """Who may promote, roll back, pause, resume and approve by hand (docs/operations.md)."""
+
+    keys: dict[OperatorName, Sha256Hex | list[Sha256Hex]] = {}
+    """Operator name -> the SHA-256 (hex) of that operator's token, or a list of them while a
+    token is rotated; create one with: printf %s "$TOKEN" | sha256sum. The CLI signs commands
+    with it, so it is a secret: stored in the chart's Secret and mounted into the deployer
+    only (RTRL_OPERATORS__KEYS_FILE). Prefer existingSecret. Without keys every manual
+    command is refused."""
+    existing_secret: SecretKeyRef = SecretKeyRef(key="operator-keys")
+    """Read the keys from an existing Secret: name:sha256-hex lines (or a JSON object) under
+    this key. Mounted as a file, so a rotated Secret applies without restarting the deployer."""
+    allow_unauthenticated: bool = False
+    """Development only: execute unsigned commands as operator "unauthenticated"."""
+    max_age_seconds: Annotated[int, Field(ge=1)] = 300
+    """A signed command is executed only this long after it was signed (clock skew included);
+    older copies are refused (RTRL_OPERATORS__MAX_AGE_S)."""
+
+
+class Approval(_Values):
+    required: bool = False
+    """A canary that passes the judge waits in phase awaiting_approval until an operator runs
+    rtrl approve VERSION (promote) or rtrl rollback (reject) (RTRL_DEPLOYER__APPROVAL__REQUIRED)."""
+    timeout_seconds: Annotated[int, Field(ge=1)] = 86400
+    """Longest wait for the approval; then the canary is rolled back with the reason
+    "approval timed out" (RTRL_DEPLOYER__APPROVAL__TIMEOUT_S)."""
+
+
 class Deployer(Component):
     """The canary controller with the rollback judge. Always one replica (Recreate)."""
+
+    operators: Operators = Operators()
+    """Operator keys the deployer verifies every manual command with."""
+    approval: Approval = Approval()
+    """The optional approval gate before a promotion."""

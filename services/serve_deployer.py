@@ -2,11 +2,12 @@
 
 Every ``deployer.tick_s`` seconds, while it holds the controller lease in Redis (so at most
 one controller, hence one canary, acts at a time): load the persisted status, read the
-observations (registry aliases and gate tags, queued operator commands, and for a canary in
-progress the reward records of its window from the rewards topic, judged by the rollback
-judge), run the pure transition ``deployer.canary.next_state``, apply its actions (routing
-keys in Redis, aliases and tags in the MLflow registry, the decision ledger in MLflow) and
-persist the status. SIGTERM finishes the current tick, releases the lease and exits 0.
+observations (registry aliases and gate tags, the queued operator commands once their
+signatures are verified (deployer/operators.py), and for a canary in progress the reward
+records of its window from the rewards topic, judged by the rollback judge), run the pure
+transition ``deployer.canary.next_state``, apply its actions (routing keys in Redis, aliases
+and tags in the MLflow registry, the decision ledger in MLflow) and persist the status.
+SIGTERM finishes the current tick, releases the lease and exits 0.
 """
 
 from __future__ import annotations
@@ -28,8 +29,18 @@ from deployer.adapters.vllm_engine import VllmEngine
 from deployer.controller import tick
 from deployer.engine import EnginePort
 from deployer.ledger import CONTROLLER, TAG_GATE
+from deployer.operators import screen
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
-from deployer.status import RESTING, CanaryPolicy, CanaryStatus, Command, Judgement, Observations, Phase
+from deployer.status import (
+    JUDGED,
+    RESTING,
+    CanaryPolicy,
+    CanaryStatus,
+    Command,
+    Judgement,
+    Observations,
+    Phase,
+)
 from ingest.events import RewardRecord
 from rollback.judge import judge
 from rollback.types import GuardrailPolicy, JudgePolicy, default_metrics
@@ -39,6 +50,7 @@ from services.runtime.group_lag import BrokerOffsets, GroupLagMonitor
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.kafka_io import ensure_topics, make_admin, make_consumer, wait_for_broker
 from services.runtime.mlflow_http import bound_mlflow_http, dependency_of
+from services.runtime.operator_keys import authority
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.redis_io import make_redis
 from services.runtime.service_settings import DeployerSettings
@@ -50,7 +62,8 @@ log = logging.getLogger("rtrl.deployer")
 
 def canary_policy(d: DeployerSettings) -> CanaryPolicy:
     return CanaryPolicy(steps=tuple(d.steps), bake_s=d.bake_s, max_duration_s=d.max_duration_s,
-                        max_errors=d.max_errors)
+                        max_errors=d.max_errors, approval_required=d.approval.required,
+                        approval_timeout_s=d.approval.timeout_s)
 
 
 def judge_policy(d: DeployerSettings) -> JudgePolicy:
@@ -160,14 +173,21 @@ class Controller:
             log.info("another controller (%s) holds the lease; waiting", st.holder())
             return None
         before = st.load()
-        obs = self.observe(before, st.pending())
+        pending = st.pending()
+        ops = self.settings.operators
+        checked = screen(pending, {cid for cid, _ in before.handled}, authority(ops), self.clock(),
+                         st.seen([c.id for c in pending]))
+        obs = replace(self.observe(before, checked.accepted), refused=checked.refused)
 
         def apply(actions: list[Action]) -> None:
             apply_actions(actions, self.ports.routing, self.ports.registry, self.ports.ledger,
                           self.ports.engine)
 
         after = tick(before, obs, self.policy, apply, st.save)
+        st.remember([c.id for c in checked.accepted if c.id not in dict(before.handled)], 2 * ops.max_age_s)
         st.trim({cid for cid, _ in after.handled})
+        for command, result in checked.counts:
+            m.OPERATOR_COMMANDS.labels(command, result).inc()
         export_metrics(before, after, obs)
         if after.phase != before.phase:
             log.info("canary %s: %s -> %s %s", after.canary_id, before.phase, after.phase, after.reason)
@@ -182,7 +202,7 @@ class Controller:
                            gate={v: t.get(TAG_GATE, "") for v, t in tags.items()}, lineage=tags,
                            commands=commands,
                            engine=self.ports.engine.states() if self.ports.engine is not None else None)
-        if status.phase != Phase.PROGRESSING:
+        if status.phase not in JUDGED:
             return obs
         if self.rewards is None:
             return replace(obs, error="no rewards reader in this process")
@@ -210,7 +230,7 @@ def reason_kind(status: CanaryStatus) -> str:
     if status.decided_by not in (None, CONTROLLER):
         return "operator"
     text = status.reason.lower()
-    for kind in ("guardrail", "budget", "errors", "outside the controller", "inconclusive"):
+    for kind in ("guardrail", "budget", "errors", "outside the controller", "inconclusive", "approval"):
         if kind in text:
             return kind.replace("outside the controller", "alias_moved")
     return "judge"

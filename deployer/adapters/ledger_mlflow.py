@@ -17,7 +17,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from deployer import ledger
-from deployer.actions import LedgerClose, LedgerEvent, LedgerNote, LedgerOpen, LedgerStep
+from deployer.actions import LedgerClose, LedgerEvent, LedgerNote, LedgerOpen, LedgerRefusal, LedgerStep
 
 PLOT_ARTIFACT = "cohorts.png"
 SUMMARY_ARTIFACT = "decision.json"
@@ -87,6 +87,8 @@ class MlflowLedger:
                 self.client.set_tag(self._need(event.canary_id), event.key, ledger.clip(event.text))
             case LedgerClose():
                 self._close(event)
+            case LedgerRefusal():
+                self._refusal(event)
 
     def _open(self, event: LedgerOpen) -> None:
         if self.run_id(event.canary_id) is not None:
@@ -97,6 +99,17 @@ class MlflowLedger:
         )
         self._runs[event.canary_id] = run.info.run_id
         self.client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in event.params.items()])
+
+    def _refusal(self, event: LedgerRefusal) -> None:
+        """A finished run of its own: refusals show in ``rtrl history`` beside the canaries."""
+        if self.run_id(event.canary_id) is not None:
+            return
+        ts_ms = int(event.ts * 1000)
+        tags = {**event.tags, "mlflow.runName": event.canary_id}
+        run = self.client.create_run(self.experiment_id(), start_time=ts_ms, tags=tags,
+                                     run_name=event.canary_id)
+        self._runs[event.canary_id] = run.info.run_id
+        self.client.set_terminated(run.info.run_id, status="FINISHED", end_time=ts_ms)
 
     def _close(self, event: LedgerClose) -> None:
         run_id = self._need(event.canary_id)

@@ -17,6 +17,7 @@ from deployer.actions import (
     LedgerEvent,
     LedgerNote,
     LedgerOpen,
+    LedgerRefusal,
     LedgerStep,
     apply_actions,
 )
@@ -24,7 +25,7 @@ from deployer.controller import tick
 from deployer.engine import FAILED, READY, EngineState
 from deployer.ledger import TAG_GATE
 from deployer.routing import ROUTING_FIELDS
-from deployer.status import CanaryPolicy, CanaryStatus, Command, Judgement, Observations
+from deployer.status import CanaryPolicy, CanaryStatus, Command, Judgement, Observations, Refusal
 
 
 @dataclass
@@ -109,6 +110,9 @@ class FakeLedger:
                 run.tags.update(event.tags)
                 run.summary = dict(event.summary)
                 run.closed = True
+            case LedgerRefusal():
+                run.tags.update(event.tags)
+                run.closed = True
 
 
 @dataclass
@@ -173,7 +177,7 @@ class FakeWorld:
             self.registry.set_alias(alias, version)
 
     def observe(self, judgement: Judgement | None = None, commands: tuple[Command, ...] = (),
-                error: str | None = None) -> Observations:
+                error: str | None = None, refused: tuple[Refusal, ...] = ()) -> Observations:
         aliases = self.registry.aliases
         versions = {aliases.get("candidate"), aliases.get("previous"),
                     *(c.version for c in commands)}
@@ -184,19 +188,19 @@ class FakeWorld:
             now=self.now, champion=aliases.get("champion"), candidate=aliases.get("candidate"),
             previous=aliases.get("previous"), gate=gate, lineage=lineage, judgement=judgement,
             cohorts=cohorts,
-            commands=commands, error=error,
+            commands=commands, refused=refused, error=error,
             engine=self.engine.states() if self.engine is not None else None,
         )
 
     def tick(self, decision: str | None = None, dt: float = 60.0, commands: tuple[Command, ...] = (),
-             error: str | None = None) -> CanaryStatus:
+             error: str | None = None, refused: tuple[Refusal, ...] = ()) -> CanaryStatus:
         """Advance the clock by ``dt`` and run one controller tick with this verdict."""
         self.now += dt
         judgement = None
         if decision is not None:
             judgement = Judgement(decision, (f"judge said {decision}",),  # type: ignore[arg-type]
                                   {"reward.p_value": 0.5}, {"ticks": 1.0})
-        obs = self.observe(judgement, commands, error)
+        obs = self.observe(judgement, commands, error, refused)
 
         def apply(actions: list[Action]) -> None:
             apply_actions(actions, self.routing, self.registry, self.ledger, self.engine)

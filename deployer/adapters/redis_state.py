@@ -5,6 +5,7 @@ the controller lease and the operator command queue. Keys (``p`` = ``key_prefix`
     {p}deployer:status     JSON CanaryStatus, written after every tick
     {p}deployer:lease      owner id of the one controller allowed to act (expires)
     {p}deployer:commands   list of JSON operator commands, oldest first
+    {p}deployer:executed:<id>  ids of accepted operator commands (expire): replays are refused
     {p}registry:candidate-lock  held while a writer checks and moves the candidate alias
 """
 
@@ -77,6 +78,7 @@ class ControllerState:
         self.status_key = f"{prefix}deployer:status"
         self.lease_key = f"{prefix}deployer:lease"
         self.commands_key = f"{prefix}deployer:commands"
+        self.executed_key = f"{prefix}deployer:executed:"
         self.owner = owner or f"controller-{uuid.uuid4().hex[:12]}"
         self.ttl_ms = 60_000
 
@@ -117,6 +119,19 @@ class ControllerState:
 
     def pending(self) -> tuple[Command, ...]:
         return tuple(Command(**json.loads(raw)) for raw in self.r.lrange(self.commands_key, 0, -1))
+
+    def seen(self, ids: list[str]) -> set[str]:
+        """Which of these command ids were accepted before (deployer/operators.py)."""
+        if not ids:
+            return set()
+        found = self.r.mget([f"{self.executed_key}{i}" for i in ids])
+        return {i for i, v in zip(ids, found, strict=True) if v is not None}
+
+    def remember(self, ids: list[str], ttl_s: float) -> None:
+        """Record accepted command ids for ``ttl_s`` (longer than a signature stays valid)."""
+        ttl_ms = max(1, int(ttl_s * 1000))
+        for i in ids:
+            self.r.set(f"{self.executed_key}{i}", "1", px=ttl_ms)
 
     def trim(self, handled_ids: set[str]) -> None:
         """Drop handled commands (called after the status recording them was saved)."""

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollback": ("services.cli.operator", "roll back by hand (recorded in the ledger)"),
     "pause": ("services.cli.operator", "pause the canary controller"),
     "resume": ("services.cli.operator", "resume the canary controller"),
+    "approve": ("services.cli.operator", "approve the canary that awaits approval (promotes it)"),
     "demo": ("services.local.demo", "the closed loop on the embedded stack, with a report"),
 }
 SERVE: dict[str, tuple[str, str]] = {
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(table, rest[0], rest[1:], f"{head} target")
     if head in {"up", "down"}:
         return _run(COMMANDS, head, [head, *rest], "command")
-    if head in {"status", "history", "promote", "rollback", "pause", "resume", "train", "bootstrap"}:
+    if head in {"status", "history", "promote", "rollback", "pause", "resume", "approve", "train",
+                "bootstrap"}:
         return _run(COMMANDS, head, [head, *rest], "command")
     return _run(COMMANDS, head, rest, "command")
 

@@ -5,11 +5,14 @@
 ``rtrl promote VERSION``           promote by hand (the running canary, or any gated version)
 ``rtrl rollback [--to VERSION]``   roll back the running canary, or the champion to VERSION/previous
 ``rtrl pause`` / ``rtrl resume``   hold / release the canary's weight and promotion
+``rtrl approve VERSION``           promote the canary that awaits approval
 
-Manual commands are queued in Redis and handled by the controller on its next tick, through
-the same state machine and ledger as automatic decisions, with ``decided_by`` = the operator
-(``--by``, default ``$USER``). When no controller runs, the command runs one controller tick
-itself (holding the controller lease meanwhile).
+Manual commands are signed with the operator's token (``RTRL_OPERATORS__TOKEN`` or
+``--token-file``) as operator ``--by`` (default ``RTRL_OPERATORS__NAME``, else ``$USER``),
+queued in Redis and verified by the controller on its next tick (deployer/operators.py), then
+handled through the same state machine and ledger as automatic decisions, with
+``decided_by`` = the verified operator. When no controller runs, the command runs one
+controller tick itself (holding the controller lease meanwhile).
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import time
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from deployer.ledger import TAG_GATE
+from deployer.operators import sign
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
 from deployer.status import CanaryStatus, Command
 from services.runtime.settings import Settings, get_settings
@@ -162,7 +167,7 @@ def send(settings: Settings, command: Command, timeout_s: float) -> tuple[int, s
     while time.monotonic() < deadline:
         result = dict(ports.state.load().handled).get(command.id)
         if result is not None:
-            return (1 if result.startswith("rejected") else 0), result
+            return (1 if result.startswith(("rejected", "refused")) else 0), result
         if ports.state.holder() is None:
             rewards = None
             try:
@@ -181,6 +186,20 @@ def send(settings: Settings, command: Command, timeout_s: float) -> tuple[int, s
                f"within {timeout_s:g}s")
 
 
+def _signed(command: Command, settings: Settings, source: str | None) -> Command:
+    """``command`` signed with the operator's token (read from the file ``source``, ``-`` for
+    stdin, else the settings); unsigned, with a warning, without one."""
+    if source is not None:
+        token = (sys.stdin.read() if source == "-" else Path(source).read_text()).strip()
+    else:
+        token = settings.operators.token.get_secret_value() if settings.operators.token else ""
+    if not token:
+        print("warning: no operator token (RTRL_OPERATORS__TOKEN or --token-file): the deployer "
+              "refuses unsigned commands unless operators.allow_unauthenticated", file=sys.stderr)
+        return command
+    return sign(command, token, time.time())
+
+
 def _parser(name: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"rtrl {name}")
     if name in ("status", "history"):
@@ -190,18 +209,23 @@ def _parser(name: str) -> argparse.ArgumentParser:
         return ap
     if name == "promote":
         ap.add_argument("version", help="model version to promote (needs rtrl.gate.result=pass)")
+    if name == "approve":
+        ap.add_argument("version", help="the version awaiting approval")
     if name == "rollback":
         ap.add_argument("--to", dest="version", default=None,
                         help="with no canary running: the version to restore (default: previous)")
-    ap.add_argument("--by", default=None, help="who decides (default: $USER); recorded in the ledger")
+    ap.add_argument("--by", default=None, help="operator name to sign as (default: RTRL_OPERATORS__NAME, "
+                    "else $USER); recorded in the ledger")
+    ap.add_argument("--token-file", default=None, help="file holding the operator token ('-': stdin; "
+                    "default: RTRL_OPERATORS__TOKEN)")
     ap.add_argument("--reason", default="", help="why; recorded in the ledger")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the controller")
     return ap
 
 
 def main(argv: list[str]) -> int:
-    """``argv[0]`` is the command name (status, history, promote, rollback, pause, resume)."""
-    if not argv or argv[0] not in ("status", "history", "promote", "rollback", "pause", "resume"):
+    """``argv[0]`` is the command name (status, history, promote, rollback, pause, resume, approve)."""
+    if not argv or argv[0] not in ("status", "history", "promote", "rollback", "pause", "resume", "approve"):
         print(__doc__, file=sys.stderr)
         return 2
     name, args = argv[0], _parser(argv[0]).parse_args(argv[1:])
@@ -220,8 +244,9 @@ def _run(name: str, args: argparse.Namespace, settings: Settings) -> int:
         return _status(settings, args.json)
     if name == "history":
         return _history(settings, args.limit, args.json)
-    command = Command(id=uuid.uuid4().hex[:12], kind=name, by=args.by or _operator(),  # type: ignore[arg-type]
+    by = args.by or settings.operators.name or _operator()
+    command = Command(id=uuid.uuid4().hex, kind=name, by=by,  # type: ignore[arg-type]
                       version=getattr(args, "version", None), reason=args.reason)
-    code, result = send(settings, command, args.timeout)
+    code, result = send(settings, _signed(command, settings, args.token_file), args.timeout)
     print(result)
     return code

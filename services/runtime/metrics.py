@@ -130,6 +130,12 @@ JUDGE_STAT = Gauge(
 HACKING_DETECTIONS = Counter(
     "rtrl_reward_hacking_detections_total", "Reward-hacking detectors that fired", ["detector"]
 )
+OPERATOR_COMMANDS = Counter(
+    "rtrl_operator_commands_total", "Manual operator commands the deployer verified", ["command", "result"]
+)
+"""result: accepted | unauthenticated (unsigned, allowed by operators.allow_unauthenticated) |
+refused as unknown_command, unsigned, no_keys, unknown_operator, bad_signature, expired or
+replayed."""
 GROUP_LAG_MESSAGES = Gauge(
     "rtrl_group_lag_messages",
     "Records between a pipeline consumer group's committed offsets and the partitions' ends, "
@@ -206,7 +212,7 @@ OWNERS: dict[str, tuple[Collector, ...]] = {
                 TRAIN_STAT, GATE_RESULTS),
     "deployer": (CANARY_PHASE, CANARY_WEIGHT, CANARY_PHASE_AGE, CANARY_VERDICTS, CANARY_PROMOTIONS,
                  CANARY_ROLLBACKS, CANARY_ABORTS, JUDGE_STAT, HACKING_DETECTIONS, GROUP_LAG_MESSAGES,
-                 GROUP_LAG_SECONDS, GROUP_LAG_READ),
+                 GROUP_LAG_SECONDS, GROUP_LAG_READ, OPERATOR_COMMANDS),
     "gateway": (GATEWAY_REQUESTS, GATEWAY_ERRORS, GATEWAY_SECONDS, GATEWAY_FALLBACKS, GATEWAY_EXPOSURES,
                 GATEWAY_MODEL_LOADS, GATEWAY_SERVING, GATEWAY_ROUTING_AGE, GATEWAY_CONNECTIONS,
                 GATEWAY_CLIENT_REQUESTS, GATEWAY_OPEN_CONNECTIONS),

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from services.runtime.operator_settings import ApprovalSettings
+
 
 class Section(BaseModel):
     """The base of every settings section (here and in settings.py): frozen, unknown keys rejected."""
@@ -311,3 +313,5 @@ class DeployerSettings(Section):
     lag_interval_s: Annotated[float, Field(ge=0.0)] = 30.0
     """Seconds between reads of the ingest and reward groups' lag from the broker
     (``rtrl_group_lag_seconds``, which outlives the consumers); 0 turns them off."""
+    approval: ApprovalSettings = ApprovalSettings()
+    """The approval gate (services/runtime/operator_settings.py)."""

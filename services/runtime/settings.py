@@ -24,6 +24,7 @@ from pydantic_settings.sources.utils import parse_env_vars
 
 from services.runtime.demo_settings import DemoSettings, SimulatorSettings
 from services.runtime.engine_settings import EngineSettings
+from services.runtime.operator_settings import OperatorSettings
 from services.runtime.service_settings import (
     DeployerSettings,
     GatewaySettings,
@@ -208,6 +209,7 @@ class Settings(BaseSettings):
     simulator: SimulatorSettings = SimulatorSettings()
     demo: DemoSettings = DemoSettings()
     deployer: DeployerSettings = DeployerSettings()
+    operators: OperatorSettings = OperatorSettings()
     log_level: str = "INFO"
     """Python logging level of every process (DEBUG, INFO, WARNING, ERROR)."""
     reward_spec: Path | None = None

@@ -12,8 +12,10 @@ from pathlib import Path
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.ledger import TAG_GATE
+from deployer.operators import key_line
 from ingest.events import ModelRef, RewardRecord
 from services.runtime.kafka_io import ensure_topics, make_producer
+from services.runtime.operator_settings import OperatorSettings
 from services.runtime.service_settings import DeployerSettings
 from services.runtime.settings import MlflowSettings, Settings
 
@@ -36,6 +38,17 @@ def deployer_settings(settings: Settings, tracking_uri: str, **deployer: object)
                                  deployments_experiment=f"rtrl-deployments-{tag}"),
         "deployer": DeployerSettings(**d),  # type: ignore[arg-type]
     })
+
+
+def with_operators(settings: Settings, tmp: Path, *names: str) -> tuple[Settings, dict[str, Path]]:
+    """The settings with an operator keys file for ``names``, and each operator's token file
+    (for the CLI's ``--token-file``)."""
+    tokens = {name: tmp / f"{name}.token" for name in names}
+    for name, path in tokens.items():
+        path.write_text(f"{name}-{uuid.uuid4().hex}\n")
+    keys = tmp / "operator-keys"
+    keys.write_text("".join(key_line(n, p.read_text().strip()) + "\n" for n, p in tokens.items()))
+    return settings.model_copy(update={"operators": OperatorSettings(keys_file=keys)}), tokens
 
 
 def register_versions(settings: Settings, tmp: Path, n: int = 2) -> MlflowRegistry:

@@ -1,5 +1,6 @@
 """The operator CLI on real Redis, Kafka and MLflow: manual promote, rollback of the champion,
-pause/resume of a running canary; each recorded in the ledger with decided_by = operator."""
+pause/resume of a running canary; each signed with the operator's token and recorded in the
+ledger with decided_by = the verified operator."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from deployer_helpers import deployer_settings, register_versions
+from deployer_helpers import deployer_settings, register_versions, with_operators
 
 from deployer.adapters.ledger_mlflow import MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
@@ -21,7 +22,10 @@ from services.runtime.settings import Settings
 def ops(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
     cwd = Path.cwd()
     os.chdir(tmp_path)  # the sqlite store puts artifacts under ./mlruns
-    s = deployer_settings(settings, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    s, tokens = with_operators(deployer_settings(settings, f"sqlite:///{tmp_path / 'mlflow.db'}"), tmp_path,
+                               "alice", "bob", "carol")
+    TOKENS.clear()
+    TOKENS.update(tokens)
     monkeypatch.setattr(operator, "get_settings", lambda: s)
     try:
         yield s
@@ -29,8 +33,15 @@ def ops(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         os.chdir(cwd)
 
 
+TOKENS: dict[str, Path] = {}
+
+
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    code = operator.main(list(argv))
+    """Run the CLI; a command given ``--by NAME`` is signed with that operator's token."""
+    args = list(argv)
+    if "--by" in args:
+        args += ["--token-file", str(TOKENS[args[args.index("--by") + 1]])]
+    code = operator.main(args)
     return code, capsys.readouterr().out
 
 
@@ -75,7 +86,7 @@ def test_pause_resume_and_rollback_of_a_new_canary(ops: Settings, tmp_path: Path
     assert code == 0 and out.strip() == "resumed"
     code, out = cli(capsys, "status")
     assert "pending" in out and "[PAUSED]" not in out
-    code, out = cli(capsys, "rollback", "--to", "1")
+    code, out = cli(capsys, "rollback", "--to", "1", "--by", "carol")
     assert code == 1 and out.startswith("rejected: the canary of v2 is in progress")
     code, out = cli(capsys, "rollback", "--by", "carol")
     assert code == 0 and out.strip() == "rolling back v2"

@@ -21,6 +21,7 @@ from pydantic import SecretStr
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.ledger import TAG_GATE, TAG_REASON
+from deployer.operators import sign
 from deployer.routing import engine_model_key
 from deployer.status import Command, Phase
 from ingest.events import CompletionServed, parse_event
@@ -35,7 +36,7 @@ from services.runtime.settings import Settings
 from services.serve_deployer import Controller, build_ports
 from services.serve_gateway import build
 from tests.integration.conftest import Engine
-from tests.integration.deployer_helpers import deployer_settings
+from tests.integration.deployer_helpers import deployer_settings, with_operators
 
 pytestmark = pytest.mark.integration
 
@@ -229,6 +230,7 @@ def test_a_lora_candidate_is_loaded_before_traffic_serves_the_canary_and_is_unlo
     assert register(reg, tmp_path, vllm_engine, "v2", vllm_engine.adapter(1)) == "2"
     reg.set_alias("candidate", "2")
     ports = build_ports(s)
+    s, tokens = with_operators(s, tmp_path, "test")  # the deployer verifies the operator's rollback
     controller = Controller(s, ports, None)
     status = step_until(controller, {Phase.PROGRESSING})  # only once loaded and checked
     lora = f"{s.mlflow.registered_model}-v2"
@@ -252,7 +254,8 @@ def test_a_lora_candidate_is_loaded_before_traffic_serves_the_canary_and_is_unlo
         "logprobs": True, "top_logprobs": 0, "return_token_ids": True})
     assert_same(event, want, "chat")
     # rollback: the adapter is unloaded and its record removed
-    ports.state.push(Command("rb-1", "rollback", "test", reason="test rollback"))
+    token = tokens["test"].read_text().strip()
+    ports.state.push(sign(Command("rb-1", "rollback", "test", reason="test rollback"), token, time.time()))
     step_until(controller, {Phase.ROLLED_BACK})
     controller.step()
     assert lora not in engine_models(vllm_engine)

@@ -11,6 +11,7 @@ controllers never act at once.
 {{- $ctx := dict "root" $root "component" .component }}
 {{- $extras := dict "root" $root "component" .component "values" $c }}
 {{- $kafkaTls := $v.kafka.tls }}
+{{- $operatorKeys := and (eq .component "deployer") (include "rtrl.operatorKeys" $root) }}
 {{- /* The gateway serves /metrics and the probes on its API port; the others on metrics.port. */}}
 {{- $probePort := ternary "http" "metrics" (eq .component "gateway") }}
 apiVersion: apps/v1
@@ -109,6 +110,10 @@ spec:
               value: {{ . | quote }}
             {{- end }}
             {{- end }}
+            {{- if $operatorKeys }}
+            - name: RTRL_OPERATORS__KEYS_FILE
+              value: /etc/rtrl/operators/keys
+            {{- end }}
             {{- range $name, $value := $c.env }}
             - name: {{ $name }}
               value: {{ $value | quote }}
@@ -159,6 +164,11 @@ spec:
               mountPath: /etc/rtrl/kafka-ca
               readOnly: true
             {{- end }}
+            {{- if $operatorKeys }}
+            - name: operator-keys
+              mountPath: /etc/rtrl/operators
+              readOnly: true
+            {{- end }}
             {{- if $kafkaTls.clientSecret.name }}
             - name: kafka-client
               mountPath: /etc/rtrl/kafka-client
@@ -199,6 +209,16 @@ spec:
             items:
               - key: {{ $kafkaTls.caSecret.key }}
                 path: ca.crt
+        {{- end }}
+        {{- if $operatorKeys }}
+        {{- $ref := $v.deployer.operators.existingSecret }}
+        - name: operator-keys
+          secret:
+            secretName: {{ default (include "rtrl.secretName" $root) $ref.name }}
+            defaultMode: 0400
+            items:
+              - key: {{ ternary $ref.key "operator-keys" (ne $ref.name "") }}
+                path: keys
         {{- end }}
         {{- if $kafkaTls.clientSecret.name }}
         - name: kafka-client

@@ -114,6 +114,7 @@ registry of its own. */}}
 {{- if and .Values.auth.keys (not .Values.auth.existingSecret.name) }}{{ $keys = append $keys "auth-keys" }}{{ end }}
 {{- if and .Values.gateway.apiKeys (not .Values.gateway.apiKeysSecret.name) }}{{ $keys = append $keys "gateway-api-keys" }}{{ end }}
 {{- if and .Values.engine.apiKey (not .Values.engine.existingSecret.name) }}{{ $keys = append $keys "engine-api-key" }}{{ end }}
+{{- if and .Values.deployer.operators.keys (not .Values.deployer.operators.existingSecret.name) }}{{ $keys = append $keys "operator-keys" }}{{ end }}
 {{- join "," $keys }}
 {{- end }}
 
@@ -151,6 +152,11 @@ registry of its own. */}}
 {{- if and (has .component (list "gateway" "deployer")) (eq $v.engine.kind "vllm") (or $v.engine.existingSecret.name $v.engine.apiKey) }}
 {{ include "rtrl.secretEnv" (dict "root" .root "env" "RTRL_ENGINE__API_KEY" "ref" $v.engine.existingSecret "ownKey" "engine-api-key") }}
 {{- end }}
+{{- end }}
+
+{{/* "true" when the deployer has operator keys to mount (its own Secret's or an existing one). */}}
+{{- define "rtrl.operatorKeys" -}}
+{{- if or .Values.deployer.operators.keys .Values.deployer.operators.existingSecret.name }}true{{ end }}
 {{- end }}
 
 {{/* Engine ----------------------------------------------------------------------------- */}}
