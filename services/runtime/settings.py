@@ -22,6 +22,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 from pydantic_settings.sources.utils import parse_env_vars
 
+from services.runtime.cli_settings import CliSettings
 from services.runtime.engine_settings import EngineSettings
 from services.runtime.service_settings import (
     DemoSettings,
@@ -53,6 +54,9 @@ class KafkaSettings(Section):
     ssl_keyfile: str | None = None
     client_id: str = "rtrl"
     request_timeout_ms: int = 30_000
+    bootstrap_timeout_ms: Annotated[int, Field(ge=100)] = 30_000
+    """How long a client waits for the first broker to answer (kafka-python's default). The
+    ``rtrl`` operator commands lower it, with ``request_timeout_ms``, to a few seconds."""
     max_message_bytes: Annotated[int, Field(ge=64 * 1024)] = 1_000_000
     """The largest record on any rtrl topic, measured as Kafka does (a record batch holding
     the record: key, value, headers and framing). rtrl's producers refuse a bigger record
@@ -67,6 +71,7 @@ class KafkaSettings(Section):
             "security_protocol": self.security_protocol,
             "client_id": self.client_id,
             "request_timeout_ms": self.request_timeout_ms,
+            "bootstrap_timeout_ms": self.bootstrap_timeout_ms,
         }
         if self.sasl_mechanism:
             kw["sasl_mechanism"] = self.sasl_mechanism
@@ -179,6 +184,7 @@ class Settings(BaseSettings):
     simulator: SimulatorSettings = SimulatorSettings()
     demo: DemoSettings = DemoSettings()
     deployer: DeployerSettings = DeployerSettings()
+    cli: CliSettings = CliSettings()
     log_level: str = "INFO"
     reward_spec: Path | None = None
     """Reward spec file; None uses the packaged default (ingest/reward/specs/default.toml)."""
