@@ -46,6 +46,7 @@ from rollback.judge import judge
 from rollback.types import GuardrailPolicy, JudgePolicy, default_metrics
 from services.gateway.counts import read_counts
 from services.runtime import metrics as m
+from services.runtime.flags import deprecated_alias
 from services.runtime.group_lag import BrokerOffsets, GroupLagMonitor
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.kafka_io import ensure_topics, make_admin, make_consumer, wait_for_broker
@@ -292,11 +293,13 @@ def run_tick(controller: Controller) -> CanaryStatus | None:
         return None
 
 
-def build_ports(settings: Settings, owner: str | None = None) -> Ports:
+def build_ports(settings: Settings, owner: str | None = None, redis_client: Any = None) -> Ports:
+    """The controller's ports; ``redis_client`` replaces the service's own (the operator
+    commands pass one with short timeouts)."""
     from deployer.adapters.ledger_mlflow import MlflowLedger
     from deployer.adapters.mlflow_registry import MlflowRegistry
 
-    r = make_redis(settings.redis)
+    r = redis_client if redis_client is not None else make_redis(settings.redis)
     prefix = settings.redis.key_prefix
     ml = settings.mlflow
     registry = MlflowRegistry(ml.tracking_uri, ml.registered_model, ml.training_experiment)
@@ -341,7 +344,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="rtrl serve deployer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--once", action="store_true", help="run one tick and exit")
     ap.add_argument("--tick-s", type=float, default=None, help="seconds between ticks (default: settings)")
-    ap.add_argument("--metrics-port", type=int, default=None, help="port for /metrics /healthz /readyz")
+    ap.add_argument("--port", type=int, default=None, help="port for /metrics /healthz /readyz")
+    deprecated_alias(ap, "--metrics-port", "--port")
     args = ap.parse_args(argv)
     settings = get_settings()
     setup_logging(settings.log_level, SERVICE)
@@ -356,7 +360,7 @@ def main(argv: list[str]) -> int:
     controller = Controller(settings, ports, rewards)
     health = Health(liveness_timeout_s=max(60.0, 3 * tick_s))
     health.add_check("redis", lambda: bool(ports.state.r.ping()))
-    port = args.metrics_port if args.metrics_port is not None else settings.http.port
+    port = args.port if args.port is not None else settings.http.port
     http = HttpEndpoints(health, settings.http.host, port, m.registry_for(SERVICE)).start()
     lag = start_lag_monitor(settings)
     log.info("deployer %s: tick every %.1fs, steps %s, bake %.0fs", ports.state.owner, tick_s,

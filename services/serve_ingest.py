@@ -36,6 +36,7 @@ from ingest.dedup import SOURCE_HEADER, DedupStore, is_duplicate, position_marke
 from ingest.validate import Accepted, Limits, Rejected, validate
 from services.runtime import metrics as m
 from services.runtime.exactly_once import Batch, ExactlyOnceLoop, FencedError, Output
+from services.runtime.flags import deprecated_alias
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.kafka_io import ensure_topics, make_consumer, wait_for_broker
 from services.runtime.process import Stopper, setup_logging
@@ -255,8 +256,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="rtrl serve ingest",
         description="Validate, authenticate and dedup raw events; forward them exactly once.")
-    parser.add_argument("--metrics-port", type=int, default=None,
+    parser.add_argument("--port", type=int, default=None,
                         help="port for /metrics /healthz /readyz (default: RTRL_HTTP__PORT, 0 = free port)")
+    deprecated_alias(parser, "--metrics-port", "--port")
     parser.add_argument("--group-id", default=None, help="consumer group (default: RTRL_INGEST__GROUP_ID)")
     parser.add_argument("--max-batch", type=int, default=None,
                         help="records per poll and per transaction (default: RTRL_INGEST__MAX_BATCH)")
@@ -274,4 +276,4 @@ def main(argv: list[str]) -> int:
     def announce(http: HttpEndpoints) -> None:
         print(f"rtrl ingest: metrics on http://{settings.http.host}:{http.port}/metrics", flush=True)
 
-    return run_worker(settings, stopper, args.group_id, args.max_batch, args.metrics_port, announce)
+    return run_worker(settings, stopper, args.group_id, args.max_batch, args.port, announce)

@@ -48,6 +48,7 @@ from ingest.reward.join import Window, apply_batch, close, close_at
 from ingest.reward.spec import RewardSpec, load_spec
 from services.runtime import metrics as m
 from services.runtime.exactly_once import Batch, ExactlyOnceLoop, FencedError, Output
+from services.runtime.flags import deprecated_alias
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.kafka_io import ensure_topics, make_consumer, wait_for_broker
 from services.runtime.process import Stopper, setup_logging
@@ -334,7 +335,8 @@ def crash_hook(spec: str | None) -> Callable[[str], None] | None:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="rtrl serve reward", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--metrics-port", type=int, default=None, help="port for /metrics /healthz /readyz")
+    ap.add_argument("--port", type=int, default=None, help="port for /metrics /healthz /readyz")
+    deprecated_alias(ap, "--metrics-port", "--port")
     ap.add_argument("--group-id", default=None, help="consumer group (default: settings)")
     ap.add_argument("--max-batch", type=int, default=None, help="most events per poll")
     ap.add_argument("--time-scale", type=float, default=None,
@@ -362,7 +364,7 @@ def main(argv: list[str]) -> int:
     m.BUILD_INFO.info({"service": SERVICE, "reward_spec": spec.version})
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     health = Health()
-    port = args.metrics_port if args.metrics_port is not None else settings.http.port
+    port = args.port if args.port is not None else settings.http.port
     http = HttpEndpoints(health, settings.http.host, port, m.registry_for(SERVICE)).start()
     worker = RewardWorker(settings, spec, health)
     try:

@@ -26,6 +26,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from services.runtime import metrics
+from services.runtime.flags import deprecated_alias
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.settings import Settings, get_settings
@@ -92,14 +93,16 @@ def _now() -> datetime:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="rtrl serve trainer", description=__doc__.split("\n")[0])
-    ap.add_argument("--interval", type=float, help="seconds between increments (overrides settings)")
+    ap.add_argument("--interval-s", type=float, help="seconds between increments (overrides settings)")
+    deprecated_alias(ap, "--interval", "--interval-s")
     ap.add_argument("--run-on-start", action="store_true", help="start one increment right away")
-    ap.add_argument("--metrics-port", type=int, help="port for /metrics /healthz /readyz")
+    ap.add_argument("--port", type=int, help="port for /metrics /healthz /readyz")
+    deprecated_alias(ap, "--metrics-port", "--port")
     args = ap.parse_args(argv)
     settings = get_settings()
     updates: dict[str, object] = {}
-    if args.interval is not None:
-        updates["interval_s"] = args.interval
+    if args.interval_s is not None:
+        updates["interval_s"] = args.interval_s
     if args.run_on_start:
         updates["run_on_start"] = True
     if updates:
@@ -117,7 +120,7 @@ def main(argv: list[str]) -> int:
     scheduler = make_scheduler(settings)
     health = Health(liveness_timeout_s=60)
     health.add_check("scheduler", lambda: bool(scheduler.running))
-    port = args.metrics_port if args.metrics_port is not None else settings.http.port
+    port = args.port if args.port is not None else settings.http.port
     http = HttpEndpoints(health, settings.http.host, port, metrics.registry_for("trainer")).start()
     scheduler.start()
     schedule(scheduler, settings)

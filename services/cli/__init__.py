@@ -6,6 +6,10 @@ from __future__ import annotations
 import importlib
 import sys
 
+from services.cli import exit_codes
+from services.cli.backends import backend_failure, message
+from services.runtime.settings import get_settings
+
 # name -> (module, one-line help). "serve" and "bench" route on their second word.
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.cli.stack", "start the embedded stack (Kafka-protocol broker, Redis, MLflow)"),
@@ -26,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "resume": ("services.cli.operator", "resume the canary controller"),
     "approve": ("services.cli.operator", "approve the canary that awaits approval (promotes it)"),
     "demo": ("services.local.demo", "the closed loop on the embedded stack, with a report"),
+    "version": ("services.cli.version", "the installed version (--json: with key dependencies)"),
 }
 SERVE: dict[str, tuple[str, str]] = {
     "ingest": ("services.serve_ingest", "validate, authenticate, dedup raw events"),
@@ -45,26 +50,48 @@ BENCH: dict[str, tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: rtrl <command> [args]", "", "commands:"]
+    lines = ["usage: rtrl <command> [args]   (rtrl <command> --help: its options; rtrl --version)",
+             "", "commands:"]
     lines += [f"  {k:10s} {v[1]}" for k, v in COMMANDS.items()]
     lines += ["  serve      run a service: " + ", ".join(SERVE)]
     lines += ["  bench      run a benchmark: " + ", ".join(BENCH)]
+    lines += ["", "commands that report take --json (one JSON document on stdout)", "", exit_codes.epilog()]
     return "\n".join(lines)
 
 
 def _run(table: dict[str, tuple[str, str]], name: str, argv: list[str], what: str) -> int:
     if name not in table:
         print(f"rtrl: unknown {what} {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     module = importlib.import_module(table[name][0])
     return int(module.main(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Route to the command; a backend that cannot be reached becomes one line on stderr and
+    exit code 4 (each operator command also bounds its calls, services/cli/backends.py), and
+    Ctrl-C exit code 130, instead of a traceback."""
     args = list(sys.argv[1:] if argv is None else argv)
+    head = args[0] if args else "help"
+    try:
+        return _route(args)
+    except KeyboardInterrupt:
+        print(f"rtrl {head}: interrupted", file=sys.stderr)
+        return exit_codes.INTERRUPTED
+    except Exception as exc:
+        failure = backend_failure(exc)
+        if failure is None:
+            raise
+        print(message(head, failure, get_settings(), None), file=sys.stderr)
+        return exit_codes.UNAVAILABLE
+
+
+def _route(args: list[str]) -> int:
     if not args or args[0] in {"-h", "--help", "help"}:
         print(_usage())
         return 0
+    if args[0] in {"-V", "--version"}:
+        return _run(COMMANDS, "version", args[1:], "command")
     head, rest = args[0], args[1:]
     if head in {"serve", "bench"}:
         table = SERVE if head == "serve" else BENCH
@@ -72,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"usage: rtrl {head} {{{','.join(table)}}} [args]")
             for k, v in table.items():
                 print(f"  {k:10s} {v[1]}")
-            return 0 if rest else 2
+            return 0 if rest else exit_codes.USAGE
         return _run(table, rest[0], rest[1:], f"{head} target")
     if head in {"up", "down"}:
         return _run(COMMANDS, head, [head, *rest], "command")

@@ -60,6 +60,8 @@ def main(argv: list[str]) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="validate a JSON-lines file of events ('-' for stdin)")
     v.add_argument("file")
+    v.add_argument("--json", action="store_true",
+                   help='print one JSON document: {"valid": N, "invalid": [{"line": N, "reason": ...}]}')
     s = sub.add_parser("schema", help="print the JSON Schema (v1)")
     s.add_argument("--write", action="store_true", help=f"write it to {SCHEMA_PATH.name}")
     args = ap.parse_args(argv)
@@ -76,6 +78,9 @@ def main(argv: list[str]) -> int:
         print(f"rtrl events: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         return 2
     ok, bad = validate_lines(data.splitlines())
+    if args.json:
+        print(json.dumps({"valid": ok, "invalid": [{"line": n, "reason": r} for n, r in bad]}, indent=2))
+        return 1 if bad else 0
     for n, reason in bad:
         print(f"line {n}: {reason}")
     print(f"{ok} valid, {len(bad)} invalid")

@@ -13,6 +13,10 @@ queued in Redis and verified by the controller on its next tick (deployer/operat
 handled through the same state machine and ledger as automatic decisions, with
 ``decided_by`` = the verified operator. When no controller runs, the command runs one
 controller tick itself (holding the controller lease meanwhile).
+
+Every command takes ``--json`` (one JSON document on stdout). Each call to Redis and MLflow
+waits at most ``cli.timeout_s`` and is not retried: a backend that is down is one line on
+stderr and exit code 4 (services/cli/backends.py, services/cli/exit_codes.py).
 """
 
 from __future__ import annotations
@@ -29,14 +33,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from deployer.ledger import TAG_GATE
 from deployer.operators import sign
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
 from deployer.status import CanaryStatus, Command
+from services.cli import exit_codes
+from services.cli.backends import backend_failure, bound_mlflow_env, bounded_settings, message, probe_mlflow
+from services.runtime.redis_io import make_redis
 from services.runtime.settings import Settings, get_settings
-from services.serve_deployer import Controller, RewardReader, build_ports
 
 COHORT_ROWS = ("n", "users", "reward_mean", "acceptance", "persistence", "latency_mean_ms",
                "latency_p95_ms", "dissatisfied_rate", "edit_rate", "invalid_tool_rate", "error_rate")
@@ -111,26 +115,34 @@ def render_history(rows: list[dict[str, Any]]) -> str:
 
 
 def _status(settings: Settings, as_json: bool) -> int:
-    ports = build_ports(settings)
+    from services.serve_deployer import build_ports  # heavy: after Redis answered
+
+    ports = build_ports(settings, redis_client=_redis(settings))
     status, holder = ports.state.load(), ports.state.holder()
     routing = ports.routing.read()  # type: ignore[attr-defined]
     aliases: dict[str, str | None] = {}
     gates: dict[str, str] = {}
+    registry_error = None
     try:
         aliases = {a: ports.registry.alias_version(a) for a in (CHAMPION, CANDIDATE, PREVIOUS)}
         for v in {x for x in aliases.values() if x}:
             gates[v] = ports.registry.get_tags(v).get(TAG_GATE, "")
-    except Exception as exc:  # show what Redis knows even when MLflow is down
-        print(f"rtrl status: registry unreachable at {settings.mlflow.tracking_uri}: {exc}", file=sys.stderr)
+    except Exception as exc:  # show what Redis knows even when MLflow is down, then exit 4
+        failure = backend_failure(exc)
+        if failure is None:
+            raise
+        registry_error = message("status", failure, settings, bound_mlflow_env(settings.cli.timeout_s))
+        print(registry_error, file=sys.stderr)
     engine = ports.engine.describe() if ports.engine is not None else None
     if as_json:
         print(json.dumps({"status": status.to_json(), "aliases": aliases, "gates": gates,
-                          "routing": routing, "controller": holder, "engine": engine}, indent=2))
+                          "routing": routing, "controller": holder, "engine": engine,
+                          "registry_error": registry_error}, indent=2))
     else:
         print(render_status(status, aliases, gates, routing, holder, time.time()))
         if engine is not None:
             print(render_engine(engine, routing))
-    return 0
+    return exit_codes.OK if registry_error is None else exit_codes.UNAVAILABLE
 
 
 def render_engine(engine: Mapping[str, Any], routing: Mapping[str, str | None]) -> str:
@@ -159,15 +171,26 @@ def _history(settings: Settings, limit: int, as_json: bool) -> int:
 
 
 # ---------------------------------------------------------------------------- commands
-def send(settings: Settings, command: Command, timeout_s: float) -> tuple[int, str]:
+def _redis(settings: Settings) -> Any:
+    """A Redis client whose calls wait at most ``cli.timeout_s`` and are not retried; pinged
+    here so a Redis that is down is reported before MLflow's slow import."""
+    client = make_redis(settings.redis, settings.cli.timeout_s)
+    client.ping()
+    return client
+
+
+def send(settings: Settings, command: Command, timeout_s: float, redis_client: Any = None) -> tuple[int, str]:
     """Queue ``command`` and wait for its result; run a tick here when no controller runs."""
-    ports = build_ports(settings, owner=f"cli-{command.by}-{command.id}")
+    from services.serve_deployer import Controller, RewardReader, build_ports  # heavy
+
+    ports = build_ports(settings, owner=f"cli-{command.by}-{command.id}", redis_client=redis_client)
     ports.state.push(command)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         result = dict(ports.state.load().handled).get(command.id)
         if result is not None:
-            return (1 if result.startswith(("rejected", "refused")) else 0), result
+            failed = result.startswith(("rejected", "refused"))
+            return (exit_codes.FAILED if failed else exit_codes.OK), result
         if ports.state.holder() is None:
             rewards = None
             try:
@@ -182,8 +205,8 @@ def send(settings: Settings, command: Command, timeout_s: float) -> tuple[int, s
                     rewards.close()
             continue
         time.sleep(0.2)
-    return 3, (f"queued as {command.id}; the controller ({ports.state.holder()}) has not handled it "
-               f"within {timeout_s:g}s")
+    return exit_codes.NOT_DONE, (f"queued as {command.id}; the controller ({ports.state.holder()}) has "
+                                 f"not handled it within {timeout_s:g}s")
 
 
 def _signed(command: Command, settings: Settings, source: str | None) -> Command:
@@ -201,9 +224,10 @@ def _signed(command: Command, settings: Settings, source: str | None) -> Command
 
 
 def _parser(name: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=f"rtrl {name}")
+    ap = argparse.ArgumentParser(prog=f"rtrl {name}", epilog=exit_codes.epilog(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     if name in ("status", "history"):
-        ap.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "history":
             ap.add_argument("--limit", type=int, default=20, help="most recent canaries to show")
         return ap
@@ -227,26 +251,34 @@ def main(argv: list[str]) -> int:
     """``argv[0]`` is the command name (status, history, promote, rollback, pause, resume, approve)."""
     if not argv or argv[0] not in ("status", "history", "promote", "rollback", "pause", "resume", "approve"):
         print(__doc__, file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     name, args = argv[0], _parser(argv[0]).parse_args(argv[1:])
-    settings = get_settings()
+    settings = bounded_settings(get_settings())
+    timeout_s = bound_mlflow_env(settings.cli.timeout_s)
     try:
         return _run(name, args, settings)
-    except (redis.RedisError, ConnectionError, TimeoutError) as exc:
-        where = settings.redis.url.get_secret_value().split("@")[-1]
-        print(f"rtrl {name}: cannot reach Redis at {where} or MLflow at {settings.mlflow.tracking_uri}: "
-              f"{exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:
+        failure = backend_failure(exc)
+        if failure is None:
+            raise
+        print(message(name, failure, settings, timeout_s), file=sys.stderr)
+        return exit_codes.UNAVAILABLE
 
 
 def _run(name: str, args: argparse.Namespace, settings: Settings) -> int:
     if name == "status":
         return _status(settings, args.json)
     if name == "history":
+        probe_mlflow(settings.mlflow.tracking_uri, settings.cli.timeout_s)
         return _history(settings, args.limit, args.json)
     by = args.by or settings.operators.name or _operator()
     command = Command(id=uuid.uuid4().hex, kind=name, by=by,  # type: ignore[arg-type]
                       version=getattr(args, "version", None), reason=args.reason)
-    code, result = send(settings, _signed(command, settings, args.token_file), args.timeout)
-    print(result)
+    client = _redis(settings)  # first: with Redis down, its one line is all the operator sees
+    code, result = send(settings, _signed(command, settings, args.token_file), args.timeout, client)
+    if args.json:
+        print(json.dumps({"command": name, "id": command.id, "by": command.by, "version": command.version,
+                          "result": result, "exit_code": code}, indent=2))
+    else:
+        print(result)
     return code

@@ -17,7 +17,8 @@ offsets it sees at start) and accounts for every record:
   reported, not counted as lost.
 
 Exit code 0 when nothing is lost or duplicated, 1 otherwise (``--strict``: also when some
-event is not reflected yet), 2 when the broker does not answer.
+event is not reflected yet), 4 when the broker does not answer within ``RTRL_CLI__TIMEOUT_S``
+(services/cli/exit_codes.py).
 
 The accounting is the pure function ``reconcile`` (services/cli/reconcile_accounting.py),
 its result a ``Report`` (services/cli/reconcile_report.py); this module does the I/O:
@@ -39,6 +40,8 @@ from pydantic import ValidationError
 from ingest.dedup import SOURCE_HEADER
 from ingest.events import parse_event
 from ingest.reward.spec import load_spec
+from services.cli import exit_codes
+from services.cli.backends import Failure, backend_failure, bounded_settings, message
 from services.cli.reconcile_accounting import (
     UNREADABLE_DLQ,
     UNREADABLE_REWARD,
@@ -50,6 +53,7 @@ from services.cli.reconcile_accounting import (
     reconcile,
 )
 from services.cli.reconcile_report import Report
+from services.runtime.flags import deprecated_alias
 from services.runtime.kafka_io import committed_offsets, make_admin, read_topic, wait_for_broker
 from services.runtime.settings import Settings, get_settings
 
@@ -152,29 +156,39 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="rtrl reconcile",
         description="Account for every record of the raw, events, DLQ and rewards topics: "
-                    "report anything lost or duplicated (exit 1).")
+                    "report anything lost or duplicated (exit 1).",
+        epilog=exit_codes.epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ingest-group", default=None, help="ingest consumer group (default: settings)")
     ap.add_argument("--reward-group", default=None, help="reward consumer group (default: settings)")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="the reward workers' time scale (default: RTRL_REWARD__TIME_SCALE)")
     ap.add_argument("--spec", default=None, help="reward spec TOML (default: settings, else packaged)")
-    ap.add_argument("--slack-seconds", type=float, default=60.0,
-                    help="how long after its due time a missing reward counts as lost (default 60)")
+    ap.add_argument("--slack-s", type=float, default=60.0,
+                    help="seconds after its due time a missing reward counts as lost (default 60)")
+    deprecated_alias(ap, "--slack-seconds", "--slack-s")
     ap.add_argument("--ignore-offsets", action="store_true",
                     help="treat everything as processed (do not read the groups' committed offsets)")
     ap.add_argument("--strict", action="store_true",
                     help="also exit 1 when some event is not reflected in a reward or the DLQ yet")
     ap.add_argument("--json", action="store_true", help="print the full report as JSON")
     args = ap.parse_args(argv)
-    settings = get_settings()
+    settings = bounded_settings(get_settings())
+    timeout_s = settings.cli.timeout_s
     try:
-        wait_for_broker(settings.kafka, timeout_s=30)
+        wait_for_broker(settings.kafka, timeout_s=timeout_s)
         rep = run(settings, ingest_group=args.ingest_group, reward_group=args.reward_group,
-                  time_scale=args.time_scale, slack_s=args.slack_seconds,
+                  time_scale=args.time_scale, slack_s=args.slack_s,
                   use_offsets=not args.ignore_offsets, spec_path=args.spec)
-    except (TimeoutError, KafkaError) as exc:
-        print(f"rtrl reconcile: {exc}", file=sys.stderr)
-        return 2
+    except TimeoutError:  # from wait_for_broker: no broker answered
+        print(message("reconcile", Failure("kafka", refused=False), settings, timeout_s), file=sys.stderr)
+        return exit_codes.UNAVAILABLE
+    except KafkaError as exc:
+        failure = backend_failure(exc)
+        if failure is not None:
+            print(message("reconcile", failure, settings, timeout_s), file=sys.stderr)
+            return exit_codes.UNAVAILABLE
+        print(f"rtrl reconcile: {type(exc).__name__}: {exc} (check RTRL_KAFKA__*)", file=sys.stderr)
+        return exit_codes.USAGE
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2, sort_keys=True))
     else:
@@ -182,6 +196,6 @@ def main(argv: list[str]) -> int:
         print(f"rtrl reconcile: {t.raw} -> {t.events} / {t.dlq} -> {t.rewards}")
         print(rep.render())
     if not rep.ok or (args.strict and not rep.all_reflected):
-        return 1
-    return 0
+        return exit_codes.FAILED
+    return exit_codes.OK
 

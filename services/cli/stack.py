@@ -3,16 +3,17 @@ from the command line."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
 from services.local.stack import stack_from_settings
 
-USAGE = """usage: rtrl up | rtrl down | rtrl stack [status]
+USAGE = """usage: rtrl up | rtrl down | rtrl stack [status] [--json]
 
   up      start the embedded stack (Kafka-protocol broker, Redis, MLflow) in the background
   down    stop it (data stays in RTRL_STACK__DATA_DIR)
-  status  what runs and how to connect"""
+  status  what runs and how to connect (--json: one JSON document)"""
 
 
 def main(argv: list[str]) -> int:
@@ -20,6 +21,8 @@ def main(argv: list[str]) -> int:
     if any(a in {"-h", "--help"} for a in argv):
         print(USAGE)
         return 0
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
     cmd = argv[0] if argv else "status"
     stack = stack_from_settings()
     if cmd == "up":
@@ -36,6 +39,11 @@ def main(argv: list[str]) -> int:
     if cmd == "down":
         stopped = stack.down()
         print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
+        return 0
+    if cmd == "status" and as_json:
+        services = {name: dict(zip(("state", "address"), line.split(None, 1), strict=False))
+                    for name, line in stack.status().items()}
+        print(json.dumps({"data_dir": str(stack.data_dir), "services": services}, indent=2))
         return 0
     if cmd == "status":
         for name, line in stack.status().items():

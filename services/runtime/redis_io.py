@@ -5,11 +5,19 @@ from __future__ import annotations
 import time
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from services.runtime.settings import RedisSettings
 
 
-def make_redis(settings: RedisSettings) -> redis.Redis:
+def make_redis(settings: RedisSettings, timeout_s: float | None = None) -> redis.Redis:
+    """A client for the services: long timeouts and redis-py's retries, since a worker rides out
+    a Redis restart. With ``timeout_s`` (the ``rtrl`` operator commands): each call waits at most
+    ``timeout_s`` to connect and ``timeout_s`` for the answer, and is not retried."""
+    if timeout_s is not None:
+        return redis.Redis.from_url(settings.url.get_secret_value(), socket_timeout=timeout_s,
+                                    socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
     return redis.Redis.from_url(
         settings.url.get_secret_value(),
         socket_timeout=10,

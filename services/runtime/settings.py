@@ -22,6 +22,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 from pydantic_settings.sources.utils import parse_env_vars
 
+from services.runtime.cli_settings import CliSettings
 from services.runtime.demo_settings import DemoSettings, SimulatorSettings
 from services.runtime.engine_settings import EngineSettings
 from services.runtime.operator_settings import OperatorSettings
@@ -58,6 +59,9 @@ class KafkaSettings(Section):
     """Client id the broker sees in its logs and quotas."""
     request_timeout_ms: int = 30_000
     """Longest wait for one broker request."""
+    bootstrap_timeout_ms: Annotated[int, Field(ge=100)] = 30_000
+    """How long a client waits for the first broker to answer (kafka-python's default). The
+    ``rtrl`` operator commands lower it, with ``request_timeout_ms``, to a few seconds."""
     max_message_bytes: Annotated[int, Field(ge=64 * 1024)] = 1_000_000
     """The largest record on any rtrl topic, measured as Kafka does (a record batch holding
     the record: key, value, headers and framing). rtrl's producers refuse a bigger record
@@ -72,6 +76,7 @@ class KafkaSettings(Section):
             "security_protocol": self.security_protocol,
             "client_id": self.client_id,
             "request_timeout_ms": self.request_timeout_ms,
+            "bootstrap_timeout_ms": self.bootstrap_timeout_ms,
         }
         if self.sasl_mechanism:
             kw["sasl_mechanism"] = self.sasl_mechanism
@@ -210,6 +215,7 @@ class Settings(BaseSettings):
     demo: DemoSettings = DemoSettings()
     deployer: DeployerSettings = DeployerSettings()
     operators: OperatorSettings = OperatorSettings()
+    cli: CliSettings = CliSettings()
     log_level: str = "INFO"
     """Python logging level of every process (DEBUG, INFO, WARNING, ERROR)."""
     reward_spec: Path | None = None

@@ -46,7 +46,7 @@ def env_for(settings: Settings, tmp_path: Path, **extra: str) -> dict[str, str]:
 def start(settings: Settings, tmp_path: Path, *args: str, **extra: str) -> tuple[subprocess.Popen[str], int]:
     """Start a worker; return it and its metrics port (read from its first stdout line)."""
     proc = subprocess.Popen(
-        [RTRL, "serve", "ingest", "--metrics-port", "0", *args],
+        [RTRL, "serve", "ingest", "--port", "0", *args],
         env=env_for(settings, tmp_path, **extra), cwd=tmp_path, text=True,
         stdout=subprocess.PIPE, stderr=open(tmp_path / f"ingest-{time.monotonic_ns()}.log", "w"),
     )
@@ -169,7 +169,7 @@ def test_unreachable_redis_is_a_clear_startup_error(settings: Settings, tmp_path
 
     s = with_auth(settings)
     env = env_for(s, tmp_path, RTRL_REDIS__URL=f"redis://:hunter2@127.0.0.1:{free_port()}/0")
-    proc = subprocess.run([RTRL, "serve", "ingest", "--metrics-port", "0"], env=env, cwd=tmp_path,
+    proc = subprocess.run([RTRL, "serve", "ingest", "--port", "0"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == 2
     assert "cannot start: Redis at 127.0.0.1:" in proc.stderr

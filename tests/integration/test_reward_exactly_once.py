@@ -51,7 +51,7 @@ def _interleave(streams: list[list[Any]], rng: random.Random) -> list[Any]:
 def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     rtrl = Path(sys.executable).parent / "rtrl"
     with open(log, "ab") as out:
-        return subprocess.Popen([str(rtrl), "serve", "reward", "--max-batch", "40", "--metrics-port", "0"],
+        return subprocess.Popen([str(rtrl), "serve", "reward", "--max-batch", "40", "--port", "0"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
 
 

@@ -47,7 +47,7 @@ def start(settings: Settings, tmp_path: Path, port: int, *extra: str,
         **(env_extra or {}),
     }
     return subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "trainer",
-                             "--metrics-port", str(port), *extra], env=env, cwd=Path(__file__).parents[2])
+                             "--port", str(port), *extra], env=env, cwd=Path(__file__).parents[2])
 
 
 def wait_for(pred: object, timeout: float) -> None:

@@ -59,8 +59,8 @@ def test_fuzz_corpus_through_ingest_and_reward(settings: Settings, tmp_path: Pat
                          RTRL_INGEST__GROUP_ID=f"ingest-{s.topics.raw}",
                          RTRL_INGEST__POLL_TIMEOUT_MS="100",
                          RTRL_REWARD__GROUP_ID=f"reward-{s.topics.raw}")
-    ingest = procs.start("ingest", ["--metrics-port", "0"], env, tmp_path)
-    reward = procs.start("reward", ["--metrics-port", "0", "--time-scale", str(TIME_SCALE)], env, tmp_path)
+    ingest = procs.start("ingest", ["--port", "0"], env, tmp_path)
+    reward = procs.start("reward", ["--port", "0", "--time-scale", str(TIME_SCALE)], env, tmp_path)
     services = [ingest, reward]
     dlq = procs.TopicReader(s, s.topics.dlq)
     events = procs.TopicReader(s, s.topics.events)

@@ -103,7 +103,7 @@ def test_unsigned_and_wrongly_signed_events_are_dead_lettered(settings: Settings
     ensure_topics(s)
     env = procs.base_env(s, tmp_path, RTRL_AUTH__KEYS=json.dumps({"gateway": HMAC_GATEWAY, "ide": HMAC_IDE}),
                          RTRL_INGEST__GROUP_ID=f"ingest-{s.topics.raw}", RTRL_INGEST__POLL_TIMEOUT_MS="100")
-    ingest = procs.start("ingest", ["--metrics-port", "0"], env, tmp_path)
+    ingest = procs.start("ingest", ["--port", "0"], env, tmp_path)
     dlq = procs.TopicReader(s, s.topics.dlq)
     events = procs.TopicReader(s, s.topics.events)
     producer = make_producer(s.kafka)
@@ -206,8 +206,8 @@ def test_secrets_never_reach_logs_or_metrics(settings: Settings, tmp_path: Path,
     admin.set(f"{prefix}routing:canary_version", "c1")  # the canary upstream is down: errors
     admin.set(f"{prefix}routing:canary_weight", "0.5")
     admin.set(f"{prefix}routing:salt", "s1")
-    ingest = procs.start("ingest", ["--metrics-port", "0"], env, tmp_path)
-    reward = procs.start("reward", ["--metrics-port", "0", "--time-scale", "0.01"], env, tmp_path)
+    ingest = procs.start("ingest", ["--port", "0"], env, tmp_path)
+    reward = procs.start("reward", ["--port", "0", "--time-scale", "0.01"], env, tmp_path)
     gateway = _start_gateway(s, tmp_path, _gateway_env(s, tmp_path, upstream, **common))
     services = [ingest, reward, gateway]
     producer = make_producer(s.kafka)
@@ -252,7 +252,7 @@ def test_secrets_never_reach_logs_or_metrics(settings: Settings, tmp_path: Path,
         for url in (f"redis://:{WRONG_REDIS_PASSWORD}@127.0.0.1:{port}/0",
                     f"redis://:{WRONG_REDIS_PASSWORD}@127.0.0.1:{free_port()}/0"):
             failed_starts.append(subprocess.run(
-                [procs.RTRL, "serve", "ingest", "--metrics-port", "0"], env={**env, "RTRL_REDIS__URL": url},
+                [procs.RTRL, "serve", "ingest", "--port", "0"], env={**env, "RTRL_REDIS__URL": url},
                 cwd=tmp_path, capture_output=True, text=True, timeout=90))
         alive = {svc.name: svc.alive() for svc in services}
     finally:

@@ -275,7 +275,7 @@ class Worker:
     def start(self) -> Worker:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [RTRL, "serve", self.kind, "--metrics-port", "0", "--instance-id", self.instance, *self.args],
+                [RTRL, "serve", self.kind, "--port", "0", "--instance-id", self.instance, *self.args],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.starts += 1
         return self
