@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from deployer_helpers import deployer_settings, register_versions
+from deployer_helpers import deployer_settings, register_versions, with_operators
 
 from services.cli import exit_codes, main, operator
 from services.runtime.settings import Settings
@@ -21,15 +21,18 @@ def ops(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.chdir(tmp_path)  # the sqlite store puts artifacts under ./mlruns
     for var in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES"):  # restored after
         monkeypatch.setenv(var, os.environ.get(var, "3" if var.endswith("TIMEOUT") else "0"))
-    s = deployer_settings(settings, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    s, tokens = with_operators(deployer_settings(settings, f"sqlite:///{tmp_path / 'mlflow.db'}"),
+                               tmp_path, "dana")
     monkeypatch.setattr(operator, "get_settings", lambda: s)
+    (tmp_path / "token-path").write_text(str(tokens["dana"]))
     yield s
 
 
 def test_status_history_and_commands_print_one_json_document(
         ops: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     register_versions(ops, tmp_path)
-    assert main(["pause", "--by", "dana", "--json"]) == exit_codes.OK
+    token = (tmp_path / "token-path").read_text()  # dana's token file, written by the fixture
+    assert main(["pause", "--by", "dana", "--token-file", token, "--json"]) == exit_codes.OK
     done = json.loads(capsys.readouterr().out)
     assert done["command"] == "pause" and done["result"] == "paused" and done["exit_code"] == 0
     assert main(["status", "--json"]) == exit_codes.OK
