@@ -25,9 +25,11 @@ from deployer import cohorts
 from deployer.actions import Action, LedgerPort, RoutingPort, apply_actions
 from deployer.adapters.redis_state import ControllerState, RedisRouting
 from deployer.adapters.vllm_engine import VllmEngine
+from deployer.adapters.webhook import WebhookNotifier
 from deployer.controller import tick
 from deployer.engine import EnginePort
 from deployer.ledger import CONTROLLER, TAG_GATE
+from deployer.notify import NotifyPort, notice_of
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
 from deployer.status import RESTING, CanaryPolicy, CanaryStatus, Command, Judgement, Observations, Phase
 from ingest.events import RewardRecord
@@ -142,6 +144,8 @@ class Ports:
     """Status, lease and operator commands."""
     engine: EnginePort | None = None
     """The inference engine candidates are loaded into (None: local policies)."""
+    notifier: NotifyPort | None = None
+    """Where decisions are announced (None: no webhooks configured)."""
 
 
 class Controller:
@@ -169,6 +173,9 @@ class Controller:
         after = tick(before, obs, self.policy, apply, st.save)
         st.trim({cid for cid, _ in after.handled})
         export_metrics(before, after, obs)
+        notice = notice_of(before, after, obs.now, self.settings.mlflow.registered_model)
+        if notice is not None and self.ports.notifier is not None:
+            self.ports.notifier.send(notice)  # queued: a slow receiver never delays the tick
         if after.phase != before.phase:
             log.info("canary %s: %s -> %s %s", after.canary_id, before.phase, after.phase, after.reason)
         return after
@@ -286,7 +293,19 @@ def build_ports(settings: Settings, owner: str | None = None) -> Ports:
         ledger=MlflowLedger(ml.tracking_uri, ml.deployments_experiment),
         state=ControllerState(r, prefix, owner),
         engine=build_engine(settings, r, registry),
+        notifier=build_notifier(settings),
     )
+
+
+def build_notifier(settings: Settings) -> WebhookNotifier | None:
+    """The webhook sender of ``RTRL_NOTIFY__*`` (None without URLs)."""
+    n = settings.notify
+    if not n.urls:
+        return None
+    return WebhookNotifier([u.get_secret_value() for u in n.urls], n.format,
+                           n.secret.get_secret_value().encode() if n.secret is not None else None,
+                           n.timeout_s, n.retries, n.backoff_s, n.queue_size,
+                           count=lambda result: m.NOTIFICATIONS.labels(result).inc())
 
 
 def build_engine(settings: Settings, redis_client: Any, registry: Any) -> EnginePort | None:
@@ -353,6 +372,8 @@ def main(argv: list[str]) -> int:
         rewards.close()
         if lag is not None:
             lag.stop()
+        if isinstance(ports.notifier, WebhookNotifier):
+            ports.notifier.close(timeout_s=settings.notify.timeout_s)
         http.stop()
     log.info("deployer stopped")
     return 0

@@ -27,6 +27,7 @@ from typing import Any
 
 import redis
 
+from deployer.adapters.webhook import WebhookNotifier
 from deployer.ledger import TAG_GATE
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
 from deployer.status import CanaryStatus, Command
@@ -173,6 +174,8 @@ def send(settings: Settings, command: Command, timeout_s: float) -> tuple[int, s
                 Controller(settings, ports, rewards).step()
             finally:
                 ports.state.release()
+                if isinstance(ports.notifier, WebhookNotifier):  # deliver before the CLI exits
+                    ports.notifier.close(timeout_s=settings.notify.timeout_s * (settings.notify.retries + 1))
                 if rewards is not None:
                     rewards.close()
             continue

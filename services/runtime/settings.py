@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 from pydantic_settings.sources.utils import parse_env_vars
 
 from services.runtime.engine_settings import EngineSettings
+from services.runtime.notify_settings import NotifySettings
 from services.runtime.service_settings import (
     DemoSettings,
     DeployerSettings,
@@ -179,6 +180,7 @@ class Settings(BaseSettings):
     simulator: SimulatorSettings = SimulatorSettings()
     demo: DemoSettings = DemoSettings()
     deployer: DeployerSettings = DeployerSettings()
+    notify: NotifySettings = NotifySettings()
     log_level: str = "INFO"
     reward_spec: Path | None = None
     """Reward spec file; None uses the packaged default (ingest/reward/specs/default.toml)."""
