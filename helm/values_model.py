@@ -17,9 +17,9 @@ from values_components import (
     VALUES_CONFIG,
     Deployer,
     Duration,
+    Egress,
     Gateway,
     Peer,
-    Port,
     ResourceList,
     Resources,
     SecretKeyRef,
@@ -247,13 +247,6 @@ class Dashboards(_Values):
     """Value of that label."""
     annotations: dict[str, str] = {}
     """Annotations, e.g. {grafana_folder: rtrl} for the sidecar's folder support."""
-
-
-class Egress(_Values):
-    to: list[Peer] = []
-    """Peers allowed; empty allows any destination on these ports."""
-    ports: list[Port] = []
-    """TCP ports allowed."""
 
 
 class NetworkPolicyEgress(_Values):
