@@ -286,11 +286,12 @@ def build_ports(settings: Settings, owner: str | None = None) -> Ports:
     r = make_redis(settings.redis)
     prefix = settings.redis.key_prefix
     ml = settings.mlflow
-    registry = MlflowRegistry(ml.tracking_uri, ml.registered_model, ml.training_experiment)
+    registry = MlflowRegistry(ml.tracking_uri, ml.registered_model, ml.training_experiment,
+                              ml.deployments_experiment)
     return Ports(
         routing=RedisRouting(r, prefix),
         registry=registry,
-        ledger=MlflowLedger(ml.tracking_uri, ml.deployments_experiment),
+        ledger=MlflowLedger(ml.tracking_uri, ml.deployments_experiment, ml.registered_model),
         state=ControllerState(r, prefix, owner),
         engine=build_engine(settings, r, registry),
         notifier=build_notifier(settings),
