@@ -34,8 +34,12 @@ NEVER_OFFERED, CANARY, PROMOTED, SUPERSEDED, ROLLED_BACK = (
     "never_offered", "canary", "promoted", "superseded", "rolled_back")
 FATES = (PROMOTED, ROLLED_BACK, SUPERSEDED, NEVER_OFFERED, CANARY)
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
-"""MLflow 3's UI opens an experiment of this kind on its runs ("Machine learning") rather
-than on GenAI traces."""
+"""MLflow 3's UI reads this experiment tag to show an experiment as machine learning (runs)
+rather than GenAI (traces). MLflow 3.17's UI, with its GenAI / Model training switch, follows
+the switch instead (``?workflowType=`` or the browser's last choice), so run links also say
+which view to open (``RUN_VIEW``)."""
+RUN_VIEW = "?workflowType=machine_learning"
+"""Opens a run link in MLflow 3.17's "Model training" view, whatever the browser chose last."""
 NOTE = "mlflow.note.content"
 """The run tag MLflow shows (and edits) as a run's description."""
 
@@ -49,7 +53,7 @@ FATE_LINE = {
 
 
 def run_link(experiment_id: str, run_id: str) -> str:
-    return f"#/experiments/{experiment_id}/runs/{run_id}"
+    return f"#/experiments/{experiment_id}/runs/{run_id}{RUN_VIEW}"
 
 
 def version_link(model: str, version: str) -> str:
@@ -199,8 +203,7 @@ def run_description(tags: Mapping[str, str], rows: list[Row], model: str,
         words = DECISION_WORDS.get(outcome, RUNNING_WORDS).format(c=cand, s=stable)
     lines = [f"**{words}**", ""]
     if tags.get(Tag.DECISION):
-        lines += [f"Decided by {tags.get(Tag.DECIDED_BY, '?')} at {tags.get('rtrl.decided_at', '?')}: "
-                  f"{tags.get(Tag.DECISION_REASON, '')}", ""]
+        lines += [f"Decided by {tags.get(Tag.DECIDED_BY, '?')} at {tags.get('rtrl.decided_at', '?')}.", ""]
     links = [f"candidate [v{cand}]({version_link(model, cand)})"]
     if stable != "-":
         links.append(f"stable [v{stable}]({version_link(model, stable)})")
@@ -211,4 +214,7 @@ def run_description(tags: Mapping[str, str], rows: list[Row], model: str,
     if judged:
         lines += ["Judged metrics at the decision (canary − stable):", ""]
         lines += [f"- {metric_line(r)}" for r in judged]
+        lines.append("")
+    if tags.get(Tag.DECISION_REASON):
+        lines.append(f"Why: {tags[Tag.DECISION_REASON]}")
     return "\n".join(lines).rstrip() + "\n"

@@ -39,8 +39,8 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
     assert mv.tags[records.FATE] == records.ROLLED_BACK
     training = reg.client.get_run(mv.run_id)
     assert mv.description.startswith("**rtrl policy v2: rolled back**")
-    assert f"[{cid}](#/experiments/{exp_id}/runs/{run_id}): rolled_back" in mv.description
-    assert f"(#/experiments/{training.info.experiment_id}/runs/{mv.run_id})" in mv.description
+    assert f"[{cid}]({records.run_link(exp_id, run_id)}): rolled_back" in mv.description
+    assert f"({records.run_link(training.info.experiment_id, mv.run_id)})" in mv.description
     assert f"trained from [v1](#/models/{model}/versions/1)" in mv.description
     assert "| reward spec | test-1 |" in mv.description and "| offline gate | **pass** |" in mv.description
 
@@ -50,7 +50,7 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
     assert note.startswith("**v2 was rolled back: v1 stays the champion.**")
     assert f"candidate [v2](#/models/{model}/versions/2)" in note
     assert f"stable [v1](#/models/{model}/versions/1)" in note
-    assert f"[training run](#/experiments/{training.info.experiment_id}/runs/{mv.run_id})" in note
+    assert f"[training run]({records.run_link(training.info.experiment_id, mv.run_id)})" in note
     assert "- reward: stable " in note and "always-valid interval [" in note
     table = Path(led.client.download_artifacts(run_id, COMPARISON_ARTIFACT)).read_text()
     rows = {r["metric"]: r for r in csv.DictReader(table.splitlines())}

@@ -72,14 +72,14 @@ def test_version_description_says_what_it_is_where_it_came_from_and_its_fate() -
             Tag.DECIDED_BY: "controller", "rtrl.decided_at": "2026-11-22T05:00:00Z",
             Tag.DECISION_REASON: "reward better | all guardrails held",
             records.FATE: records.PROMOTED, records.CHAMPION_SINCE: "2026-11-22T05:00:00Z"}
-    text = records.version_description("rtrl-policy", "7", tags, "#/experiments/3/runs/r1",
-                                       "#/experiments/5/runs/L1")
+    text = records.version_description("rtrl-policy", "7", tags, records.run_link("3", "r1"),
+                                       records.run_link("5", "L1"))
     assert text.startswith("**rtrl policy v7: champion**")
     assert "trained from [v6](#/models/rtrl-policy/versions/6)" in text
     assert "`rtrl.rewards.v1` offsets p0 10–90; 77 records" in text
     assert "| reward spec | default-3 |" in text and "| offline gate | **pass** |" in text
-    assert "[r1](#/experiments/3/runs/r1)" in text
-    assert "[canary-v7-x](#/experiments/5/runs/L1): promoted" in text
+    assert "[r1](#/experiments/3/runs/r1?workflowType=machine_learning)" in text
+    assert "[canary-v7-x](#/experiments/5/runs/L1?workflowType=machine_learning): promoted" in text
     assert "reward better \\| all guardrails held" in text, "a | in a reason cannot break the table"
     assert "| champion | since 2026-11-22T05:00:00Z |" in text and "| fate | `promoted` |" in text
     gate = {Tag.GATE_RESULT: "fail", Tag.GATE_REASONS: json.dumps({"reasons": ["KL to parent 0.9 > 0.5"]})}
@@ -110,12 +110,13 @@ def test_run_description_puts_the_decision_in_words_with_links_and_metric_lines(
             Tag.DECISION: "rollback", Tag.DECIDED_BY: "controller", "rtrl.decided_at": "2026-11-22T05:00:00Z",
             Tag.DECISION_REASON: "reward worse", "rtrl.canary.kind": "canary"}
     rows = records.comparison(METRICS)
-    text = records.run_description(tags, rows, "rtrl-policy", "#/experiments/3/runs/r1")
+    text = records.run_description(tags, rows, "rtrl-policy", records.run_link("3", "r1"))
     assert text.startswith("**v7 was rolled back: v6 stays the champion.**")
-    assert "Decided by controller at 2026-11-22T05:00:00Z: reward worse" in text
+    assert "Decided by controller at 2026-11-22T05:00:00Z." in text and text.endswith("Why: reward worse\n")
+    assert text.index("- reward: stable") < text.index("Why:"), "figures first, the long reason last"
     assert "candidate [v7](#/models/rtrl-policy/versions/7)" in text
     assert "stable [v6](#/models/rtrl-policy/versions/6)" in text
-    assert "[training run](#/experiments/3/runs/r1)" in text
+    assert "[training run](#/experiments/3/runs/r1?workflowType=machine_learning)" in text
     assert ("- reward: stable 0.5, canary 0.1, delta -0.4, always-valid interval [-0.45, -0.35], p 0.001"
             in text)
     running = records.run_description({"rtrl.candidate_version": "7", "rtrl.stable_version": "6"}, [], "m")
