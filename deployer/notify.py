@@ -72,9 +72,11 @@ class NotifyPort(Protocol):
 
 
 def notice_of(before: CanaryStatus, after: CanaryStatus, ts: float, model: str = "",
-              links: Mapping[str, str] | None = None) -> Notice | None:
+              ui_url: str | None = None) -> Notice | None:
     """The decision this tick made, or None when it made none (a resting phase reached from
-    another phase or by another canary; a replayed tick that changed nothing makes none)."""
+    another phase or by another canary; a replayed tick that changed nothing makes none).
+    With the MLflow UI's address, the notice links the candidate's version page (whose
+    description links the ledger run and the training run)."""
     if after.phase not in DECIDED or after.outcome not in DECISION_OF:
         return None
     if (after.phase, after.canary_id) == (before.phase, before.canary_id):
@@ -83,8 +85,17 @@ def notice_of(before: CanaryStatus, after: CanaryStatus, ts: float, model: str =
         outcome=after.outcome, canary_id=after.canary_id or "", kind=after.kind,
         candidate=after.candidate or "", stable=after.stable or "", reason=after.reason,
         decided_by=after.decided_by or "controller", decided_at=iso(ts), model=model,
-        links=dict(links or {}),
+        links=version_links(ui_url, model, after.candidate, after.stable),
     )
+
+
+def version_links(ui_url: str | None, model: str, candidate: str | None, stable: str | None
+                  ) -> dict[str, str]:
+    """``{"v7 in MLflow": "<ui>/#/models/<model>/versions/7", ...}`` (empty without an address)."""
+    if not ui_url or not model:
+        return {}
+    base = ui_url.rstrip("/")
+    return {f"v{v} in MLflow": f"{base}/#/models/{model}/versions/{v}" for v in (candidate, stable) if v}
 
 
 def headline(n: Notice) -> str:

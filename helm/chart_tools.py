@@ -66,6 +66,7 @@ VALUES_SETS: dict[str, list[str]] = {
         "--set", "deployer.notifications.urls[0]=https://hooks.example/s3cret-hook",
         "--set", "deployer.notifications.format=slack",
         "--set", "deployer.notifications.hmacKey=s3cret-hmac",
+        "--set", "deployer.notifications.mlflowUiUrl=https://mlflow.example.com",
     ],
 }
 

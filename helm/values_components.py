@@ -215,6 +215,9 @@ class Notifications(_Values):
     """Further attempts after a failure (no answer, 408, 429, 5xx), with doubling backoff."""
     backoff_s: Annotated[float, Field(ge=0)] = 1.0
     """Wait before the first retry."""
+    mlflow_ui_url: str = ""
+    """The MLflow UI's address as the receivers' readers reach it (e.g. https://mlflow.example.com),
+    for links in the notices; empty: mlflow.trackingUri."""
     egress: Egress = Egress(ports=[443])
     """What the deployer's NetworkPolicy opens for the receivers (when URLs are set)."""
 

@@ -156,6 +156,9 @@ class Controller:
         self.settings, self.ports, self.rewards, self.clock = settings, ports, rewards, clock
         self.policy = canary_policy(settings.deployer)
         self.judge_policy = judge_policy(settings.deployer)
+        uri = settings.mlflow.tracking_uri
+        self.ui_url = settings.notify.mlflow_ui_url or (uri if uri.startswith(("http:", "https:")) else None)
+        """Where links in notices point (the MLflow UI)."""
 
     def step(self) -> CanaryStatus | None:
         """Run one tick if this controller holds (or takes) the lease; None otherwise."""
@@ -173,7 +176,7 @@ class Controller:
         after = tick(before, obs, self.policy, apply, st.save)
         st.trim({cid for cid, _ in after.handled})
         export_metrics(before, after, obs)
-        notice = notice_of(before, after, obs.now, self.settings.mlflow.registered_model)
+        notice = notice_of(before, after, obs.now, self.settings.mlflow.registered_model, self.ui_url)
         if notice is not None and self.ports.notifier is not None:
             self.ports.notifier.send(notice)  # queued: a slow receiver never delays the tick
         if after.phase != before.phase:

@@ -29,6 +29,9 @@ class NotifySettings(Section):
     """Wait before the first retry, doubling for each next one (at most 60 s)."""
     queue_size: Annotated[int, Field(ge=1)] = 100
     """Deliveries waiting for the sender; when full, new ones are dropped and counted."""
+    mlflow_ui_url: str | None = None
+    """The MLflow UI's address as the receivers' readers reach it, for links to the model
+    versions; None: ``mlflow.tracking_uri`` when it is http(s), else no links."""
 
     @field_validator("urls")
     @classmethod

@@ -30,8 +30,7 @@ def decided(phase: Phase, outcome: str, **kw: object) -> CanaryStatus:
 
 def notice(outcome: str = "rolled_back", **kw: object) -> notify.Notice:
     phase = {"promoted": Phase.SUCCEEDED, "rolled_back": Phase.ROLLED_BACK, "aborted": Phase.ABORTED}[outcome]
-    n = notify.notice_of(RUNNING, decided(phase, outcome, **kw), T, "rtrl-policy",
-                         {"ledger run": "http://mlflow/#/experiments/1/runs/abc"})
+    n = notify.notice_of(RUNNING, decided(phase, outcome, **kw), T, "rtrl-policy", "https://mlflow.example/")
     assert n is not None
     return n
 
@@ -61,14 +60,16 @@ def test_json_body_carries_the_decision_and_its_links() -> None:
     assert doc["event"] == "rtrl.canary.decision" and doc["decision"] == "rollback"
     assert doc["outcome"] == "rolled_back" and doc["reason"] == "judge: reward worse by 0.2"
     assert doc["summary"] == "rolled back v7; v6 stays champion"
-    assert doc["links"] == {"ledger run": "http://mlflow/#/experiments/1/runs/abc"}
+    assert doc["links"] == {"v7 in MLflow": "https://mlflow.example/#/models/rtrl-policy/versions/7",
+                            "v6 in MLflow": "https://mlflow.example/#/models/rtrl-policy/versions/6"}
+    assert notify.notice_of(RUNNING, decided(Phase.ABORTED, "aborted"), T, "rtrl-policy").links == {}
 
 
 def test_slack_body_is_one_text_field() -> None:
     doc = json.loads(notify.body(notice("promoted"), "slack"))
     assert list(doc) == ["text"]
     assert "promoted v7 to champion (was v6)" in doc["text"]
-    assert "<http://mlflow/#/experiments/1/runs/abc|ledger run>" in doc["text"]
+    assert "<https://mlflow.example/#/models/rtrl-policy/versions/7|v7 in MLflow>" in doc["text"]
     restore = notice("rolled_back", kind="manual_rollback")
     assert "restored v7 as champion" in json.loads(notify.body(restore, "slack"))["text"]
 

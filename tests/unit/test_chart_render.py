@@ -275,6 +275,7 @@ def test_services_parse_the_rendered_settings(rendered, name: str, component: st
         assert str(settings.trainer.data_dir) == "/var/lib/rtrl/trainer"
     if component == "deployer" and name == "everything":
         assert settings.notify.format == "slack" and settings.notify.secret is not None
+        assert settings.notify.mlflow_ui_url == "https://mlflow.example.com"
         assert [u.get_secret_value() for u in settings.notify.urls] == ["https://hooks.example/x"]
 
 
