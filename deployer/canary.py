@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from deployer import ledger
+from deployer import ledger, records
 from deployer.actions import (
     Action,
     DeleteAlias,
@@ -268,10 +268,33 @@ def _close(status: CanaryStatus, now: float, actions: list[Action]) -> Result:
                              status.reasons, status.cohorts)
     if tagged is not None:
         actions.append(WriteTags(tagged, ledger.version_tags(cid, outcome, status.reason, by, now)))
+    actions += fate_tags(status, now)
     actions += [
         LedgerClose(cid, now, ledger.decision_tags(outcome, status.reason, by, now), summary),
     ]
     return enter(status, RESULT_PHASE[outcome], now, weight=0.0, step=-1), actions
+
+
+def fate_tags(status: CanaryStatus, now: float) -> list[Action]:
+    """``rtrl.fate`` of the versions a decision touched (deployer/records.py): a promoted
+    candidate becomes the champion and the one it replaced is superseded; a restore by hand
+    makes the older version the champion again and the replaced champion rolled back; a
+    canary rolled back or aborted leaves its candidate rolled back."""
+    cand, stable, outcome = status.candidate, status.stable, status.outcome
+    assert cand is not None and outcome is not None
+    at = ledger.iso(now)
+    champion = {records.FATE: records.PROMOTED, records.CHAMPION_SINCE: at, records.CHAMPION_UNTIL: ""}
+    if status.kind == "manual_rollback":
+        out: list[Action] = [WriteTags(cand, champion)]
+        if stable is not None:
+            out.append(WriteTags(stable, {records.FATE: records.ROLLED_BACK, records.CHAMPION_UNTIL: at}))
+        return out
+    if outcome != "promoted":
+        return [WriteTags(cand, {records.FATE: records.fate_of_outcome(outcome)})]
+    out = [WriteTags(cand, champion)]
+    if stable is not None and stable != cand:
+        out.append(WriteTags(stable, {records.FATE: records.SUPERSEDED, records.CHAMPION_UNTIL: at}))
+    return out
 
 
 PHASE_RULES = {

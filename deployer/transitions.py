@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from deployer import ledger
+from deployer import ledger, records
 from deployer.actions import Action, EngineLoad, LedgerOpen, SetRouting, SetWeight, WriteTags
 from deployer.registry import OUTCOME_RUNNING
 from deployer.status import CanaryPolicy, CanaryStatus, Observations, Phase, Result
@@ -34,7 +34,8 @@ def start(
     actions: list[Action] = [LedgerOpen(cid, params, tags, now)]
     if kind == "canary":
         actions += [
-            WriteTags(cand, {ledger.TAG_OUTCOME: OUTCOME_RUNNING, ledger.TAG_CANARY_ID: cid}),
+            WriteTags(cand, {ledger.TAG_OUTCOME: OUTCOME_RUNNING, ledger.TAG_CANARY_ID: cid,
+                             records.FATE: records.CANARY}),
             SetRouting(stable=stable, canary=cand, weight=0.0, salt=cid),
         ]
         if obs.engine is not None:  # loaded and checked before the first step (deployer/engine.py)

@@ -64,6 +64,10 @@ VALUES_SETS: dict[str, list[str]] = {
         "--set", "ray.cluster.workers.runtimeClassName=nvidia",
         "--set", "mlflow.envFromSecret=rtrl-mlflow",
         "--set", "imagePullSecrets[0].name=regcred",
+        "--set", "deployer.notifications.urls[0]=https://hooks.example/s3cret-hook",
+        "--set", "deployer.notifications.format=slack",
+        "--set", "deployer.notifications.hmacKey=s3cret-hmac",
+        "--set", "deployer.notifications.mlflowUiUrl=https://mlflow.example.com",
     ],
 }
 

@@ -312,6 +312,39 @@ class Approval(_Values):
     "approval timed out" (RTRL_DEPLOYER__APPROVAL__TIMEOUT_S)."""
 
 
+class Egress(_Values):
+    to: list[Peer] = []
+    """Peers allowed; empty allows any destination on these ports."""
+    ports: list[Port] = []
+    """TCP ports allowed."""
+
+
+class Notifications(_Values):
+    urls: list[Annotated[str, Field(pattern=r"^https?://")]] = []
+    """Webhook URLs, stored in the chart's Secret (incoming-webhook URLs carry their token);
+    empty (and no urlsSecret) sends nothing."""
+    urls_secret: SecretKeyRef = SecretKeyRef(key="notify-urls")
+    """Read the URLs from an existing Secret instead: a JSON list under this key."""
+    format: Literal["json", "slack"] = "json"
+    """json: rtrl's decision document; slack: {"text": ...} for Slack-style incoming webhooks."""
+    hmac_key: str = ""
+    """Signing key, stored in the chart's Secret: requests then carry X-Rtrl-Signature:
+    sha256=<hex HMAC of the body>."""
+    hmac_key_secret: SecretKeyRef = SecretKeyRef(key="notify-hmac-key")
+    """Read the signing key from an existing Secret instead."""
+    timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    """Longest wait for one receiver's answer."""
+    retries: Annotated[int, Field(ge=0)] = 3
+    """Further attempts after a failure (no answer, 408, 429, 5xx), with doubling backoff."""
+    backoff_s: Annotated[float, Field(ge=0)] = 1.0
+    """Wait before the first retry."""
+    mlflow_ui_url: str = ""
+    """The MLflow UI's address as the receivers' readers reach it (e.g. https://mlflow.example.com),
+    for links in the notices; empty: mlflow.trackingUri."""
+    egress: Egress = Egress(ports=[443])
+    """What the deployer's NetworkPolicy opens for the receivers (when URLs are set)."""
+
+
 class Deployer(Component):
     """The canary controller with the rollback judge. Always one replica (Recreate)."""
 
@@ -319,3 +352,6 @@ class Deployer(Component):
     """Operator keys the deployer verifies every manual command with."""
     approval: Approval = Approval()
     """The optional approval gate before a promotion."""
+    notifications: Notifications = Notifications()
+    """Webhooks announcing every decision (promoted, rolled back, aborted; awaiting approval): RTRL_NOTIFY__*,
+    docs/deployer.md."""

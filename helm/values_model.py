@@ -17,9 +17,9 @@ from values_cluster import Dashboards, Global, HelmTests, Image, PrometheusRule,
 from values_components import (
     VALUES_CONFIG,
     Deployer,
+    Egress,
     Gateway,
     Peer,
-    Port,
     ResourceList,
     Resources,
     SecretKeyRef,
@@ -198,11 +198,6 @@ class Metrics(_Values):
     """Port of /metrics, /healthz and /readyz in every pod (RTRL_HTTP__PORT)."""
 
 
-class Egress(_Values):
-    to: list[Peer] = []
-    """Peers allowed; empty allows any destination on these ports."""
-    ports: list[Port] = []
-    """TCP ports allowed."""
 
 
 class NetworkPolicyEgress(_Values):

@@ -26,26 +26,26 @@ from deployer import cohorts
 from deployer.actions import Action, LedgerPort, RoutingPort, apply_actions
 from deployer.adapters.redis_state import ControllerState, RedisRouting
 from deployer.adapters.vllm_engine import VllmEngine
+from deployer.adapters.webhook import WebhookNotifier
 from deployer.controller import tick
 from deployer.engine import EnginePort
-from deployer.ledger import CONTROLLER, TAG_GATE
+from deployer.ledger import TAG_GATE
+from deployer.notify import NotifyPort, notice_of
 from deployer.operators import screen
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
 from deployer.status import (
     JUDGED,
-    RESTING,
     CanaryPolicy,
     CanaryStatus,
     Command,
-    Judgement,
     Observations,
-    Phase,
 )
 from ingest.events import RewardRecord
 from rollback.judge import judge
 from rollback.types import GuardrailPolicy, JudgePolicy, default_metrics
 from services.gateway.counts import read_counts
 from services.runtime import metrics as m
+from services.runtime.canary_metrics import export_metrics
 from services.runtime.flags import deprecated_alias
 from services.runtime.group_lag import BrokerOffsets, GroupLagMonitor
 from services.runtime.health import Health, HttpEndpoints
@@ -156,6 +156,8 @@ class Ports:
     """Status, lease and operator commands."""
     engine: EnginePort | None = None
     """The inference engine candidates are loaded into (None: local policies)."""
+    notifier: NotifyPort | None = None
+    """Where decisions are announced (None: no webhooks configured)."""
 
 
 class Controller:
@@ -166,6 +168,9 @@ class Controller:
         self.settings, self.ports, self.rewards, self.clock = settings, ports, rewards, clock
         self.policy = canary_policy(settings.deployer)
         self.judge_policy = judge_policy(settings.deployer)
+        uri = settings.mlflow.tracking_uri
+        self.ui_url = settings.notify.mlflow_ui_url or (uri if uri.startswith(("http:", "https:")) else None)
+        """Where links in notices point (the MLflow UI)."""
 
     def step(self) -> CanaryStatus | None:
         """Run one tick if this controller holds (or takes) the lease; None otherwise."""
@@ -190,6 +195,9 @@ class Controller:
         for command, result in checked.counts:
             m.OPERATOR_COMMANDS.labels(command, result).inc()
         export_metrics(before, after, obs)
+        notice = notice_of(before, after, obs.now, self.settings.mlflow.registered_model, self.ui_url)
+        if notice is not None and self.ports.notifier is not None:
+            self.ports.notifier.send(notice)  # queued: a slow receiver never delays the tick
         if after.phase != before.phase:
             log.info("canary %s: %s -> %s %s", after.canary_id, before.phase, after.phase, after.reason)
         return after
@@ -226,56 +234,6 @@ class Controller:
             return {}
 
 
-def reason_kind(status: CanaryStatus) -> str:
-    """A low-cardinality label for why a canary ended."""
-    if status.decided_by not in (None, CONTROLLER):
-        return "operator"
-    text = status.reason.lower()
-    for kind in ("guardrail", "budget", "errors", "outside the controller", "inconclusive", "approval"):
-        if kind in text:
-            return kind.replace("outside the controller", "alias_moved")
-    return "judge"
-
-
-def export_metrics(before: CanaryStatus, after: CanaryStatus, obs: Observations) -> None:
-    """The canary gauges after a tick, the judge's verdict, and the counters of a canary
-    that this tick ended."""
-    for phase in Phase:
-        m.CANARY_PHASE.labels(phase.value).set(1.0 if phase == after.phase else 0.0)
-    m.CANARY_WEIGHT.set(after.weight)
-    m.CANARY_PHASE_AGE.set(max(0.0, obs.now - after.phase_since) if after.phase_since else 0.0)
-    j = obs.judgement
-    if j is not None:
-        export_judgement(j)
-    ended = after.phase in RESTING and after.phase != Phase.IDLE
-    if not ended or (after.phase, after.canary_id) == (before.phase, before.canary_id):
-        return
-    export_decision(after, j)
-
-
-def export_judgement(j: Judgement) -> None:
-    m.CANARY_VERDICTS.labels(j.decision).inc()
-    for key, value in j.stats.items():
-        metric, _, stat = key.rpartition(".")
-        m.JUDGE_STAT.labels(metric, stat).set(value)
-
-
-def export_decision(after: CanaryStatus, j: Judgement | None) -> None:
-    """Count the decision that ended the canary: a promotion, a rollback (and the hacking
-    detectors that fired for it) or an abort."""
-    by = "controller" if after.decided_by in (None, CONTROLLER) else "operator"
-    if after.phase == Phase.SUCCEEDED:
-        m.CANARY_PROMOTIONS.labels(by).inc()
-    elif after.phase == Phase.ROLLED_BACK:
-        m.CANARY_ROLLBACKS.labels(reason_kind(after), by).inc()
-    elif after.phase == Phase.ABORTED:
-        m.CANARY_ABORTS.labels(reason_kind(after)).inc()
-    if j is not None and after.outcome == "rolled_back":
-        for key, value in j.stats.items():
-            if key.startswith("detector.") and key.endswith(".fired") and value:
-                m.HACKING_DETECTIONS.labels(key.split(".")[1]).inc()
-
-
 def run_tick(controller: Controller) -> CanaryStatus | None:
     """One tick of the service loop. A failed tick changes nothing persisted and the next one
     retries it; a failure of MLflow, Redis or Kafka is counted in
@@ -302,14 +260,27 @@ def build_ports(settings: Settings, owner: str | None = None, redis_client: Any 
     r = redis_client if redis_client is not None else make_redis(settings.redis)
     prefix = settings.redis.key_prefix
     ml = settings.mlflow
-    registry = MlflowRegistry(ml.tracking_uri, ml.registered_model, ml.training_experiment)
+    registry = MlflowRegistry(ml.tracking_uri, ml.registered_model, ml.training_experiment,
+                              ml.deployments_experiment)
     return Ports(
         routing=RedisRouting(r, prefix),
         registry=registry,
-        ledger=MlflowLedger(ml.tracking_uri, ml.deployments_experiment),
+        ledger=MlflowLedger(ml.tracking_uri, ml.deployments_experiment, ml.registered_model),
         state=ControllerState(r, prefix, owner),
         engine=build_engine(settings, r, registry),
+        notifier=build_notifier(settings),
     )
+
+
+def build_notifier(settings: Settings) -> WebhookNotifier | None:
+    """The webhook sender of ``RTRL_NOTIFY__*`` (None without URLs)."""
+    n = settings.notify
+    if not n.urls:
+        return None
+    return WebhookNotifier([u.get_secret_value() for u in n.urls], n.format,
+                           n.secret.get_secret_value().encode() if n.secret is not None else None,
+                           n.timeout_s, n.retries, n.backoff_s, n.queue_size,
+                           count=lambda result: m.NOTIFICATIONS.labels(result).inc())
 
 
 def build_engine(settings: Settings, redis_client: Any, registry: Any) -> EnginePort | None:
@@ -377,6 +348,8 @@ def main(argv: list[str]) -> int:
         rewards.close()
         if lag is not None:
             lag.stop()
+        if isinstance(ports.notifier, WebhookNotifier):
+            ports.notifier.close(timeout_s=settings.notify.timeout_s)
         http.stop()
     log.info("deployer stopped")
     return 0

@@ -16,11 +16,12 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
-from deployer import ledger
+from deployer import ledger, records
 from deployer.actions import LedgerClose, LedgerEvent, LedgerNote, LedgerOpen, LedgerRefusal, LedgerStep
 
 PLOT_ARTIFACT = "cohorts.png"
 SUMMARY_ARTIFACT = "decision.json"
+COMPARISON_ARTIFACT = "comparison.csv"
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward (mean)", ("cohort.stable.reward_mean", "cohort.canary.reward_mean")),
     ("acceptance", ("cohort.stable.acceptance", "cohort.canary.acceptance")),
@@ -34,9 +35,12 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 class MlflowLedger:
     """:class:`deployer.actions.LedgerPort` on an MLflow tracking server or sqlite URI."""
 
-    def __init__(self, tracking_uri: str, experiment: str = "rtrl-deployments") -> None:
+    def __init__(self, tracking_uri: str, experiment: str = "rtrl-deployments",
+                 registered_model: str = "rtrl-policy") -> None:
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.experiment = experiment
+        self.model = registered_model
+        """For the links from a ledger run to its model versions."""
         self._exp_id: str | None = None
         self._runs: dict[str, str] = {}
 
@@ -46,7 +50,8 @@ class MlflowLedger:
             exp = self.client.get_experiment_by_name(self.experiment)
             if exp is None:
                 try:
-                    self._exp_id = str(self.client.create_experiment(self.experiment))
+                    self._exp_id = str(self.client.create_experiment(self.experiment,
+                                                                     tags=records.EXPERIMENT_KIND))
                 except MlflowException:  # created concurrently
                     found = self.client.get_experiment_by_name(self.experiment)
                     if found is None:
@@ -54,6 +59,9 @@ class MlflowLedger:
                     self._exp_id = str(found.experiment_id)
             else:
                 self._exp_id = str(exp.experiment_id)
+                for key, value in records.EXPERIMENT_KIND.items():  # made before the kind existed
+                    if exp.tags.get(key) != value:
+                        self.client.set_experiment_tag(self._exp_id, key, value)
         return self._exp_id
 
     def run_id(self, canary_id: str) -> str | None:
@@ -99,6 +107,7 @@ class MlflowLedger:
         )
         self._runs[event.canary_id] = run.info.run_id
         self.client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in event.params.items()])
+        self._describe(run.info.run_id)
 
     def _refusal(self, event: LedgerRefusal) -> None:
         """A finished run of its own: refusals show in ``rtrl history`` beside the canaries."""
@@ -115,6 +124,8 @@ class MlflowLedger:
         run_id = self._need(event.canary_id)
         self.client.log_batch(run_id, tags=[RunTag(k, ledger.clip(v)) for k, v in event.tags.items()])
         self.client.log_text(run_id, json.dumps(event.summary, indent=2, default=str), SUMMARY_ARTIFACT)
+        rows = self._describe(run_id)
+        self.client.log_text(run_id, records.comparison_csv(rows), COMPARISON_ARTIFACT)
         fig = self._plot(run_id, event)
         try:
             self.client.log_figure(run_id, fig, PLOT_ARTIFACT, save_kwargs={"dpi": 80})
@@ -123,6 +134,24 @@ class MlflowLedger:
 
             plt.close(fig)
         self.client.set_terminated(run_id, status="FINISHED", end_time=int(event.ts * 1000))
+
+    def _describe(self, run_id: str) -> list[records.Row]:
+        """Write the run's description (deployer/records.py) from its tags and latest metrics;
+        returns the comparison rows it was made from."""
+        data = self.client.get_run(run_id).data
+        rows = records.comparison(data.metrics)
+        text = records.run_description(data.tags, rows, self.model,
+                                       self._run_link(data.tags.get("rtrl.candidate.run_id")))
+        self.client.set_tag(run_id, records.NOTE, ledger.clip(text))
+        return rows
+
+    def _run_link(self, run_id: str | None) -> str | None:
+        if not run_id:
+            return None
+        try:
+            return records.run_link(self.client.get_run(run_id).info.experiment_id, run_id)
+        except MlflowException:  # the training run was deleted: no link
+            return None
 
     # ------------------------------------------------------------------ plot
     def series(self, run_id: str, key: str) -> list[tuple[int, float]]:

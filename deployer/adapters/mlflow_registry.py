@@ -17,6 +17,8 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
+from deployer import ledger, records
+
 ARTIFACT_PATH = "policy"
 """Where in a run the policy directory is logged."""
 
@@ -29,10 +31,13 @@ class MlflowRegistry:
         tracking_uri: str,
         registered_model: str = "rtrl-policy",
         experiment: str = "rtrl-training",
+        ledger_experiment: str | None = None,
     ) -> None:
         self.tracking_uri = tracking_uri
         self.name = registered_model
         self.experiment = experiment
+        self.ledger_experiment = ledger_experiment
+        """The deployments experiment, for the link from a version to its ledger run."""
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         self._model_ready = False
 
@@ -88,11 +93,14 @@ class MlflowRegistry:
             self.name,
             source=f"{artifact_uri.rstrip('/')}/{ARTIFACT_PATH}",
             run_id=run_id,
-            tags={"rtrl.run_id": run_id, **{k: str(v) for k, v in (tags or {}).items()}},
+            tags={"rtrl.run_id": run_id, records.FATE: records.NEVER_OFFERED,
+                  **{k: str(v) for k, v in (tags or {}).items()}},
         )
         if own_run:
             self.client.set_terminated(run_id)
-        return str(self._wait_ready(mv).version)
+        version = str(self._wait_ready(mv).version)
+        self.describe(version)
+        return version
 
     def set_alias(self, alias: str, version: str) -> None:
         self.client.set_registered_model_alias(self.name, alias, str(version))
@@ -119,6 +127,36 @@ class MlflowRegistry:
     def set_tags(self, version: str, tags: Mapping[str, str]) -> None:
         for key, value in tags.items():
             self.client.set_model_version_tag(self.name, str(version), key, str(value))
+        self.describe(version)
+
+    # ------------------------------------------------------------------ records
+    def describe(self, version: str) -> None:
+        """Rewrite the version's description from its tags (deployer/records.py), with links
+        to its training run and its latest ledger run."""
+        mv = self.client.get_model_version(self.name, str(version))
+        tags = {k: str(v) for k, v in (mv.tags or {}).items()}
+        links = self._run_link(mv.run_id), self._ledger_link(tags.get("rtrl.canary.id"))
+        text = ledger.clip(records.version_description(self.name, str(version), tags, *links))
+        if text != (mv.description or ""):
+            self.client.update_model_version(self.name, str(version), description=text)
+
+    def _run_link(self, run_id: str | None) -> str | None:
+        if not run_id:
+            return None
+        try:
+            return records.run_link(self.client.get_run(run_id).info.experiment_id, run_id)
+        except MlflowException:  # the run was deleted: no link
+            return None
+
+    def _ledger_link(self, canary_id: str | None) -> str | None:
+        if not canary_id or not self.ledger_experiment:
+            return None
+        exp = self.client.get_experiment_by_name(self.ledger_experiment)
+        if exp is None:
+            return None
+        found = self.client.search_runs([exp.experiment_id], max_results=1,
+                                        filter_string=f"tags.`rtrl.canary.id` = '{canary_id}'")
+        return records.run_link(exp.experiment_id, found[0].info.run_id) if found else None
 
     def get_tags(self, version: str) -> dict[str, str]:
         try:

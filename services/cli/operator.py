@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from deployer.adapters.webhook import WebhookNotifier
 from deployer.ledger import TAG_GATE
 from deployer.operators import sign
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
@@ -201,6 +202,8 @@ def send(settings: Settings, command: Command, timeout_s: float, redis_client: A
                 Controller(settings, ports, rewards).step()
             finally:
                 ports.state.release()
+                if isinstance(ports.notifier, WebhookNotifier):  # deliver before the CLI exits
+                    ports.notifier.close(timeout_s=settings.notify.timeout_s * (settings.notify.retries + 1))
                 if rewards is not None:
                     rewards.close()
             continue

@@ -147,6 +147,11 @@ GROUP_LAG_SECONDS = Gauge(
     "How long the oldest record the group has not committed has waited (0 with no backlog)",
     ["group", "topic"],
 )
+NOTIFICATIONS = Counter(
+    "rtrl_notifications_total", "Decision notifications, one per decision and webhook URL", ["result"]
+)
+"""result: sent (a 2xx answered) | failed (no 2xx after the retries, or a final 4xx) |
+dropped (the delivery queue was full: never sent)"""
 GROUP_LAG_READ = Gauge(
     "rtrl_group_lag_read_timestamp_seconds", "Unix time of the last successful group-lag read"
 )
@@ -212,7 +217,7 @@ OWNERS: dict[str, tuple[Collector, ...]] = {
                 TRAIN_STAT, GATE_RESULTS),
     "deployer": (CANARY_PHASE, CANARY_WEIGHT, CANARY_PHASE_AGE, CANARY_VERDICTS, CANARY_PROMOTIONS,
                  CANARY_ROLLBACKS, CANARY_ABORTS, JUDGE_STAT, HACKING_DETECTIONS, GROUP_LAG_MESSAGES,
-                 GROUP_LAG_SECONDS, GROUP_LAG_READ, OPERATOR_COMMANDS),
+                 GROUP_LAG_SECONDS, GROUP_LAG_READ, OPERATOR_COMMANDS, NOTIFICATIONS),
     "gateway": (GATEWAY_REQUESTS, GATEWAY_ERRORS, GATEWAY_SECONDS, GATEWAY_FALLBACKS, GATEWAY_EXPOSURES,
                 GATEWAY_MODEL_LOADS, GATEWAY_SERVING, GATEWAY_ROUTING_AGE, GATEWAY_CONNECTIONS,
                 GATEWAY_CLIENT_REQUESTS, GATEWAY_OPEN_CONNECTIONS),

@@ -25,6 +25,7 @@ from pydantic_settings.sources.utils import parse_env_vars
 from services.runtime.cli_settings import CliSettings
 from services.runtime.demo_settings import DemoSettings, SimulatorSettings
 from services.runtime.engine_settings import EngineSettings
+from services.runtime.notify_settings import NotifySettings
 from services.runtime.operator_settings import OperatorSettings
 from services.runtime.service_settings import (
     DeployerSettings,
@@ -216,6 +217,7 @@ class Settings(BaseSettings):
     deployer: DeployerSettings = DeployerSettings()
     operators: OperatorSettings = OperatorSettings()
     cli: CliSettings = CliSettings()
+    notify: NotifySettings = NotifySettings()
     log_level: str = "INFO"
     """Python logging level of every process (DEBUG, INFO, WARNING, ERROR)."""
     reward_spec: Path | None = None

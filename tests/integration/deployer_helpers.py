@@ -97,3 +97,27 @@ def feed_rewards(settings: Settings, stable: str, canary: str, quality: str, n: 
         producer.flush(30)
     finally:
         producer.close()
+
+
+def rolled_back_canary(settings: Settings, tmp: Path, timeout_s: float = 120.0) -> tuple[object, str]:
+    """Versions 1 (champion) and 2 (candidate); the real controller canaries 2 against worse
+    rewards until it rolls it back. Returns the controller and the canary id."""
+    import time
+
+    from deployer.status import Phase
+    from services.serve_deployer import Controller, RewardReader, build_ports
+
+    register_versions(settings, tmp)
+    controller = Controller(settings, build_ports(settings), RewardReader(settings))
+    first = controller.step()
+    assert first is not None and first.canary_id is not None
+    feed_rewards(settings, "1", "2", "worse", n=100)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = controller.step()
+        assert status is not None, "the controller lost its lease"
+        if status.phase in (Phase.ROLLED_BACK, Phase.ABORTED, Phase.SUCCEEDED):
+            assert status.phase == Phase.ROLLED_BACK, status
+            return controller, first.canary_id
+        time.sleep(settings.deployer.tick_s)
+    raise AssertionError(f"no decision within {timeout_s}s")

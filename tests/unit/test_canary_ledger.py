@@ -14,7 +14,7 @@ from ingest.events import ModelRef, RewardRecord
 from rollback.judge import judge
 from rollback.types import CohortData, JudgePolicy, RequestOutcome
 from services.runtime import metrics as m
-from services.serve_deployer import export_metrics, reason_kind
+from services.runtime.canary_metrics import export_metrics, reason_kind
 
 T0 = datetime(2027, 1, 15, 8, 0, tzinfo=UTC)
 

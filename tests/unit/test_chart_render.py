@@ -235,6 +235,10 @@ def test_network_policies_allow_only_what_each_component_needs(rendered) -> None
     assert egress_ports("ingest") == {53, 9092, 6379}  # DNS, Kafka, Redis: no MLflow
     assert egress_ports("gateway") == {53, 9092, 6379, 5000}
     assert egress_ports("trainer") == {53, 9092, 6379, 5000}  # Ray runs inside the pod here
+    assert egress_ports("deployer") == {53, 9092, 6379, 5000}  # no webhooks configured: no 443
+    notifying = next(r for r in by_kind(rendered["everything"], "NetworkPolicy")
+                     if r["metadata"]["name"] == "rel-rtrl-deployer")["spec"]["egress"]
+    assert {"port": 443, "protocol": "TCP"} in [p for rule in notifying for p in rule["ports"]]
     ingress = policies["ingest"]["spec"]["ingress"]
     assert len(ingress) == 1 and ingress[0]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
     assert ingress[0]["from"], "metrics only from Prometheus"
@@ -265,7 +269,8 @@ def test_services_parse_the_rendered_settings(rendered, name: str, component: st
     for key, value in env.items():
         if isinstance(value, dict):  # from a Secret: any well-formed value
             value = {"RTRL_REDIS__URL": "redis://r:6379/0", "RTRL_AUTH__KEYS": '{"gateway": "v"}',
-                     "RTRL_GATEWAY__API_KEYS": '{"app": "k"}'}.get(key, "x")
+                     "RTRL_GATEWAY__API_KEYS": '{"app": "k"}',
+                     "RTRL_NOTIFY__URLS": '["https://hooks.example/x"]'}.get(key, "x")
         monkeypatch.setenv(key, value)
     settings = Settings()
     assert settings.http.host == "0.0.0.0"
@@ -275,6 +280,10 @@ def test_services_parse_the_rendered_settings(rendered, name: str, component: st
         assert settings.gateway.port == 8080
     if component == "trainer":
         assert str(settings.trainer.data_dir) == "/var/lib/rtrl/trainer"
+    if component == "deployer" and name == "everything":
+        assert settings.notify.format == "slack" and settings.notify.secret is not None
+        assert settings.notify.mlflow_ui_url == "https://mlflow.example.com"
+        assert [u.get_secret_value() for u in settings.notify.urls] == ["https://hooks.example/x"]
 
 
 def test_credentials_come_from_secrets_never_the_configmap(rendered) -> None:
@@ -283,7 +292,12 @@ def test_credentials_come_from_secrets_never_the_configmap(rendered) -> None:
     assert not any("s3cret" in v for v in cm["data"].values())
     (secret,) = by_kind(docs, "Secret")
     assert set(secret["stringData"]) == {"kafka-sasl-password", "redis-url", "auth-keys", "gateway-api-keys",
-                                         "engine-api-key"}
+                                         "engine-api-key", "notify-urls", "notify-hmac-key"}
+    assert secret["stringData"]["notify-urls"] == '["https://hooks.example/s3cret-hook"]'
+    deployer_env = _env_of(docs, "deployer")
+    assert deployer_env["RTRL_NOTIFY__URLS"]["secretKeyRef"]["key"] == "notify-urls"
+    assert deployer_env["RTRL_NOTIFY__SECRET"]["secretKeyRef"]["key"] == "notify-hmac-key"
+    assert "RTRL_NOTIFY__URLS" not in _env_of(docs, "gateway"), "only the deployer sends notifications"
     assert _env_of(docs, "gateway")["RTRL_GATEWAY__API_KEYS"]["secretKeyRef"]["key"] == "gateway-api-keys"
     for component in ("gateway", "deployer"):
         assert _env_of(docs, component)["RTRL_ENGINE__API_KEY"]["secretKeyRef"]["key"] == "engine-api-key"

@@ -115,6 +115,9 @@ registry of its own. */}}
 {{- if and .Values.gateway.apiKeys (not .Values.gateway.apiKeysSecret.name) }}{{ $keys = append $keys "gateway-api-keys" }}{{ end }}
 {{- if and .Values.engine.apiKey (not .Values.engine.existingSecret.name) }}{{ $keys = append $keys "engine-api-key" }}{{ end }}
 {{- if and .Values.deployer.operators.keys (not .Values.deployer.operators.existingSecret.name) }}{{ $keys = append $keys "operator-keys" }}{{ end }}
+{{- $n := .Values.deployer.notifications }}
+{{- if and $n.urls (not $n.urlsSecret.name) }}{{ $keys = append $keys "notify-urls" }}{{ end }}
+{{- if and $n.hmacKey (not $n.hmacKeySecret.name) }}{{ $keys = append $keys "notify-hmac-key" }}{{ end }}
 {{- join "," $keys }}
 {{- end }}
 
@@ -152,6 +155,19 @@ registry of its own. */}}
 {{- if and (has .component (list "gateway" "deployer")) (eq $v.engine.kind "vllm") (or $v.engine.existingSecret.name $v.engine.apiKey) }}
 {{ include "rtrl.secretEnv" (dict "root" .root "env" "RTRL_ENGINE__API_KEY" "ref" $v.engine.existingSecret "ownKey" "engine-api-key") }}
 {{- end }}
+{{- $n := $v.deployer.notifications }}
+{{- if and (eq .component "deployer") (include "rtrl.notifies" .root) }}
+{{ include "rtrl.secretEnv" (dict "root" .root "env" "RTRL_NOTIFY__URLS" "ref" $n.urlsSecret "ownKey" "notify-urls") }}
+{{- if or $n.hmacKey $n.hmacKeySecret.name }}
+{{ include "rtrl.secretEnv" (dict "root" .root "env" "RTRL_NOTIFY__SECRET" "ref" $n.hmacKeySecret "ownKey" "notify-hmac-key") }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the deployer has webhooks to notify (deployer.notifications), else "" */}}
+{{- define "rtrl.notifies" -}}
+{{- $n := .Values.deployer.notifications }}
+{{- if or $n.urls $n.urlsSecret.name }}true{{ end }}
 {{- end }}
 
 {{/* "true" when the deployer has operator keys to mount (its own Secret's or an existing one). */}}

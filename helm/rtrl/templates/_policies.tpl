@@ -5,7 +5,7 @@
   "ingest" (list "kafka" "redis")
   "reward" (list "kafka" "redis")
   "trainer" (list "kafka" "redis" "mlflow" "ray")
-  "deployer" (list "kafka" "redis" "mlflow" "engine") }}
+  "deployer" (list "kafka" "redis" "mlflow" "engine" "notify") }}
 {{- index $deps . | join "," }}
 {{- end }}
 
@@ -76,6 +76,20 @@ spec:
               ray.io/cluster: {{ include "rtrl.rayClusterName" $root }}
     {{- else if and (eq $dep "ray") (not $v.ray.address) }}
     {{- /* Ray runs inside the trainer pod: nothing to reach */}}
+    {{- else if and (eq $dep "notify") (not (include "rtrl.notifies" $root)) }}
+    {{- /* no webhooks: nothing to reach */}}
+    {{- else if eq $dep "notify" }}
+    {{- with $v.deployer.notifications.egress }}
+    - ports:
+        {{- range .ports }}
+        - port: {{ . }}
+          protocol: TCP
+        {{- end }}
+      {{- with .to }}
+      to:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    {{- end }}
     {{- else if and (eq $dep "engine") (ne $v.engine.kind "vllm") }}
     {{- /* the local engine runs inside the gateway: nothing to reach */}}
     {{- else if and (eq $dep "engine") $v.engine.vllm.enabled (not $v.engine.baseUrl) }}

@@ -1,0 +1,220 @@
+"""What a product reviewer reads in MLflow (pure): each model version's description and fate,
+each ledger run's description and its stable-vs-canary comparison table.
+
+MLflow renders descriptions as markdown, so they carry links both ways (version ↔ ledger run
+↔ training run) as fragment URLs of the MLflow UI (``#/models/<name>/versions/<v>``,
+``#/experiments/<id>/runs/<run>``), which resolve against whatever address the UI is served
+from. The adapters (deployer/adapters/mlflow_registry.py, ledger_mlflow.py) write them.
+
+A version's description is rebuilt from its tags whenever the deployer tags it, so it follows
+its fate: ``never_offered`` (registered, no canary yet, or never: a failed gate), ``canary``
+(under canary), ``promoted`` (became the champion), ``superseded`` (a champion replaced by a
+newer promotion) or ``rolled_back`` (its canary was rolled back or aborted, or, as a champion,
+it was rolled back by hand).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from deployer.registry import Tag
+
+FATE = "rtrl.fate"
+CHAMPION_SINCE = "rtrl.champion_since"
+"""When the version became the champion (UTC, ISO 8601)."""
+CHAMPION_UNTIL = "rtrl.champion_until"
+"""When a newer decision replaced it as champion."""
+LEDGER_RUN = "rtrl.canary.run_id"
+"""The ledger run of the version's latest canary (the adapter fills it in for links)."""
+NEVER_OFFERED, CANARY, PROMOTED, SUPERSEDED, ROLLED_BACK = (
+    "never_offered", "canary", "promoted", "superseded", "rolled_back")
+FATES = (PROMOTED, ROLLED_BACK, SUPERSEDED, NEVER_OFFERED, CANARY)
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+"""MLflow 3's UI reads this experiment tag to show an experiment as machine learning (runs)
+rather than GenAI (traces). MLflow 3.17's UI, with its GenAI / Model training switch, follows
+the switch instead (``?workflowType=`` or the browser's last choice), so run links also say
+which view to open (``RUN_VIEW``)."""
+RUN_VIEW = "?workflowType=machine_learning"
+"""Opens a run link in MLflow 3.17's "Model training" view, whatever the browser chose last."""
+NOTE = "mlflow.note.content"
+"""The run tag MLflow shows (and edits) as a run's description."""
+
+FATE_LINE = {
+    NEVER_OFFERED: "not offered to users",
+    CANARY: "under canary",
+    PROMOTED: "champion",
+    SUPERSEDED: "former champion, superseded",
+    ROLLED_BACK: "rolled back",
+}
+
+
+def run_link(experiment_id: str, run_id: str) -> str:
+    return f"#/experiments/{experiment_id}/runs/{run_id}{RUN_VIEW}"
+
+
+def version_link(model: str, version: str) -> str:
+    return f"#/models/{model}/versions/{version}"
+
+
+def fate_of_outcome(outcome: str) -> str:
+    """A decided canary's candidate: promoted, or rolled back (aborted ones too: they served
+    users and were taken off)."""
+    return PROMOTED if outcome == "promoted" else ROLLED_BACK
+
+
+def _window(raw: str) -> str:
+    try:
+        w = json.loads(raw)
+        parts = ", ".join(f"p{r['partition']} {r['start']}–{r['end']}" for r in w.get("ranges", []))
+        return f"`{w['topic']}` offsets {parts or '(none)'}; {w.get('records', '?')} records"
+    except (ValueError, KeyError, TypeError):
+        return raw
+
+
+def _gate(tags: Mapping[str, str]) -> str:
+    result = tags.get(Tag.GATE_RESULT, "")
+    if not result:
+        return "not run"
+    try:
+        reasons = json.loads(tags.get(Tag.GATE_REASONS, "{}")).get("reasons", [])
+    except (ValueError, AttributeError):
+        reasons = []
+    return f"**{result}**" + (": " + "; ".join(map(str, reasons)) if reasons else "")
+
+
+def version_description(model: str, version: str, tags: Mapping[str, str], training_run: str | None = None,
+                        ledger_run: str | None = None) -> str:
+    """Markdown for a model version: what it is, where it came from, what became of it.
+    ``training_run`` / ``ledger_run`` are UI links (``#/experiments/...``) when known."""
+    fate = tags.get(FATE, NEVER_OFFERED)
+    head = f"**rtrl policy v{version}: {FATE_LINE.get(fate, fate)}**"
+    parent = tags.get(Tag.PARENT_VERSION, "")
+    made = tags.get(Tag.KIND, "policy")
+    rows = [("what", f"{made}" + (f", trained from [v{parent}]({version_link(model, parent)})" if parent
+                                   else " (no parent)"))]
+    if tags.get(Tag.WINDOW):
+        rows.append(("data window", _window(tags[Tag.WINDOW])))
+    rows.append(("reward spec", tags.get(Tag.REWARD_SPEC_VERSION) or "unknown"))
+    if training_run:
+        rows.append(("training run", f"[{tags.get(Tag.RUN_ID, 'run')}]({training_run})"))
+    rows.append(("offline gate", _gate(tags)))
+    cid = tags.get("rtrl.canary.id")
+    if cid:
+        name = f"[{cid}]({ledger_run})" if ledger_run else cid
+        outcome = tags.get(Tag.CANARY_OUTCOME, "")
+        rows.append(("canary", f"{name}: {outcome or 'running'}"))
+    if tags.get(Tag.DECISION):
+        rows.append(("decision", f"{tags[Tag.DECISION]} by {tags.get(Tag.DECIDED_BY, '?')} at "
+                                 f"{tags.get('rtrl.decided_at', '?')}: {tags.get(Tag.DECISION_REASON, '')}"))
+    if tags.get(CHAMPION_SINCE):
+        until = tags.get(CHAMPION_UNTIL)
+        rows.append(("champion", f"since {tags[CHAMPION_SINCE]}" + (f" until {until}" if until else "")))
+    rows.append(("fate", f"`{fate}`"))
+    table = "\n".join(f"| {k} | {_cell(v)} |" for k, v in rows)
+    return f"{head}\n\n| | |\n|---|---|\n{table}\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+# ----------------------------------------------------------------------------- ledger run
+@dataclass(frozen=True)
+class Row:
+    """One line of the comparison: a judged metric (with the always-valid interval on
+    canary − stable and its p-value) or a plain cohort figure (delta only)."""
+
+    metric: str
+    source: str
+    """judge | cohort"""
+    stable: float | None
+    canary: float | None
+    delta: float | None
+    ci_lower: float | None = None
+    ci_upper: float | None = None
+    p_value: float | None = None
+
+
+JUDGE_STATS = ("stable_mean", "canary_mean", "estimate", "ci_lower", "ci_upper", "p_value")
+
+
+def comparison(metrics: Mapping[str, float]) -> list[Row]:
+    """Rows from a ledger run's latest metrics: ``judge.<m>.<stat>`` then ``cohort.<arm>.<f>``."""
+    rows: list[Row] = []
+    judged = sorted({k.split(".")[1] for k in metrics
+                     if k.startswith("judge.") and k.count(".") == 2 and k.endswith(".estimate")})
+    for m in judged:
+        g = {s: metrics.get(f"judge.{m}.{s}") for s in JUDGE_STATS}
+        rows.append(Row(m, "judge", g["stable_mean"], g["canary_mean"], g["estimate"], g["ci_lower"],
+                        g["ci_upper"], g["p_value"]))
+    arms = ("cohort.stable.", "cohort.canary.")
+    figures = sorted({k.split(".", 2)[2] for k in metrics if k.startswith(arms)})
+    for f in figures:
+        s, c = metrics.get(f"cohort.stable.{f}"), metrics.get(f"cohort.canary.{f}")
+        rows.append(Row(f, "cohort", s, c, None if s is None or c is None else c - s))
+    return rows
+
+
+def comparison_csv(rows: list[Row]) -> str:
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(["metric", "source", "stable", "canary", "delta", "ci_lower", "ci_upper", "p_value"])
+    for r in rows:
+        w.writerow([r.metric, r.source, *("" if v is None else f"{v:.6g}" for v in
+                                          (r.stable, r.canary, r.delta, r.ci_lower, r.ci_upper, r.p_value))])
+    return out.getvalue()
+
+
+def _num(v: float | None) -> str:
+    return "–" if v is None else f"{v:.4g}"
+
+
+def metric_line(r: Row) -> str:
+    """``reward: stable 0.5, canary 0.1, delta −0.4 [−0.45, −0.35] (p 0.001)``"""
+    text = f"{r.metric}: stable {_num(r.stable)}, canary {_num(r.canary)}, delta {_num(r.delta)}"
+    if r.ci_lower is not None or r.ci_upper is not None:
+        text += f", always-valid interval [{_num(r.ci_lower)}, {_num(r.ci_upper)}]"
+    if r.p_value is not None:
+        text += f", p {_num(r.p_value)}"
+    return text
+
+
+DECISION_WORDS = {
+    "promoted": "v{c} was promoted: it is the champion now, in place of v{s}.",
+    "rolled_back": "v{c} was rolled back: v{s} stays the champion.",
+    "aborted": "The canary of v{c} was aborted without a decision on quality: v{s} stays the champion.",
+}
+RUNNING_WORDS = "The canary of v{c} against v{s} is running."
+RESTORE_WORDS = "The champion v{s} was rolled back by hand to v{c}."
+
+
+def run_description(tags: Mapping[str, str], rows: list[Row], model: str,
+                    training_run: str | None = None) -> str:
+    """Markdown for a ledger run: the decision in plain words, links, one line per metric."""
+    cand, stable = tags.get("rtrl.candidate_version", "?"), tags.get("rtrl.stable_version") or "-"
+    outcome = tags.get(Tag.CANARY_OUTCOME, "running")
+    if tags.get("rtrl.canary.kind") == "manual_rollback":
+        words = RESTORE_WORDS.format(c=cand, s=stable)
+    else:
+        words = DECISION_WORDS.get(outcome, RUNNING_WORDS).format(c=cand, s=stable)
+    lines = [f"**{words}**", ""]
+    if tags.get(Tag.DECISION):
+        lines += [f"Decided by {tags.get(Tag.DECIDED_BY, '?')} at {tags.get('rtrl.decided_at', '?')}.", ""]
+    links = [f"candidate [v{cand}]({version_link(model, cand)})"]
+    if stable != "-":
+        links.append(f"stable [v{stable}]({version_link(model, stable)})")
+    if training_run:
+        links.append(f"[training run]({training_run})")
+    lines += ["; ".join(links) + ". Every figure: the `comparison.csv` artifact.", ""]
+    judged = [r for r in rows if r.source == "judge"]
+    if judged:
+        lines += ["Judged metrics at the decision (canary − stable):", ""]
+        lines += [f"- {metric_line(r)}" for r in judged]
+        lines.append("")
+    if tags.get(Tag.DECISION_REASON):
+        lines.append(f"Why: {tags[Tag.DECISION_REASON]}")
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,76 @@
+"""What a product reviewer reads in MLflow after real decisions on the session's MLflow
+server: version descriptions and fates, the ledger run's description and comparison.csv,
+links both ways, and the experiment kind that opens the ledger on its runs."""
+
+from __future__ import annotations
+
+import csv
+import uuid
+from pathlib import Path
+
+from deployer_helpers import deployer_settings, rolled_back_canary
+
+from deployer import records
+from deployer.adapters.ledger_mlflow import COMPARISON_ARTIFACT, MlflowLedger
+from deployer.adapters.mlflow_registry import MlflowRegistry
+from deployer.status import Command, Phase
+from services.runtime.settings import Settings
+from services.serve_deployer import Controller
+
+
+def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow_server: str,
+                                                      tmp_path: Path) -> None:
+    deploy = deployer_settings(settings, mlflow_server)
+    controller, cid = rolled_back_canary(deploy, tmp_path)
+    assert isinstance(controller, Controller)
+    reg = controller.ports.registry
+    assert isinstance(reg, MlflowRegistry)
+    led = MlflowLedger(mlflow_server, deploy.mlflow.deployments_experiment)
+    run_id = led.run_id(cid)
+    assert run_id is not None
+    exp_id = led.experiment_id()
+    model = deploy.mlflow.registered_model
+
+    # the experiment opens on runs, not GenAI traces
+    assert led.client.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+    # the rolled-back version: fate, description with links to its ledger run and training run
+    mv = reg.client.get_model_version(model, "2")
+    assert mv.tags[records.FATE] == records.ROLLED_BACK
+    training = reg.client.get_run(mv.run_id)
+    assert mv.description.startswith("**rtrl policy v2: rolled back**")
+    assert f"[{cid}]({records.run_link(exp_id, run_id)}): rolled_back" in mv.description
+    assert f"({records.run_link(training.info.experiment_id, mv.run_id)})" in mv.description
+    assert f"trained from [v1](#/models/{model}/versions/1)" in mv.description
+    assert "| reward spec | test-1 |" in mv.description and "| offline gate | **pass** |" in mv.description
+
+    # the ledger run: the decision in words, links back, one line per judged metric, the table
+    run = led.client.get_run(run_id)
+    note = run.data.tags[records.NOTE]
+    assert note.startswith("**v2 was rolled back: v1 stays the champion.**")
+    assert f"candidate [v2](#/models/{model}/versions/2)" in note
+    assert f"stable [v1](#/models/{model}/versions/1)" in note
+    assert f"[training run]({records.run_link(training.info.experiment_id, mv.run_id)})" in note
+    assert "- reward: stable " in note and "always-valid interval [" in note
+    table = Path(led.client.download_artifacts(run_id, COMPARISON_ARTIFACT)).read_text()
+    rows = {r["metric"]: r for r in csv.DictReader(table.splitlines())}
+    reward = rows["reward"]
+    assert reward["source"] == "judge" and float(reward["delta"]) < 0
+    assert float(reward["ci_lower"]) <= float(reward["delta"]) <= float(reward["ci_upper"])
+    assert float(reward["stable"]) > float(reward["canary"])
+    assert rows["reward_mean"]["source"] == "cohort"
+
+    # a later promotion by hand: the old champion superseded, its description updated
+    src = tmp_path / "policy"
+    v3 = reg.register(None, src, tags={"rtrl.gate.result": "pass", "rtrl.parent_version": "1"})
+    assert reg.client.get_model_version(model, v3).tags[records.FATE] == records.NEVER_OFFERED
+    controller.ports.state.push(Command(id=uuid.uuid4().hex[:8], kind="promote", by="alice", version=v3))
+    status = controller.step()
+    assert status is not None and status.phase == Phase.SUCCEEDED
+    new, old = (reg.client.get_model_version(model, v) for v in (v3, "1"))
+    assert new.tags[records.FATE] == records.PROMOTED and old.tags[records.FATE] == records.SUPERSEDED
+    assert new.description.startswith(f"**rtrl policy v{v3}: champion**")
+    assert f"| champion | since {new.tags[records.CHAMPION_SINCE]} |" in new.description
+    assert old.description.startswith("**rtrl policy v1: former champion, superseded**")
+    promote_run = led.client.get_run(led.run_id(status.canary_id or "") or "")
+    assert promote_run.data.tags[records.NOTE].startswith(f"**v{v3} was promoted: it is the champion now")

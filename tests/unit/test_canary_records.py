@@ -1,0 +1,123 @@
+"""What a reviewer reads in MLflow, by hand: each version's fate through the state machine
+(fakes), its description, and the ledger run's description and comparison table."""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+
+from deployer import records
+from deployer.adapters.memory import FakeWorld
+from deployer.registry import Tag
+from deployer.status import CanaryPolicy, Command
+
+POLICY = CanaryPolicy(steps=(0.01, 0.05), bake_s=60, max_duration_s=3600)
+_ids = itertools.count()
+
+
+def world() -> FakeWorld:
+    w = FakeWorld(policy=POLICY)
+    w.register("1", alias="champion")
+    w.register("2", alias="candidate")
+    return w
+
+
+def fate(w: FakeWorld, version: str) -> str | None:
+    return w.registry.tags.get(version, {}).get(records.FATE)
+
+
+def cmd(kind: str, version: str | None = None) -> Command:
+    return Command(id=f"c{next(_ids)}", kind=kind, by="alice", version=version)  # type: ignore[arg-type]
+
+
+def test_fates_follow_canary_promotion_and_supersession() -> None:
+    w = world()
+    w.tick()
+    assert fate(w, "2") == records.CANARY
+    w.tick(), w.tick(commands=(cmd("promote", "2"),))
+    assert fate(w, "2") == records.PROMOTED and fate(w, "1") == records.SUPERSEDED
+    tags2, tags1 = w.registry.tags["2"], w.registry.tags["1"]
+    assert tags2[records.CHAMPION_SINCE] == tags1[records.CHAMPION_UNTIL] != ""
+
+
+def test_a_rolled_back_or_aborted_canary_leaves_its_candidate_rolled_back() -> None:
+    w = world()
+    w.tick(), w.tick(), w.tick("rollback")
+    assert w.phases[-1] == "rolled_back" and fate(w, "2") == records.ROLLED_BACK
+    assert fate(w, "1") is None, "the champion is untouched"
+    w = world()
+    w.tick(), w.tick(), w.tick("inconclusive")
+    assert w.phases[-1] == "aborted" and fate(w, "2") == records.ROLLED_BACK
+
+
+def test_a_restore_by_hand_makes_the_old_version_champion_again() -> None:
+    w = world()
+    w.tick(), w.tick(), w.tick(commands=(cmd("promote", "2"),))
+    w.tick(commands=(cmd("rollback", "1"),))
+    assert w.registry.aliases["champion"] == "1"
+    assert fate(w, "1") == records.PROMOTED and w.registry.tags["1"][records.CHAMPION_UNTIL] == ""
+    assert fate(w, "2") == records.ROLLED_BACK and w.registry.tags["2"][records.CHAMPION_UNTIL]
+
+
+WINDOW = json.dumps({"topic": "rtrl.rewards.v1", "ranges": [{"partition": 0, "start": 10, "end": 90}],
+                     "records": 77, "id": "abc"})
+
+
+def test_version_description_says_what_it_is_where_it_came_from_and_its_fate() -> None:
+    tags = {Tag.PARENT_VERSION: "6", Tag.KIND: "increment", Tag.WINDOW: WINDOW,
+            Tag.REWARD_SPEC_VERSION: "default-3", Tag.GATE_RESULT: "pass", Tag.RUN_ID: "r1",
+            "rtrl.canary.id": "canary-v7-x", Tag.CANARY_OUTCOME: "promoted", Tag.DECISION: "promote",
+            Tag.DECIDED_BY: "controller", "rtrl.decided_at": "2026-11-22T05:00:00Z",
+            Tag.DECISION_REASON: "reward better | all guardrails held",
+            records.FATE: records.PROMOTED, records.CHAMPION_SINCE: "2026-11-22T05:00:00Z"}
+    text = records.version_description("rtrl-policy", "7", tags, records.run_link("3", "r1"),
+                                       records.run_link("5", "L1"))
+    assert text.startswith("**rtrl policy v7: champion**")
+    assert "trained from [v6](#/models/rtrl-policy/versions/6)" in text
+    assert "`rtrl.rewards.v1` offsets p0 10–90; 77 records" in text
+    assert "| reward spec | default-3 |" in text and "| offline gate | **pass** |" in text
+    assert "[r1](#/experiments/3/runs/r1?workflowType=machine_learning)" in text
+    assert "[canary-v7-x](#/experiments/5/runs/L1?workflowType=machine_learning): promoted" in text
+    assert "reward better \\| all guardrails held" in text, "a | in a reason cannot break the table"
+    assert "| champion | since 2026-11-22T05:00:00Z |" in text and "| fate | `promoted` |" in text
+    gate = {Tag.GATE_RESULT: "fail", Tag.GATE_REASONS: json.dumps({"reasons": ["KL to parent 0.9 > 0.5"]})}
+    fresh = records.version_description("rtrl-policy", "8", gate)
+    assert fresh.startswith("**rtrl policy v8: not offered to users**")
+    assert "**fail**: KL to parent 0.9 > 0.5" in fresh and "canary" not in fresh
+
+
+METRICS = {"judge.reward.stable_mean": 0.5, "judge.reward.canary_mean": 0.1, "judge.reward.estimate": -0.4,
+           "judge.reward.ci_lower": -0.45, "judge.reward.ci_upper": -0.35, "judge.reward.p_value": 0.001,
+           "judge.users.canary": 90.0, "cohort.stable.n": 100.0, "cohort.canary.n": 80.0,
+           "canary.weight": 0.1}
+
+
+def test_comparison_has_a_row_per_judged_metric_and_cohort_figure() -> None:
+    rows = records.comparison(METRICS)
+    assert [(r.metric, r.source) for r in rows] == [("reward", "judge"), ("n", "cohort")]
+    assert rows[0].delta == -0.4 and rows[0].ci_lower == -0.45 and rows[0].p_value == 0.001
+    assert rows[1].delta == -20.0 and rows[1].ci_lower is None
+    table = list(csv.DictReader(io.StringIO(records.comparison_csv(rows))))
+    assert table[0] == {"metric": "reward", "source": "judge", "stable": "0.5", "canary": "0.1",
+                        "delta": "-0.4", "ci_lower": "-0.45", "ci_upper": "-0.35", "p_value": "0.001"}
+    assert table[1]["ci_lower"] == "" and table[1]["delta"] == "-20"
+
+
+def test_run_description_puts_the_decision_in_words_with_links_and_metric_lines() -> None:
+    tags = {"rtrl.candidate_version": "7", "rtrl.stable_version": "6", Tag.CANARY_OUTCOME: "rolled_back",
+            Tag.DECISION: "rollback", Tag.DECIDED_BY: "controller", "rtrl.decided_at": "2026-11-22T05:00:00Z",
+            Tag.DECISION_REASON: "reward worse", "rtrl.canary.kind": "canary"}
+    rows = records.comparison(METRICS)
+    text = records.run_description(tags, rows, "rtrl-policy", records.run_link("3", "r1"))
+    assert text.startswith("**v7 was rolled back: v6 stays the champion.**")
+    assert "Decided by controller at 2026-11-22T05:00:00Z." in text and text.endswith("Why: reward worse\n")
+    assert text.index("- reward: stable") < text.index("Why:"), "figures first, the long reason last"
+    assert "candidate [v7](#/models/rtrl-policy/versions/7)" in text
+    assert "stable [v6](#/models/rtrl-policy/versions/6)" in text
+    assert "[training run](#/experiments/3/runs/r1?workflowType=machine_learning)" in text
+    assert ("- reward: stable 0.5, canary 0.1, delta -0.4, always-valid interval [-0.45, -0.35], p 0.001"
+            in text)
+    running = records.run_description({"rtrl.candidate_version": "7", "rtrl.stable_version": "6"}, [], "m")
+    assert running.startswith("**The canary of v7 against v6 is running.**")
