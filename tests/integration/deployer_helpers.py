@@ -12,7 +12,8 @@ from pathlib import Path
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.ledger import TAG_GATE
-from deployer.operators import key_line
+from deployer.operators import key_line, sign
+from deployer.status import Command
 from ingest.events import ModelRef, RewardRecord
 from services.runtime.kafka_io import ensure_topics, make_producer
 from services.runtime.operator_settings import OperatorSettings
@@ -49,6 +50,14 @@ def with_operators(settings: Settings, tmp: Path, *names: str) -> tuple[Settings
     keys = tmp / "operator-keys"
     keys.write_text("".join(key_line(n, p.read_text().strip()) + "\n" for n, p in tokens.items()))
     return settings.model_copy(update={"operators": OperatorSettings(keys_file=keys)}), tokens
+
+
+def operator_command(tokens: dict[str, Path], by: str, kind: str, version: str | None = None) -> Command:
+    """A manual command signed now with ``by``'s token (from :func:`with_operators`)."""
+    import time
+
+    cmd = Command(id=uuid.uuid4().hex, kind=kind, by=by, version=version)  # type: ignore[arg-type]
+    return sign(cmd, tokens[by].read_text().strip(), time.time())
 
 
 def register_versions(settings: Settings, tmp: Path, n: int = 2) -> MlflowRegistry:

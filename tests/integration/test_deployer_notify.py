@@ -7,18 +7,18 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from deployer_helpers import deployer_settings, register_versions
+from deployer_helpers import deployer_settings, operator_command, register_versions, with_operators
 from prometheus_client import REGISTRY
 
 from deployer import notify
 from deployer.adapters.webhook import WebhookNotifier
-from deployer.status import Command, Phase
+from deployer.status import Phase
 from services.runtime.notify_settings import NotifySettings
 from services.runtime.settings import Settings
 from services.serve_deployer import Controller, build_ports
@@ -67,22 +67,30 @@ def receiver() -> Iterator[Receiver]:
     r.close()
 
 
+@dataclass(frozen=True)
+class Operated:
+    """A controller and the token files of the operators it accepts."""
+
+    controller: Controller
+    tokens: dict[str, Path]
+
+
 def controller_for(settings: Settings, mlflow_server: str, tmp: Path, url: str, **notify_kw: object
-                   ) -> Controller:
+                   ) -> Operated:
     """Versions 1..3 (gate pass), champion 1, no candidate (the controller stays idle until an
     operator decides), and a controller notifying ``url``."""
-    deploy = deployer_settings(settings, mlflow_server)
+    deploy, tokens = with_operators(deployer_settings(settings, mlflow_server), tmp, "alice")
     deploy = deploy.model_copy(update={"notify": NotifySettings(
         urls=(url,), secret=SECRET, **{"retries": 0, "backoff_s": 0.05, **notify_kw})})  # type: ignore[arg-type]
     reg = register_versions(deploy, tmp, n=3)
     reg.delete_alias("candidate")
-    return Controller(deploy, build_ports(deploy), None)
+    return Operated(Controller(deploy, build_ports(deploy), None), tokens)
 
 
-def decide(controller: Controller, kind: str, version: str) -> float:
+def decide(operated: Operated, kind: str, version: str) -> float:
     """Queue an operator command, run one tick; the tick's wall time."""
-    state = controller.ports.state
-    state.push(Command(id=uuid.uuid4().hex[:8], kind=kind, by="alice", version=version))  # type: ignore[arg-type]
+    controller = operated.controller
+    controller.ports.state.push(operator_command(operated.tokens, "alice", kind, version))
     started = time.monotonic()
     status = controller.step()
     took = time.monotonic() - started
@@ -104,15 +112,15 @@ def wait_for(predicate: object, timeout_s: float = 20.0) -> None:
 def test_a_decision_reaches_the_receiver_signed(settings: Settings, mlflow_server: str, tmp_path: Path,
                                                 receiver: Receiver) -> None:
     sent = sample("sent")
-    controller = controller_for(settings, mlflow_server, tmp_path, receiver.url)
-    decide(controller, "promote", "2")
+    op = controller_for(settings, mlflow_server, tmp_path, receiver.url)
+    decide(op, "promote", "2")
     wait_for(lambda: sample("sent") == sent + 1)
     (headers, data), = receiver.requests
     assert notify.verify(SECRET.encode(), data, headers[notify.SIGNATURE_HEADER])
     doc = json.loads(data)
     assert doc["event"] == "rtrl.canary.decision" and doc["outcome"] == "promoted"
     assert doc["candidate"] == "2" and doc["stable"] == "1" and doc["decided_by"] == "alice"
-    assert doc["model"] == controller.settings.mlflow.registered_model
+    assert doc["model"] == op.controller.settings.mlflow.registered_model
     assert doc["reason"] == "promoted by hand by alice"
     assert doc["links"]["v2 in MLflow"] == f"{mlflow_server}/#/models/{doc['model']}/versions/2"
 
@@ -121,8 +129,8 @@ def test_a_failing_receiver_gets_retries_and_the_failure_is_counted(
         settings: Settings, mlflow_server: str, tmp_path: Path, receiver: Receiver) -> None:
     receiver.status = 503
     failed = sample("failed")
-    controller = controller_for(settings, mlflow_server, tmp_path, receiver.url, retries=2, format="slack")
-    decide(controller, "promote", "2")
+    op = controller_for(settings, mlflow_server, tmp_path, receiver.url, retries=2, format="slack")
+    decide(op, "promote", "2")
     wait_for(lambda: sample("failed") == failed + 1)
     assert len(receiver.requests) == 3, "one attempt and two retries"
     assert {d for _, d in receiver.requests} == {receiver.requests[0][1]}, "each retry sends the same body"
@@ -133,17 +141,17 @@ def test_the_controller_keeps_deciding_while_the_receiver_hangs(
         settings: Settings, mlflow_server: str, tmp_path: Path, receiver: Receiver) -> None:
     receiver.hang = True
     dropped = sample("dropped")
-    controller = controller_for(settings, mlflow_server, tmp_path, receiver.url, timeout_s=60.0,
+    op = controller_for(settings, mlflow_server, tmp_path, receiver.url, timeout_s=60.0,
                                 queue_size=1)
-    ticks = [decide(controller, "promote", "2")]
+    ticks = [decide(op, "promote", "2")]
     wait_for(lambda: len(receiver.requests) == 1)  # the sender now hangs on the first notice
-    ticks += [decide(controller, "promote", "3"), decide(controller, "rollback", "1")]
-    assert controller.ports.registry.alias_version("champion") == "1", "all three decisions were made"
+    ticks += [decide(op, "promote", "3"), decide(op, "rollback", "1")]
+    assert op.controller.ports.registry.alias_version("champion") == "1", "all three decisions were made"
     # a tick that waited for the receiver would take its 60 s hang; a loaded machine's MLflow
     # calls take a few seconds at most
     assert max(ticks) < 30.0, f"a tick waited for the receiver: {ticks}"
     assert sample("dropped") == dropped + 1, "queue of 1: the third notice was dropped"
     receiver.release.set()
-    assert isinstance(controller.ports.notifier, WebhookNotifier)
-    controller.ports.notifier.close(timeout_s=10)
+    assert isinstance(op.controller.ports.notifier, WebhookNotifier)
+    op.controller.ports.notifier.close(timeout_s=10)
     assert len(receiver.requests) == 2

@@ -5,22 +5,21 @@ links both ways, and the experiment kind that opens the ledger on its runs."""
 from __future__ import annotations
 
 import csv
-import uuid
 from pathlib import Path
 
-from deployer_helpers import deployer_settings, rolled_back_canary
+from deployer_helpers import deployer_settings, operator_command, rolled_back_canary, with_operators
 
 from deployer import records
 from deployer.adapters.ledger_mlflow import COMPARISON_ARTIFACT, MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
-from deployer.status import Command, Phase
+from deployer.status import Phase
 from services.runtime.settings import Settings
 from services.serve_deployer import Controller
 
 
 def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow_server: str,
                                                       tmp_path: Path) -> None:
-    deploy = deployer_settings(settings, mlflow_server)
+    deploy, tokens = with_operators(deployer_settings(settings, mlflow_server), tmp_path, "alice")
     controller, cid = rolled_back_canary(deploy, tmp_path)
     assert isinstance(controller, Controller)
     reg = controller.ports.registry
@@ -64,7 +63,7 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
     src = tmp_path / "policy"
     v3 = reg.register(None, src, tags={"rtrl.gate.result": "pass", "rtrl.parent_version": "1"})
     assert reg.client.get_model_version(model, v3).tags[records.FATE] == records.NEVER_OFFERED
-    controller.ports.state.push(Command(id=uuid.uuid4().hex[:8], kind="promote", by="alice", version=v3))
+    controller.ports.state.push(operator_command(tokens, "alice", "promote", v3))
     status = controller.step()
     assert status is not None and status.phase == Phase.SUCCEEDED
     new, old = (reg.client.get_model_version(model, v) for v in (v3, "1"))
