@@ -9,6 +9,7 @@ The full-size run (longer, with promotions too) is recorded in docs/reliability.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -27,8 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_loop_survives_random_kills_and_loses_nothing(tmp_path: Path) -> None:
     data, reports = tmp_path / "demo", tmp_path / "reports"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_") or k.startswith("RTRL_DEMO__")}
-    env["RTRL_DEMO__PROGRESS_EVERY_S"] = "10"
-    every = os.environ.get("RTRL_E2E_CHAOS_EVERY_S", "35")
+    env["RTRL_DEMO__PROGRESS_EVERY_S"] = "5"  # the watcher's cadence: chaos is checked on it
+    every = os.environ.get("RTRL_E2E_CHAOS_EVERY_S", "30")
     minutes = os.environ.get("RTRL_E2E_CHAOS_MINUTES", "7")
     argv = [sys.executable, "-m", "services.cli", "demo", "--chaos", "--chaos-every", every,
             "--minutes", minutes, "--increments", "99", "--data-dir", str(data), "--report-dir", str(reports)]
@@ -43,7 +44,12 @@ def test_the_loop_survives_random_kills_and_loses_nothing(tmp_path: Path) -> Non
         assert rec.get("requests_served", 0) > 1000 and rec.get("reward_records", 0) > 500, rec
         assert not chaos["duplicated_records"] and chaos["complete"] == chaos["canaries"] >= 1, chaos
         killed = [k["service"] for k in chaos["kills"]]
-        assert len(killed) >= 6 and len(set(killed)) >= 3, killed
+        # the loop gets what the stack start and the bootstrap leave of the budget (4-5 minutes
+        # on 2 cores): several kills of several services, and chaos never stalled between them
+        assert len(killed) >= 4 and len(set(killed)) >= 3, killed
+        times = [k["at"] for k in chaos["kills"]]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert max(gaps) <= float(every) + 20, f"chaos stalled: gaps {gaps}"
         assert chaos["ok"] and proc.returncode == 0, out[-4000:]
 
         [summary_file] = reports.glob("*/summary.json")
