@@ -19,6 +19,7 @@ when the broker refused or the send timed out.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -207,7 +208,15 @@ class ExposureProcess:
     def start(self) -> ExposureProcess:
         self._proc.start()
         self._sync_thread.start()
+        atexit.register(self._at_exit)
         return self
+
+    def _at_exit(self) -> None:
+        """The interpreter exits while the child still runs (its owner never called
+        :meth:`stop`): stop it now. multiprocessing's own exit handler would send it SIGTERM,
+        which the child ignores, and then wait for it forever."""
+        if self._proc.is_alive():
+            self.stop(timeout_s=2.0)
 
     def log(self, fields: dict[str, Any]) -> bool:
         try:
@@ -236,7 +245,10 @@ class ExposureProcess:
                           self._proc.exitcode)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Let the child drain, flush and exit; then account for its last counts."""
+        """Let the child drain, flush and exit; then account for its last counts. A child
+        that does not exit in time is killed (it ignores SIGTERM) and what it still held is
+        lost, as the warning says."""
+        atexit.unregister(self._at_exit)
         self._stop.set()
         if self._proc.is_alive():
             try:
@@ -245,9 +257,11 @@ class ExposureProcess:
                 pass
             self._proc.join(timeout_s + 2.0)
             if self._proc.is_alive():
-                log.warning("exposure process did not stop in time; terminating it")
-                self._proc.terminate()
+                log.warning("exposure process did not stop in time; killing it "
+                            "(the served events it still held are lost)")
+                self._proc.kill()
                 self._proc.join(2.0)
+                self._queue.cancel_join_thread()  # nobody reads the pipe any more
         self._sync()
         self._queue.close()
         self._queue.join_thread()
