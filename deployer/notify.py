@@ -19,7 +19,6 @@ the exact body bytes under the secret, as GitHub signs its webhooks.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ from typing import Literal, Protocol
 
 from deployer.ledger import DECISION_OF, iso
 from deployer.status import CanaryStatus, Phase
+from ingest import auth as hmac_auth
 
 EVENT = "rtrl.canary.decision"
 SIGNATURE_HEADER = "X-Rtrl-Signature"
@@ -135,7 +135,7 @@ def body(n: Notice, fmt: Format) -> bytes:
 
 def signature(secret: bytes, data: bytes) -> str:
     """The ``X-Rtrl-Signature`` value: ``sha256=<hex HMAC-SHA256 of the body>``."""
-    return "sha256=" + hmac.new(secret, data, hashlib.sha256).hexdigest()
+    return "sha256=" + hmac_auth.sign(data, secret)
 
 
 def verify(secret: bytes, data: bytes, header: str) -> bool:

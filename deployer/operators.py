@@ -28,6 +28,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from deployer.status import Command, Refusal
+from ingest import auth as hmac_auth
 
 SCHEME = "rtrl-operator-v1"
 UNAUTHENTICATED = "unauthenticated"
@@ -100,7 +101,7 @@ def payload(cmd: Command) -> bytes:
 
 
 def signature(cmd: Command, key: bytes) -> str:
-    return hmac.new(key, payload(cmd), hashlib.sha256).hexdigest()
+    return hmac_auth.sign(payload(cmd), key)
 
 
 def sign(cmd: Command, token: str, now: float) -> Command:
