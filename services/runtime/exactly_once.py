@@ -259,7 +259,7 @@ class ExactlyOnceLoop(Generic[R]):
                              partition=o.partition) for o in outputs]
         if outputs:
             self.fault("mid_txn")
-        check_sent(prod, futures, TXN_TIMEOUT_S)
+        check_sent(prod, futures, TXN_TIMEOUT_S, watch)
         if offsets:
             committed = {tp: OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()}
             send_offsets(prod, committed, self.consumer.group_metadata(), TXN_TIMEOUT_S)

@@ -126,6 +126,8 @@ def end_transaction(producer: KafkaProducer, commit: bool, timeout_s: float) -> 
     if tm is None:  # not kafka-python's producer (a test double): its own calls
         producer.commit_transaction() if commit else producer.abort_transaction()
         return
+    if _abandoned(producer):
+        raise KafkaTimeoutError("the producer was abandoned: it sends nothing more")
     result = tm.begin_commit() if commit else tm.begin_abort()
     _await(producer, result, "commit" if commit else "abort", timeout_s)
 
@@ -140,10 +142,20 @@ def send_offsets(producer: KafkaProducer, offsets: Any, group_metadata: Any, tim
     _await(producer, result, "send_offsets_to_transaction", timeout_s)
 
 
-def check_sent(producer: KafkaProducer, futures: Iterable[Any], timeout_s: float) -> None:
+def check_sent(producer: KafkaProducer, futures: Iterable[Any], timeout_s: float,
+               watch: ConnectionWatch | None = None) -> None:
     """Flush and raise the first send error. Commit only after this: after a broker restart
-    kafka-python can complete a commit although some of the transaction's batches failed."""
-    if hasattr(producer, "flush"):
+    kafka-python can complete a commit although some of the transaction's batches failed.
+
+    With a ``watch``, a broker connection that closes while sends are pending abandons the
+    producer at once (:func:`abandon`) and raises :class:`TransactionInterruptedError`:
+    kafka-python would resend the failed batches once the broker is back, and the embedded
+    broker, which aborted the transaction when it stopped, appends them as data of a
+    transaction nobody will ever end. That data holds the partition's last stable offset
+    for good (read_committed readers then see nothing after it)."""
+    if watch is not None and watch.watching and hasattr(producer, "flush"):
+        _flush_watched(producer, watch, timeout_s)
+    elif hasattr(producer, "flush"):
         producer.flush(timeout=timeout_s)
     for fut in futures:
         if fut is None:  # a test double's send
@@ -152,6 +164,21 @@ def check_sent(producer: KafkaProducer, futures: Iterable[Any], timeout_s: float
             raise KafkaTimeoutError(f"a send did not complete in {timeout_s:.0f}s")
         if fut.failed():
             raise fut.exception
+
+
+def _flush_watched(producer: KafkaProducer, watch: ConnectionWatch, timeout_s: float) -> None:
+    """Flush for at most ``timeout_s``, abandoning the producer as soon as a connection drops."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if watch.interrupted():
+            abandon(producer)
+            raise TransactionInterruptedError("a broker connection dropped while sends were pending")
+        try:
+            producer.flush(timeout=max(0.0, min(WATCH_POLL_S, deadline - time.monotonic())))
+            return
+        except KafkaTimeoutError:
+            if time.monotonic() >= deadline:
+                return  # the caller reports the send that did not complete
 
 
 class TransactionInterruptedError(KafkaError):
@@ -196,10 +223,31 @@ def _connections(producer: KafkaProducer) -> dict[Any, Any] | None:
     return conns if isinstance(conns, dict) else None
 
 
+WATCH_POLL_S = 0.05
+"""How often :func:`check_sent` looks at the producer's connections while sends are pending."""
+
+
+def abandon(producer: KafkaProducer) -> None:
+    """Stop a kafka-python producer's I/O thread without sending anything more (pending and
+    retried batches fail at once). Its transaction is not ended by it: the broker aborted it
+    when it stopped, or the next generation's fencing does (services/runtime/transactions.py)."""
+    sender = getattr(producer, "_sender", None)
+    if sender is not None and hasattr(sender, "force_close"):
+        sender.force_close()
+
+
+def _abandoned(producer: KafkaProducer) -> bool:
+    sender = getattr(producer, "_sender", None)
+    return bool(getattr(sender, "_force_close", False))
+
+
 def close_quietly(producer: KafkaProducer | None) -> None:
-    """Close a producer that may be broken, without waiting for its buffered records."""
+    """Close a producer that may be broken, without waiting for its buffered records and
+    without letting it resend any of them (a plain ``close(timeout=0)`` gives up in its flush
+    and leaves the I/O thread retrying)."""
     if producer is None:
         return
+    abandon(producer)
     try:
         producer.close(timeout=0)
     except Exception as exc:  # a broken producer may fail to close; it is dropped either way

@@ -56,3 +56,56 @@ def test_a_producer_without_a_connection_table_is_never_interrupted() -> None:
     watch = ConnectionWatch(SimpleNamespace())
     assert not watch.watching
     assert not watch.interrupted()
+
+
+class FlushingProducer:
+    """A producer whose sends stay pending (its flush always times out) until ``drop`` closes
+    its one connection; records whether it was abandoned (kafka-python's ``force_close``)."""
+
+    def __init__(self) -> None:
+        self.connection = conn()
+        self.flushes = 0
+        self.closed_sender = False
+        manager = SimpleNamespace(_conns={1: self.connection})
+        self._sender = SimpleNamespace(_client=SimpleNamespace(_manager=manager), _force_close=False,
+                                       force_close=self._force_close)
+
+    def _force_close(self) -> None:
+        self._sender._force_close = True
+        self.closed_sender = True
+
+    def flush(self, timeout: float | None = None) -> None:
+        from kafka.errors import KafkaTimeoutError
+
+        self.flushes += 1
+        if self.flushes == 3:
+            self.connection.closed = True  # the broker stops while the batch is in flight
+        raise KafkaTimeoutError("pending")
+
+
+def test_a_connection_lost_with_sends_pending_abandons_the_producer_instead_of_resending() -> None:
+    from services.runtime.kafka_io import TransactionInterruptedError, check_sent, end_transaction
+
+    prod = FlushingProducer()
+    watch = ConnectionWatch(prod)
+    with pytest.raises(TransactionInterruptedError, match="dropped while sends were pending"):
+        check_sent(prod, [], timeout_s=5.0, watch=watch)
+    assert prod.closed_sender and prod.flushes == 3
+    prod._transaction_manager = object()  # type: ignore[attr-defined]
+    with pytest.raises(Exception, match="abandoned"):  # no 5 s wait for an abort nobody sends
+        end_transaction(prod, commit=False, timeout_s=5.0)
+
+
+def test_pending_sends_without_a_drop_wait_out_the_timeout_and_keep_the_producer() -> None:
+    from kafka.errors import KafkaTimeoutError
+
+    from services.runtime.kafka_io import check_sent
+
+    class Slow(FlushingProducer):
+        def flush(self, timeout: float | None = None) -> None:
+            self.flushes += 1
+            raise KafkaTimeoutError("pending")
+
+    prod = Slow()
+    check_sent(prod, [], timeout_s=0.2, watch=ConnectionWatch(prod))
+    assert not prod.closed_sender and prod.flushes >= 2
