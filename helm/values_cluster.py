@@ -77,6 +77,10 @@ class PrometheusRule(_Values):
     """Base of every alert's runbook_url (no trailing slash); point it at your fork or wiki."""
     slo: Slo = Slo()
     """The gateway's service-level objectives, for the burn-rate alerts."""
+    approval_wait_seconds: Annotated[int, Field(ge=60)] = 3600
+    """Seconds a canary may wait in awaiting_approval (deployer.approval.required) before
+    RtrlCanaryAwaitingApproval fires. Keep it below deployer.approval.timeoutSeconds, after
+    which the deployer rolls the canary back by itself."""
 
 
 class Dashboards(_Values):

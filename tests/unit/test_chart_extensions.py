@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helm"))
 import chart_tools as ct
+from chart_docs import Docs, Refusal, Render, by_kind, container, deployments, pod
 
 EXAMPLE = ["-f", str(ct.HELM_DIR / "examples" / "extension-points.yaml")]
 DIGEST = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
@@ -20,57 +20,18 @@ WORKERS = ("ingest", "reward", "trainer", "deployer")
 
 
 @pytest.fixture(scope="module")
-def helm() -> str:
-    return ct.tool("helm")
+def example(render: Render) -> Docs:
+    return render(*EXAMPLE)
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return ct.helm_env(tmp_path_factory.mktemp("helm-home"))
-
-
-def render(helm: str, env: dict[str, str], *args: str) -> list[dict[str, Any]]:
-    proc = ct.helm_template(helm, env, list(args))
-    assert proc.returncode == 0, proc.stderr
-    return ct.documents(proc.stdout)
-
-
-def refusal(helm: str, env: dict[str, str], *args: str) -> str:
-    proc = ct.helm_template(helm, env, list(args))
-    assert proc.returncode != 0, f"rendered although it should not: {args}"
-    return proc.stderr
-
-
-@pytest.fixture(scope="module")
-def example(helm: str, env: dict[str, str]) -> list[dict[str, Any]]:
-    return render(helm, env, *EXAMPLE)
-
-
-@pytest.fixture(scope="module")
-def default(helm: str, env: dict[str, str]) -> list[dict[str, Any]]:
-    return render(helm, env, *ct.REQUIRED)
-
-
-def kind(docs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    return [d for d in docs if d["kind"] == name]
-
-
-def deployments(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in kind(docs, "Deployment")}
-
-
-def pod(dep: dict[str, Any]) -> dict[str, Any]:
-    return dep["spec"]["template"]["spec"]  # type: ignore[no-any-return]
-
-
-def container(dep: dict[str, Any], name: str) -> dict[str, Any]:
-    (found,) = [c for c in pod(dep)["containers"] if c["name"] == name]
-    return found
+def default(render: Render) -> Docs:
+    return render(*ct.REQUIRED)
 
 
 # --- image ---------------------------------------------------------------------------------
 def test_the_default_image_is_the_registry_the_repository_and_the_app_version(default) -> None:
-    images = {c["image"] for d in kind(default, "Deployment") for c in pod(d)["containers"]}
+    images = {c["image"] for d in by_kind(default, "Deployment") for c in pod(d)["containers"]}
     assert images == {"ghcr.io/rtrl/rtrl:0.1.0"}
 
 
@@ -81,7 +42,7 @@ def test_a_digest_wins_over_the_tag_and_the_global_registry_over_the_images(exam
         assert image == f"registry.example.internal/mirror/rtrl/rtrl@{DIGEST}", component
     vllm_image = container(deps["vllm"], "vllm")["image"]
     assert vllm_image == "registry.example.internal/mirror/vllm/vllm-openai:v0.32.0"
-    for test_pod in kind(example, "Pod"):
+    for test_pod in by_kind(example, "Pod"):
         assert test_pod["spec"]["containers"][0]["image"].endswith(f"@{DIGEST}")
 
 
@@ -93,17 +54,15 @@ def test_a_digest_wins_over_the_tag_and_the_global_registry_over_the_images(exam
     (["image.repository=team/rtrl", "global.imageRegistry=mirror.example/"],
      "mirror.example/team/rtrl:1.2.3"),
 ])
-def test_a_tag_is_used_without_a_digest(helm: str, env: dict[str, str], settings: list[str],
-                                        image: str) -> None:
+def test_a_tag_is_used_without_a_digest(render: Render, settings: list[str], image: str) -> None:
     sets = [arg for setting in settings for arg in ("--set", setting)]
-    docs = render(helm, env, *ct.REQUIRED, "--set", "image.tag=1.2.3", *sets)
-    assert {c["image"] for d in kind(docs, "Deployment") for c in pod(d)["containers"]} == {image}
+    docs = render(*ct.REQUIRED, "--set", "image.tag=1.2.3", *sets)
+    assert {c["image"] for d in by_kind(docs, "Deployment") for c in pod(d)["containers"]} == {image}
 
 
 @pytest.mark.parametrize("setting", ["image.digest=sha256:short", "image.digest=latest", "image.registy=x"])
-def test_the_schema_rejects_a_bad_digest_and_typos_in_image(helm: str, env: dict[str, str],
-                                                            setting: str) -> None:
-    assert "schema" in refusal(helm, env, *ct.REQUIRED, "--set", setting)
+def test_the_schema_rejects_a_bad_digest_and_typos_in_image(refusal: Refusal, setting: str) -> None:
+    assert "schema" in refusal(*ct.REQUIRED, "--set", setting)
 
 
 # --- labels --------------------------------------------------------------------------------
@@ -111,7 +70,7 @@ def test_common_labels_reach_every_resource_and_pod(example) -> None:
     for doc in example:
         labels = doc["metadata"]["labels"]
         assert labels["team"] == "ml-platform" and labels["cost-center"] == "4711", doc["kind"]
-    for dep in kind(example, "Deployment"):
+    for dep in by_kind(example, "Deployment"):
         assert dep["spec"]["template"]["metadata"]["labels"]["team"] == "ml-platform"
         assert "team" not in dep["spec"]["selector"]["matchLabels"], "labels never join selectors"
 
@@ -166,7 +125,7 @@ def test_pod_extras_reach_every_component_and_the_vllm_server(example) -> None:
 
 
 def test_without_extras_the_pods_are_unchanged(default) -> None:
-    for dep in kind(default, "Deployment"):
+    for dep in by_kind(default, "Deployment"):
         spec = pod(dep)
         assert len(spec["containers"]) == 1
         assert not {"initContainers", "topologySpreadConstraints", "priorityClassName"} & set(spec)
@@ -174,26 +133,26 @@ def test_without_extras_the_pods_are_unchanged(default) -> None:
 
 @pytest.mark.parametrize("setting", ["gateway.sidecar[0].name=x", "ingest.extraVolume[0].name=x",
                                      "engine.vllm.podSecurityContex.fsGroup=1"])
-def test_the_schema_rejects_typos_in_extension_points(helm: str, env: dict[str, str], setting: str) -> None:
-    assert "schema" in refusal(helm, env, *ct.REQUIRED, "--set", setting)
+def test_the_schema_rejects_typos_in_extension_points(refusal: Refusal, setting: str) -> None:
+    assert "schema" in refusal(*ct.REQUIRED, "--set", setting)
 
 
 # --- monitoring ----------------------------------------------------------------------------
 def test_servicemonitor_namespace_and_relabelings(example) -> None:
-    (sm,) = kind(example, "ServiceMonitor")
+    (sm,) = by_kind(example, "ServiceMonitor")
     assert sm["metadata"]["namespace"] == "monitoring"
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["rtrl"]}, "it scrapes the release's namespace"
     (endpoint,) = sm["spec"]["endpoints"]
     assert endpoint["relabelings"][0]["targetLabel"] == "node"
     assert endpoint["metricRelabelings"][0]["action"] == "drop"
-    (rule,) = kind(example, "PrometheusRule")
+    (rule,) = by_kind(example, "PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
 
 # --- ingress -------------------------------------------------------------------------------
 def test_the_ingress_routes_to_the_gateways_http_port(example) -> None:
-    (ing,) = kind(example, "Ingress")
-    (svc,) = [s for s in kind(example, "Service") if s["metadata"]["name"] == "rel-rtrl-gateway"]
+    (ing,) = by_kind(example, "Ingress")
+    (svc,) = [s for s in by_kind(example, "Service") if s["metadata"]["name"] == "rel-rtrl-gateway"]
     assert ing["spec"]["ingressClassName"] == "nginx"
     assert ing["spec"]["tls"] == [{"hosts": ["rtrl.example.com"], "secretName": "rtrl-example-com-tls"}]
     (rule,) = ing["spec"]["rules"]
@@ -206,18 +165,18 @@ def test_the_ingress_routes_to_the_gateways_http_port(example) -> None:
     assert ing["metadata"]["annotations"]["cert-manager.io/cluster-issuer"] == "letsencrypt"
 
 
-def test_no_ingress_by_default_and_none_without_hosts(helm: str, env: dict[str, str], default) -> None:
-    assert not kind(default, "Ingress")
-    err = refusal(helm, env, *ct.REQUIRED, "--set", "gateway.ingress.enabled=true")
+def test_no_ingress_by_default_and_none_without_hosts(refusal: Refusal, default) -> None:
+    assert not by_kind(default, "Ingress")
+    err = refusal(*ct.REQUIRED, "--set", "gateway.ingress.enabled=true")
     assert "gateway.ingress.hosts" in err
 
 
 # --- KEDA ----------------------------------------------------------------------------------
 def test_keda_scales_ingest_and_reward_on_their_input_topics_lag(example) -> None:
-    objects = {s["metadata"]["name"]: s for s in kind(example, "ScaledObject")}
+    objects = {s["metadata"]["name"]: s for s in by_kind(example, "ScaledObject")}
     assert set(objects) == {"rel-rtrl-ingest", "rel-rtrl-reward"}
-    assert not kind(example, "HorizontalPodAutoscaler")
-    deps = {d["metadata"]["name"]: d for d in kind(example, "Deployment")}
+    assert not by_kind(example, "HorizontalPodAutoscaler")
+    deps = {d["metadata"]["name"]: d for d in by_kind(example, "Deployment")}
     expected = {"rel-rtrl-ingest": ("rtrl.raw.v1", "rtrl-ingest", "500", 1),
                 "rel-rtrl-reward": ("rtrl.events.v1", "rtrl-reward", "2000", 0)}
     for name, so in objects.items():
@@ -235,30 +194,30 @@ def test_keda_scales_ingest_and_reward_on_their_input_topics_lag(example) -> Non
 
 
 def test_keda_is_off_by_default(default) -> None:
-    assert not kind(default, "ScaledObject")
+    assert not by_kind(default, "ScaledObject")
 
 
-def test_keda_and_the_hpa_for_one_component_are_refused(helm: str, env: dict[str, str]) -> None:
-    err = refusal(helm, env, *ct.REQUIRED, "--set", "ingest.keda.enabled=true",
+def test_keda_and_the_hpa_for_one_component_are_refused(refusal: Refusal) -> None:
+    err = refusal(*ct.REQUIRED, "--set", "ingest.keda.enabled=true",
                   "--set", "ingest.autoscaling.enabled=true")
     assert "choose one autoscaler" in err and "ingest.keda.enabled" in err
 
 
-def test_keda_with_a_secured_kafka_needs_a_trigger_authentication(helm: str, env: dict[str, str]) -> None:
+def test_keda_with_a_secured_kafka_needs_a_trigger_authentication(render: Render, refusal: Refusal) -> None:
     args = [*ct.REQUIRED, "--set", "reward.keda.enabled=true", "--set", "kafka.securityProtocol=SASL_SSL",
             "--set", "kafka.sasl.mechanism=PLAIN"]
-    assert "reward.keda.authenticationRef" in refusal(helm, env, *args)
-    docs = render(helm, env, *args, "--set", "reward.keda.authenticationRef=kafka-auth")
-    (so,) = kind(docs, "ScaledObject")
+    assert "reward.keda.authenticationRef" in refusal(*args)
+    docs = render(*args, "--set", "reward.keda.authenticationRef=kafka-auth")
+    (so,) = by_kind(docs, "ScaledObject")
     assert so["spec"]["triggers"][0]["authenticationRef"] == {"name": "kafka-auth"}
 
 
 # --- helm test -----------------------------------------------------------------------------
 def test_helm_test_pods_check_the_gateway_and_every_worker_through_their_services(default) -> None:
-    pods = {p["metadata"]["name"]: p for p in kind(default, "Pod")}
+    pods = {p["metadata"]["name"]: p for p in by_kind(default, "Pod")}
     assert set(pods) == {"rel-rtrl-test-gateway", "rel-rtrl-test-workers"}
     services = {s["metadata"]["name"]: {p["port"] for p in s["spec"]["ports"]}
-                for s in kind(default, "Service")}
+                for s in by_kind(default, "Service")}
     for p in pods.values():
         assert p["metadata"]["annotations"]["helm.sh/hook"] == "test"
         assert p["spec"]["restartPolicy"] == "Never"
@@ -278,9 +237,9 @@ def test_helm_test_pods_check_the_gateway_and_every_worker_through_their_service
 
 
 def test_network_policies_let_the_test_pods_reach_the_probes(default) -> None:
-    (test_pod,) = [p for p in kind(default, "Pod") if p["metadata"]["name"].endswith("workers")]
+    (test_pod,) = [p for p in by_kind(default, "Pod") if p["metadata"]["name"].endswith("workers")]
     labels = test_pod["metadata"]["labels"]
-    for policy in kind(default, "NetworkPolicy"):
+    for policy in by_kind(default, "NetworkPolicy"):
         if policy["metadata"]["labels"]["app.kubernetes.io/component"] == "vllm":
             continue
         peers = [peer for rule in policy["spec"]["ingress"] for peer in rule.get("from", [])]
@@ -289,7 +248,7 @@ def test_network_policies_let_the_test_pods_reach_the_probes(default) -> None:
                    for peer in peers), policy["metadata"]["name"]
 
 
-def test_tests_can_be_left_out(helm: str, env: dict[str, str]) -> None:
-    docs = render(helm, env, *ct.REQUIRED, "--set", "tests.enabled=false")
-    assert not kind(docs, "Pod")
-    assert "helm-test" not in str(kind(docs, "NetworkPolicy"))
+def test_tests_can_be_left_out(render: Render) -> None:
+    docs = render(*ct.REQUIRED, "--set", "tests.enabled=false")
+    assert not by_kind(docs, "Pod")
+    assert "helm-test" not in str(by_kind(docs, "NetworkPolicy"))

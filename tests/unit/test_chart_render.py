@@ -15,26 +15,17 @@ from kubernetes_validate.utils import SchemaNotFoundError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helm"))
 import chart_tools as ct
+from chart_docs import Refusal, Render, by_kind, component_of, env_of, main_container
 
 K8S_VERSIONS = ("1.25.0", "1.37.0")  # the chart's kubeVersion floor and the newest schema
 COMPONENTS = ("gateway", "ingest", "reward", "trainer", "deployer")
 
 
 @pytest.fixture(scope="module")
-def helm() -> str:
-    return ct.tool("helm")
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return ct.helm_env(tmp_path_factory.mktemp("helm-home"))
-
-
-@pytest.fixture(scope="module")
-def rendered(helm: str, env: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+def rendered(helm: str, helm_env: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
     out = {}
     for name, args in ct.VALUES_SETS.items():
-        proc = ct.helm_template(helm, env, args)
+        proc = ct.helm_template(helm, helm_env, args)
         assert proc.returncode == 0, f"helm template ({name}) failed:\n{proc.stderr}"
         out[name] = ct.documents(proc.stdout)
     return out
@@ -49,23 +40,8 @@ def each(rendered: dict[str, list[dict[str, Any]]], kind: str) -> Iterator[tuple
                 yield name, doc
 
 
-def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [d for d in docs if d["kind"] == kind]
-
-
-def component_of(doc: dict[str, Any]) -> str:
-    return str(doc["metadata"]["labels"]["app.kubernetes.io/component"])
-
-
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
-
-
-def main_container(dep: dict[str, Any]) -> dict[str, Any]:
-    """The component's own container (sidecars from <component>.sidecars sit beside it)."""
-    (container,) = [c for c in dep["spec"]["template"]["spec"]["containers"]
-                    if c["name"] == component_of(dep)]
-    return container
 
 
 def pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
@@ -75,8 +51,8 @@ def pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
 
 # --- lint and schemas ---------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(ct.VALUES_SETS))
-def test_helm_lint_strict(helm: str, env: dict[str, str], name: str) -> None:
-    proc = ct.run([helm, "lint", "--strict", str(ct.CHART), *ct.VALUES_SETS[name]], env=env)
+def test_helm_lint_strict(helm: str, helm_env: dict[str, str], name: str) -> None:
+    proc = ct.run([helm, "lint", "--strict", str(ct.CHART), *ct.VALUES_SETS[name]], env=helm_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -250,22 +226,12 @@ def test_network_policies_allow_only_what_each_component_needs(rendered) -> None
 
 
 # --- settings and secrets -----------------------------------------------------------------
-def _env_of(docs: list[dict[str, Any]], component: str) -> dict[str, Any]:
-    """The environment a component's container sees: ConfigMap plus env entries."""
-    (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-settings")]
-    dep = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith(f"-{component}"))
-    container = main_container(dep)
-    env: dict[str, Any] = dict(cm["data"])
-    env.update({e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]})
-    return env
-
-
 @pytest.mark.parametrize("name", sorted(ct.VALUES_SETS))
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_services_parse_the_rendered_settings(rendered, name: str, component: str, monkeypatch) -> None:
     from services.runtime.settings import Settings
 
-    env = _env_of(rendered[name], component)
+    env = env_of(rendered[name], component)
     for key, value in env.items():
         if isinstance(value, dict):  # from a Secret: any well-formed value
             value = {"RTRL_REDIS__URL": "redis://r:6379/0", "RTRL_AUTH__KEYS": '{"gateway": "v"}',
@@ -294,23 +260,23 @@ def test_credentials_come_from_secrets_never_the_configmap(rendered) -> None:
     assert set(secret["stringData"]) == {"kafka-sasl-password", "redis-url", "auth-keys", "gateway-api-keys",
                                          "engine-api-key", "notify-urls", "notify-hmac-key"}
     assert secret["stringData"]["notify-urls"] == '["https://hooks.example/s3cret-hook"]'
-    deployer_env = _env_of(docs, "deployer")
+    deployer_env = env_of(docs, "deployer")
     assert deployer_env["RTRL_NOTIFY__URLS"]["secretKeyRef"]["key"] == "notify-urls"
     assert deployer_env["RTRL_NOTIFY__SECRET"]["secretKeyRef"]["key"] == "notify-hmac-key"
-    assert "RTRL_NOTIFY__URLS" not in _env_of(docs, "gateway"), "only the deployer sends notifications"
-    assert _env_of(docs, "gateway")["RTRL_GATEWAY__API_KEYS"]["secretKeyRef"]["key"] == "gateway-api-keys"
+    assert "RTRL_NOTIFY__URLS" not in env_of(docs, "gateway"), "only the deployer sends notifications"
+    assert env_of(docs, "gateway")["RTRL_GATEWAY__API_KEYS"]["secretKeyRef"]["key"] == "gateway-api-keys"
     for component in ("gateway", "deployer"):
-        assert _env_of(docs, component)["RTRL_ENGINE__API_KEY"]["secretKeyRef"]["key"] == "engine-api-key"
-    assert "RTRL_GATEWAY__API_KEYS" not in _env_of(docs, "ingest"), "only the gateway holds client keys"
+        assert env_of(docs, component)["RTRL_ENGINE__API_KEY"]["secretKeyRef"]["key"] == "engine-api-key"
+    assert "RTRL_GATEWAY__API_KEYS" not in env_of(docs, "ingest"), "only the gateway holds client keys"
     assert secret["stringData"]["auth-keys"] == '{"gateway":"s3cret-auth"}'
-    assert _env_of(docs, "ingest")["RTRL_AUTH__KEYS"]["secretKeyRef"]["key"] == "auth-keys"
-    assert "RTRL_AUTH__KEYS" not in _env_of(docs, "reward"), "only gateway and ingest hold producer keys"
+    assert env_of(docs, "ingest")["RTRL_AUTH__KEYS"]["secretKeyRef"]["key"] == "auth-keys"
+    assert "RTRL_AUTH__KEYS" not in env_of(docs, "reward"), "only gateway and ingest hold producer keys"
 
 
 def test_existing_secrets_replace_the_charts_secret(rendered) -> None:
     docs = rendered["strimzi"]
     assert by_kind(docs, "Secret") == []
-    env = _env_of(docs, "ingest")
+    env = env_of(docs, "ingest")
     assert env["RTRL_KAFKA__SASL_PASSWORD"] == {"secretKeyRef": {"name": "rtrl", "key": "password"}}
     assert env["RTRL_REDIS__URL"] == {"secretKeyRef": {"name": "rtrl-redis", "key": "url"}}
     assert env["RTRL_AUTH__KEYS"] == {"secretKeyRef": {"name": "rtrl-auth", "key": "keys"}}
@@ -320,13 +286,12 @@ def test_existing_secrets_replace_the_charts_secret(rendered) -> None:
     assert volumes["kafka-ca"]["secret"]["secretName"] == "events-cluster-ca-cert"
 
 
-def test_config_changes_roll_the_pods(helm: str, env: dict[str, str], rendered) -> None:
+def test_config_changes_roll_the_pods(render: Render, rendered) -> None:
     def checksum(docs: list[dict[str, Any]]) -> str:
         dep = by_kind(docs, "Deployment")[0]
         return str(dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
 
-    proc = ct.helm_template(helm, env, [*ct.REQUIRED, "--set", "logLevel=DEBUG"])
-    assert checksum(ct.documents(proc.stdout)) != checksum(rendered["default"])
+    assert checksum(render(*ct.REQUIRED, "--set", "logLevel=DEBUG")) != checksum(rendered["default"])
 
 
 # --- rejected values ----------------------------------------------------------------------
@@ -343,25 +308,22 @@ def test_config_changes_roll_the_pods(helm: str, env: dict[str, str], rendered) 
         ("config.LOG_LEVEL=debug", "config"),
         ("ingest.replica=2", "replica"),
         ("prometheusRule.runbookBaseUrl=wiki/runbooks/", "runbookBaseUrl"),
+        ("prometheusRule.approvalWaitSeconds=30", "approvalWaitSeconds"),
     ],
 )
-def test_schema_rejects_bad_values(helm: str, env: dict[str, str], setting: str, why: str) -> None:
-    proc = ct.helm_template(helm, env, ["--set", setting])
-    assert proc.returncode != 0, f"--set {setting} was accepted"
-    assert "schema" in proc.stderr and why in proc.stderr, proc.stderr
+def test_schema_rejects_bad_values(refusal: Refusal, setting: str, why: str) -> None:
+    err = refusal("--set", setting)
+    assert "schema" in err and why in err, err
 
 
-def test_template_refuses_an_install_without_redis(helm: str, env: dict[str, str]) -> None:
-    proc = ct.helm_template(helm, env, [*ct.REQUIRED, "--set", "redis.url="])
-    assert proc.returncode != 0
-    assert "set redis.url or redis.existingSecret.name" in proc.stderr
+def test_template_refuses_an_install_without_redis(refusal: Refusal) -> None:
+    assert "set redis.url or redis.existingSecret.name" in refusal(*ct.REQUIRED, "--set", "redis.url=")
 
 
-def test_template_refuses_min_replicas_above_max(helm: str, env: dict[str, str]) -> None:
-    proc = ct.helm_template(helm, env, [*ct.REQUIRED, "--set", "reward.autoscaling.enabled=true",
-                                        "--set", "reward.autoscaling.minReplicas=5",
-                                        "--set", "reward.autoscaling.maxReplicas=2"])
-    assert proc.returncode != 0 and "minReplicas (5) is above maxReplicas (2)" in proc.stderr
+def test_template_refuses_min_replicas_above_max(refusal: Refusal) -> None:
+    err = refusal(*ct.REQUIRED, "--set", "reward.autoscaling.enabled=true",
+                  "--set", "reward.autoscaling.minReplicas=5", "--set", "reward.autoscaling.maxReplicas=2")
+    assert "minReplicas (5) is above maxReplicas (2)" in err
 
 
 def test_dashboard_configmap_carries_the_sidecar_label_and_the_json(rendered) -> None:
@@ -384,20 +346,17 @@ def test_dashboard_configmap_carries_the_sidecar_label_and_the_json(rendered) ->
     ],
 )
 def test_an_install_that_would_not_start_fails_saying_what_to_set(
-        helm: str, env: dict[str, str], args: list[str], says: str) -> None:
-    proc = ct.helm_template(helm, env, args)
-    assert proc.returncode != 0
-    assert says in proc.stderr, proc.stderr
+        refusal: Refusal, args: list[str], says: str) -> None:
+    err = refusal(*args)
+    assert says in err, err
 
 
-def test_a_development_install_without_keys_renders_when_asked_for(helm: str, env: dict[str, str],
+def test_a_development_install_without_keys_renders_when_asked_for(render: Render,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from services.runtime.settings import Settings
 
     dev = ["--set", "gateway.allowAnonymous=true", "--set", "auth.allowUnsigned=true"]
-    proc = ct.helm_template(helm, env, dev)
-    assert proc.returncode == 0, proc.stderr
-    gw = _env_of(ct.documents(proc.stdout), "gateway")
+    gw = env_of(render(*dev), "gateway")
     for key, value in gw.items():
         monkeypatch.setenv(key, value if isinstance(value, str) else "redis://r:6379/0")
     settings = Settings()
@@ -436,7 +395,7 @@ def test_vllm_server_loads_adapters_from_the_volume_the_deployer_writes(rendered
     (pvc,) = [p for p in by_kind(docs, "PersistentVolumeClaim") if p["metadata"]["name"] == claim]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     engine_path = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["adapters"]
-    env = _env_of(docs, "deployer")
+    env = env_of(docs, "deployer")
     assert env["RTRL_ENGINE__ENGINE_ADAPTER_DIR"] == engine_path
     deployer_mounts = {m["name"]: m["mountPath"] for m in dspec["containers"][0]["volumeMounts"]}
     assert env["RTRL_ENGINE__ADAPTER_DIR"] == deployer_mounts["adapters"]
@@ -466,6 +425,6 @@ def test_vllm_network_paths_are_open_only_where_needed(rendered) -> None:
 
 @pytest.mark.parametrize("setting", ["trainer.resources.limits.nvidia\\.com/gpu=lots",
                                      "engine.kind=sglang", "engine.vllm.maxLoras=0"])
-def test_schema_rejects_bad_engine_and_gpu_values(helm: str, env: dict[str, str], setting: str) -> None:
-    proc = ct.helm_template(helm, env, [*ct.REQUIRED, "--set", setting])
-    assert proc.returncode != 0 and "schema" in proc.stderr, (setting, proc.stderr)
+def test_schema_rejects_bad_engine_and_gpu_values(refusal: Refusal, setting: str) -> None:
+    err = refusal(*ct.REQUIRED, "--set", setting)
+    assert "schema" in err, (setting, err)

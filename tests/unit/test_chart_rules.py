@@ -36,6 +36,8 @@ REQUIRED_ALERTS = {
     "RtrlCanaryStuck",
     "RtrlRewardHackingDetected",
     "RtrlDependencyUnavailable",
+    "RtrlCanaryAwaitingApproval",
+    "RtrlOperatorCommandRefused",
 }
 ALERT_FILES = sorted(ct.ALERTS.glob("*.yaml"))
 
@@ -169,11 +171,12 @@ def test_dashboard_promql_parses(promtool: str, tmp_path: Path) -> None:
     assert f"SUCCESS: {len(rules)} rules found" in proc.stdout
 
 
-def test_prometheusrule_writes_the_slo_values_and_the_chart_name_in(tmp_path: Path) -> None:
+def test_prometheusrule_writes_the_slo_values_the_approval_wait_and_the_chart_name_in(tmp_path: Path) -> None:
     helm = ct.tool("helm")
     values = tmp_path / "slo.yaml"
     values.write_text(yaml.safe_dump({"nameOverride": "loop", "prometheusRule": {
-        "enabled": True, "slo": {"availability": 0.99, "latency": 0.95, "latencyThresholdSeconds": "2.5"}}}))
+        "enabled": True, "slo": {"availability": 0.99, "latency": 0.95, "latencyThresholdSeconds": "2.5"},
+        "approvalWaitSeconds": 7200}}))
     proc = ct.helm_template(helm, ct.helm_env(tmp_path), [*ct.REQUIRED, "-f", str(values)])
     assert proc.returncode == 0, proc.stderr
     (rule,) = [d for d in ct.documents(proc.stdout) if d["kind"] == "PrometheusRule"]
@@ -183,6 +186,9 @@ def test_prometheusrule_writes_the_slo_values_and_the_chart_name_in(tmp_path: Pa
     assert "14.4 * (1 - 0.95)" in exprs["RtrlGatewayLatencyBudgetBurn"]
     latency = exprs["RtrlGatewayLatencyBudgetBurn"]
     assert 'le="2.5"' in latency and 'le="5.0"' not in latency
+    assert "rtrl_canary_phase_age_seconds > 7200" in exprs["RtrlCanaryAwaitingApproval"]
+    assert "> 3600" not in exprs["RtrlCanaryAwaitingApproval"]
+    assert "rtrl_canary_phase_age_seconds > 23400" in exprs["RtrlCanaryStuck"]  # only the approval wait
     assert 'app_kubernetes_io_name="loop"' in exprs["RtrlServiceDown"]
     assert 'app_kubernetes_io_name="rtrl"' not in exprs["RtrlWorkerDown"]
     monitor = ct.helm_template(helm, ct.helm_env(tmp_path),
