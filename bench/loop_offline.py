@@ -3,7 +3,8 @@ increments run in one process, so trainer settings can be compared in minutes.
 
     rtrl bench loop-offline --increments 3 --requests 3000
     rtrl bench loop-offline --lr 1e-3 --epochs 2 --latency-weight 1.0
-    rtrl bench loop-offline --spread 4 --requests 3300   # how much one increment varies
+    rtrl bench loop-offline --spread 10 --seed 101         # how much one increment varies
+    rtrl bench loop-offline --spread 10 --kl-band 0.5:1.5   # ... with another KL band
 
 Per increment it serves ``--requests`` completions from the current policy to the simulated
 users (latency = ``--ms-per-token`` x tokens + ``--gen-ms``), computes each reward with the
@@ -18,17 +19,20 @@ demo adds real generation time, the canary judge and the champions-only data rul
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import time
 import tomllib
 from dataclasses import dataclass, replace
+from pathlib import Path
 from statistics import mean
 from typing import Any, cast
 
 from ingest.events import RewardRecord
 from ingest.reward.maths import Feedback, compute_reward, persistence_ratio
 from ingest.reward.spec import RewardSpec, default_spec_text, parse_spec
+from rollback.types import DetectorPolicy
 from services.local.cohorts import Row, cohort, relative_change
 from services.local.demo_config import DEMO_LR, demo_spec_text, toml_text
 from services.local.sim_users import (
@@ -40,12 +44,13 @@ from services.local.sim_users import (
     react,
 )
 from services.runtime.settings import Settings
-from trainer.gate import GateConfig, evaluate
+from trainer.gate import GateConfig, GateResult, evaluate
 from trainer.increment import build_samples, score_heldout
 from trainer.loop import LoopConfig, rl_train, sft_train
 from trainer.objective import ObjectiveConfig
-from trainer.policy import TinyConfig, TinyTransformer
+from trainer.policy import TinyConfig, TinyTransformer, load_policy
 from trainer.tokens import completion_kind
+from trainer.trust_region import KLBand
 
 HELDOUT = 300
 """Records of each window kept out of training to measure the gate's KL on."""
@@ -76,6 +81,10 @@ class Figures:
     length: float
     edits: float = 1.0
     """Share of completions that propose an edit (a fall is the reward hack's sign)."""
+    questions: float = 0.0
+    """Share of completions that are clarifying questions."""
+    empty: float = 0.0
+    """Share of completions that propose nothing."""
 
     kl: float | None = None
     """The offline gate's KL(parent || candidate) per completion on held-out records."""
@@ -92,7 +101,24 @@ def figures(recs: list[ServedRec]) -> Figures:
     c = cohort([Row(0.0, "", "", r.completion_kind, r.accepted, r.persistence, r.latency_ms, r.reward,
                     r.dissatisfied) for r in recs])
     return Figures(c.edit_persistence, c.latency_ms, c.acceptance, c.reward,
-                   mean(len(r.completion_tokens) for r in recs), c.edit_rate)
+                   mean(len(r.completion_tokens) for r in recs), c.edit_rate,
+                   mean(r.completion_kind == "question" for r in recs),
+                   mean(r.completion_kind == "empty" for r in recs))
+
+
+def rejections(parent: Figures, child: Figures, gate: GateResult, d: DetectorPolicy) -> list[str]:
+    """What would stop ``child`` before promotion: the offline gate's reasons, and every live
+    reward-hacking detector (rollback/detectors.py) whose tolerance the point estimate of the
+    change exceeds (which holds promotion back live, and rolls back once confident)."""
+    out = list(gate.reasons)
+    checks = [("edit_rate", parent.edits - child.edits, d.edit_rate_drop),
+              ("question_rate", child.questions - parent.questions, d.question_rate_rise),
+              ("abstention_rate", child.empty - parent.empty, d.abstention_rate_rise),
+              ("completion_length", abs(child.length - parent.length),
+               max(1.0, d.length_change * parent.length))]
+    out += [f"{name} moved {moved:.3g} (tolerance {tol:.3g})" for name, moved, tol in checks
+            if name in d.enabled and moved > tol]
+    return out
 
 
 def serve(policy: TinyTransformer, n: int, world: Any, users: list[Any], spec: RewardSpec,
@@ -119,7 +145,7 @@ def serve(policy: TinyTransformer, n: int, world: Any, users: list[Any], spec: R
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     base = Settings().trainer
     ap = argparse.ArgumentParser(prog="rtrl bench loop-offline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
@@ -145,8 +171,70 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spread", type=int, default=0, metavar="N",
                     help="instead of a chain of increments, N single increments from the same bootstrap, "
                          "each on its own window: how much one increment's step varies")
+    band = base.band
+    ap.add_argument("--kl-band", default=f"{band.low:g}:{band.high:g}" if band.enabled else "off",
+                    metavar="LOW:HIGH|off",
+                    help="aim each increment at a KL to its parent in [LOW, HIGH] nats "
+                    "(default: the trainer's RTRL_TRAINER__BAND__*, %(default)s)")
+    ap.add_argument("--probe-every", type=int, default=band.probe_every)
+    ap.add_argument("--max-epochs", type=int, default=band.max_epochs)
+    ap.add_argument("--gate-max-kl", type=float, default=GateConfig().max_kl)
+    ap.add_argument("--cache", default=None, metavar="DIR",
+                    help="keep the bootstrap policy here and reuse it on the next run with the same flags")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def band_arg(text: str, probe_every: int, max_epochs: int) -> KLBand | None:
+    """``--kl-band``: ``off`` or ``LOW:HIGH``."""
+    if text == "off":
+        return None
+    try:
+        low, high = (float(x) for x in text.split(":"))
+        return KLBand(low, high, probe_every=probe_every, max_epochs=max_epochs)
+    except ValueError as exc:
+        raise SystemExit(f"--kl-band {text!r}: expected off or LOW:HIGH, 0 <= LOW < HIGH ({exc})") from exc
+
+
+def spread_line(spread: list[dict[str, Any]], band: KLBand | None) -> str:
+    """The spread's verdict: how many single increments met the targets, and their KL."""
+    kls = [x["kl"] for x in spread if x["kl"] is not None]
+    inside = (f", {sum(band.low <= k <= band.high for k in kls)} of {len(kls)} inside the band "
+              f"[{band.low:g}, {band.high:g}]") if band else " (no band)"
+    span = f"{min(kls):.2f}..{max(kls):.2f}" if kls else "n/a"
+    return (f"spread: {sum(x['met'] for x in spread)} of {len(spread)} reach persistence >= +10% and "
+            f"latency <= -10% with no detector or gate rejection; gate KL {span} nats{inside}")
+
+
+def bootstrap(args: argparse.Namespace, world: Any, users: list[Any],
+              spec: RewardSpec) -> tuple[TinyTransformer, Figures]:
+    """The bootstrap policy and its figures; with ``--cache DIR`` kept there for the next run
+    with the same seed and serving flags (the bootstrap is most of a short run's time)."""
+    key = (f"bootstrap-s{args.seed}-u{args.users}-e{args.eval_requests}-t{args.max_tokens}-m{args.min_tokens}"
+           f"-{args.ms_per_token:g}-{args.gen_ms:g}-{hash_spec(spec)}")
+    where = Path(args.cache) / key if args.cache else None
+    if where is not None and (where / "figures.json").exists():
+        cached = json.loads((where / "figures.json").read_text())
+        return cast(TinyTransformer, load_policy(where)), Figures(**cached)
+    policy = TinyTransformer(TinyConfig())
+    sft = LoopConfig(batch_size=32, epochs=2, lr=1e-3, seed=args.seed)
+    sft_train(policy, bootstrap_corpus(2500, args.seed), sft)
+    boot = figures(serve(policy, args.eval_requests, world, users, spec, args, 10_000))
+    if where is not None:
+        policy.save(where)
+        (where / "figures.json").write_text(json.dumps(boot.__dict__))
+    return policy, boot
+
+
+def hash_spec(spec: RewardSpec) -> str:
+    return hashlib.sha256(repr(spec).encode()).hexdigest()[:12]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    band = band_arg(args.kl_band, args.probe_every, args.max_epochs)
+    gate_cfg = GateConfig(max_kl=args.gate_max_kl)
+    detectors = DetectorPolicy()
 
     spec_doc = tomllib.loads(demo_spec_text(default_spec_text(), args.no_edit_penalty))
     if args.latency_weight is not None:
@@ -159,35 +247,40 @@ def main(argv: list[str] | None = None) -> int:
     world = make_world(args.seed)
     users = make_population(world, args.users, args.seed)
     t0 = time.monotonic()
-    pairs = bootstrap_corpus(2500, args.seed)
-    policy = TinyTransformer(TinyConfig())
-    sft_train(policy, pairs, LoopConfig(batch_size=32, epochs=2, lr=1e-3, seed=args.seed))
-    rows = [("bootstrap", figures(serve(policy, args.eval_requests, world, users, spec, args, 10_000)))]
+    policy, boot = bootstrap(args, world, users, spec)
+    rows = [("bootstrap", boot)]
     print(f"{rows[0][0]:>12}: {rows[0][1].line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
     loop = LoopConfig(batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, seed=args.seed,
-                      checkpoint_every=10**9, objective=ObjectiveConfig(kl_coef=args.kl_coef))
+                      checkpoint_every=10**9, objective=ObjectiveConfig(kl_coef=args.kl_coef), band=band)
 
-    def increment(parent: TinyTransformer, k: int) -> tuple[TinyTransformer, Figures]:
+    def increment(parent: TinyTransformer, k: int) -> tuple[TinyTransformer, Figures, GateResult, int]:
         """One increment from ``parent`` on window ``k`` (served by the parent), measured."""
         window = serve(parent, args.requests, world, users, spec, args, k)
         heldout, window = window[-HELDOUT:], window[:-HELDOUT]
         samples = build_samples(cast(list[RewardRecord], window), args.group_size, args.normalize_std)
         child = parent.clone()
-        rl_train(child, parent, samples, replace(loop, seed=args.seed + k))
-        gate = evaluate(score_heldout(child, parent, cast(list[RewardRecord], heldout)), [], GateConfig())
+        history = rl_train(child, parent, samples, replace(loop, seed=args.seed + k))
+        gate = evaluate(score_heldout(child, parent, cast(list[RewardRecord], heldout)),
+                        [h["loss"] for h in history], gate_cfg)
         served = figures(serve(child, args.eval_requests, world, users, spec, args, 10_000 + k))
-        return child, replace(served, kl=gate.figures.get("kl_parent"))
+        return child, replace(served, kl=gate.figures.get("kl_parent")), gate, len(history)
 
     first = rows[0][1]
+    spread: list[dict[str, Any]] = []
     for k in range(1, args.spread + 1):  # single increments, each from the bootstrap
-        _, f = increment(policy, k)
+        _, f, gate, steps = increment(policy, k)
         rows.append((f"window {k}", f))
         dp = relative_change(first.persistence, f.persistence)
         dl = relative_change(first.latency_ms, f.latency_ms)
-        print(f"{rows[-1][0]:>12}: {f.line()}  persistence {dp:+.1%} latency {dl:+.1%}  "
-              f"({time.monotonic() - t0:.0f}s)", flush=True)
+        why = rejections(first, f, gate, detectors)
+        spread.append({"persistence": dp, "latency": dl, "kl": f.kl, "steps": steps, "rejected": why,
+                       "met": dp >= 0.10 and dl <= -0.10 and not why})
+        print(f"{rows[-1][0]:>12}: {f.line()}  persistence {dp:+.1%} latency {dl:+.1%} steps={steps}"
+              f"{'  REJECTED: ' + '; '.join(why) if why else ''}  ({time.monotonic() - t0:.0f}s)", flush=True)
+    if spread:
+        print(spread_line(spread, band), flush=True)
     for k in range(1, (0 if args.spread else args.increments) + 1):  # a chain of increments
-        policy, f = increment(policy, k)
+        policy, f, _, _ = increment(policy, k)
         rows.append((f"increment {k}", f))
         print(f"{rows[-1][0]:>12}: {rows[-1][1].line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
     last = rows[-1][1]
@@ -197,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.spread:
         print("last vs bootstrap: " + ", ".join(f"{k} {v:+.1%}" for k, v in change.items()))
     if args.json:
-        print(json.dumps({"rows": [{"policy": n, **f.__dict__} for n, f in rows], "change": change}))
+        print(json.dumps({"rows": [{"policy": n, **f.__dict__} for n, f in rows], "change": change,
+                          "spread": spread}))
     return 0
 
 

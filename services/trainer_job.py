@@ -26,6 +26,7 @@ from services.runtime import metrics
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.mlflow_http import bound_mlflow_http
 from services.runtime.redis_io import make_redis
+from services.runtime.service_settings import BandSettings
 from services.runtime.settings import Settings
 from trainer.adapters.kafka_rewards import KafkaRewardLog
 from trainer.corpus import read_corpus
@@ -35,6 +36,7 @@ from trainer.loop import LoopConfig, sft_train
 from trainer.objective import ObjectiveConfig
 from trainer.policy import TinyConfig, TinyTransformer, TrainablePolicy, n_parameters
 from trainer.train_job import TrainJob
+from trainer.trust_region import KLBand
 from trainer.window import PendingWindow
 
 if TYPE_CHECKING:
@@ -65,10 +67,19 @@ def increment_config(settings: Settings) -> IncrementConfig:
             seed=t.seed, checkpoint_every=t.checkpoint_every,
             objective=ObjectiveConfig(clip_low=t.clip_low, clip_high=t.clip_high,
                                       truncate_is=t.truncate_is, kl_coef=t.kl_coef),
+            band=band_from(t.band),
         ),
         gate=GateConfig(**t.gate.model_dump()),
         registry_retry_s=t.registry_retry_s,
     )
+
+
+def band_from(b: BandSettings) -> KLBand | None:
+    """The trainer's KL band from its settings (None when off)."""
+    if not b.enabled:
+        return None
+    return KLBand(b.low, b.high, probe_every=b.probe_every, probe_size=b.probe_size,
+                  max_epochs=b.max_epochs, max_backoffs=b.max_backoffs)
 
 
 def registry_from(settings: Settings) -> MlflowRegistry:

@@ -46,8 +46,10 @@ from trainer.registration import (
     offer,
     register_candidate,
     registered_window_version,
+    stop_name,
 )
 from trainer.train_job import TrainJob, TrainRequest, TrainResult
+from trainer.trust_region import KLBand
 from trainer.window import (
     ParsedWindow,
     PendingWindow,
@@ -199,8 +201,11 @@ def run_increment(
     timings = {"total_s": time.monotonic() - t0, "train_s": trained.train_s,
                "steps_s": trained.stats.get("steps_seconds", 0.0)}
     close_run(runs, retrying, run.run_id, version, gate, trained.stats, timings)
-    log.info("increment %s -> version %s (gate %s%s) in %.1fs", plan.window.id, version, gate.result,
-             "" if gate.passed else f": {'; '.join(gate.reasons)}", timings["total_s"])
+    st = trained.stats
+    band = (f"; KL band: {stop_name(st['band_stop'])} at {st['band_probe_kl']:.2f} nats "
+            f"after {st['steps']:.0f} steps" if "band_stop" in st else "")
+    log.info("increment %s -> version %s (gate %s%s%s) in %.1fs", plan.window.id, version, gate.result,
+             "" if gate.passed else f": {'; '.join(gate.reasons)}", band, timings["total_s"])
     return Outcome("success", "" if gate.passed else "; ".join(gate.reasons), window=plan.window,
                    version=version, parent=parent, run_id=run.run_id, gate=gate, stats=trained.stats,
                    timings=timings, resumed_from_step=trained.result.resumed_from_step)
@@ -374,4 +379,14 @@ def _params(cfg: IncrementConfig, n: int) -> dict[str, str]:
         "max_grad_norm": cfg.loop.max_grad_norm, "clip_low": o.clip_low, "clip_high": o.clip_high,
         "truncate_is": o.truncate_is, "kl_coef": o.kl_coef, "seed": cfg.loop.seed,
         "heldout_fraction": cfg.heldout_fraction, "min_records": cfg.min_records,
+        **band_params(cfg.loop.band),
     }.items()}
+
+
+def band_params(band: KLBand | None) -> dict[str, object]:
+    """The KL band as run parameters (``band: off`` without one)."""
+    if band is None:
+        return {"band": "off"}
+    return {"band_low": band.low, "band_high": band.high, "band_probe_every": band.probe_every,
+            "band_probe_size": band.probe_size, "band_max_epochs": band.max_epochs,
+            "band_max_backoffs": band.max_backoffs}

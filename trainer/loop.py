@@ -21,6 +21,7 @@ import torch
 
 from trainer.objective import ObjectiveConfig, grpo_loss, next_token_loss
 from trainer.policy import TrainablePolicy, load_policy
+from trainer.trust_region import KLBand, Steady, split_probe
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,14 @@ class LoopConfig:
     seed: int = 0
     checkpoint_every: int = 50
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    band: KLBand | None = None
+    """Aim at a KL to the parent inside this band (trainer/trust_region.py): training stops at
+    its target and backs off from overshoots, over up to ``band.max_epochs`` passes. None:
+    ``epochs`` passes, whatever the KL."""
+
+    @property
+    def passes(self) -> int:
+        return self.band.max_epochs if self.band is not None else self.epochs
 
 
 StepCallback = Callable[[int, dict[str, float], TrainablePolicy, torch.optim.Optimizer], None]
@@ -86,7 +95,14 @@ def rl_train(
     parent.module.eval()
     policy.module.train()
     history: list[dict[str, float]] = []
-    batches = plan_batches(len(samples), cfg.batch_size, cfg.epochs, cfg.seed)
+    steady = None
+    if cfg.band is not None and samples:
+        train_idx, probe_idx = split_probe(len(samples), cfg.band.probe_size, cfg.seed)
+        steady = Steady(cfg.band, parent, [samples[i] for i in probe_idx], cfg.objective.truncate_is)
+        samples = [samples[i] for i in train_idx]
+        if not steady.start(start_step, policy, optimizer):
+            return history  # a resumed run that had already reached its target
+    batches = plan_batches(len(samples), cfg.batch_size, cfg.passes, cfg.seed)
     for step, idx in enumerate(batches[start_step:], start=start_step + 1):
         t0 = time.perf_counter()
         batch = [samples[i] for i in idx[shard[0] :: shard[1]]] or [samples[idx[0]]]
@@ -111,10 +127,13 @@ def rl_train(
         stats["step_seconds"] = time.perf_counter() - t0
         stats["step"] = float(step)
         stats["total_steps"] = float(len(batches))
+        done = steady is not None and steady.after_step(step, step == len(batches), policy, optimizer, stats)
         history.append(stats)
         if on_step is not None:
             on_step(step, stats, policy, optimizer)
         stats["t_end"] = time.time()  # after the callback: checkpoints count in wall-clock rates
+        if done:
+            break
     return history
 
 
@@ -134,6 +153,10 @@ def summarize(history: Sequence[dict[str, float]]) -> dict[str, float]:
     steps_s = math.fsum(h.get("step_seconds", 0.0) for h in history)
     out["steps_seconds"] = steps_s
     out["tokens_per_s"] = out["tokens"] / steps_s if steps_s > 0 else 0.0
+    last = history[-1]
+    if "band_stop" in last:  # the KL band's outcome (trainer/trust_region.py)
+        out.update(band_probe_kl=last["probe_kl_kept"], band_backoffs=last["backoffs"],
+                   band_stop=last["band_stop"], lr_final=last["lr"])
     return out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from services.runtime.operator_settings import ApprovalSettings
 
@@ -113,6 +113,35 @@ class GateSettings(Section):
     """A training loss larger than this (in magnitude) fails the candidate."""
 
 
+class BandSettings(Section):
+    """A steady step: each increment aims at a KL to its parent inside ``[low, high]`` nats per
+    completion, probed on the window's samples as the offline gate measures it on held-out
+    ones. Training stops at the band's midpoint, backs off (learning rate halved) from a step
+    that overshoots ``high``, and goes over the window up to ``max_epochs`` times while below
+    it (trainer/trust_region.py; docs/trainer.md)."""
+
+    enabled: bool = True
+    """Off: each increment takes ``epochs`` passes over its window, whatever the KL."""
+    low: Annotated[float, Field(ge=0.0)] = 1.0
+    """Lower edge of the band (nats per completion)."""
+    high: Annotated[float, Field(gt=0.0)] = 2.0
+    """Upper edge; keep it at or below ``gate.max_kl`` so a candidate inside the band passes the gate."""
+    probe_every: Annotated[int, Field(ge=1)] = 4
+    """Optimiser steps between KL probes."""
+    probe_size: Annotated[int, Field(ge=1)] = 256
+    """Training samples the KL is probed on (a fixed subset per increment)."""
+    max_epochs: Annotated[int, Field(ge=1)] = 3
+    """Most passes over the window while the KL is below the band's midpoint."""
+    max_backoffs: Annotated[int, Field(ge=0)] = 3
+    """Most overshoots before the increment stops at the last state inside the band."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BandSettings:
+        if self.low >= self.high:
+            raise ValueError(f"trainer.band: low ({self.low}) must be below high ({self.high})")
+        return self
+
+
 class TrainerSettings(Section):
     """RL increments (``rtrl serve trainer``, ``rtrl train --now``, ``rtrl bootstrap``)."""
 
@@ -145,7 +174,7 @@ class TrainerSettings(Section):
     batch_size: Annotated[int, Field(ge=1)] = 32
     """Records per optimiser step."""
     epochs: Annotated[int, Field(ge=1)] = 1
-    """Passes over the window (1: each record trained once)."""
+    """Passes over the window (1: each record trained once) when ``band`` is off."""
     lr: Annotated[float, Field(gt=0.0)] = 3e-4
     """Adam learning rate (all parameters)."""
     max_grad_norm: Annotated[float, Field(gt=0.0)] = 1.0
@@ -176,6 +205,7 @@ class TrainerSettings(Section):
     policy_kind: str = "tiny-transformer"
     """Kind of a policy made from scratch by ``rtrl bootstrap`` (hf: pass --hf-model)."""
     gate: GateSettings = GateSettings()
+    band: BandSettings = BandSettings()
 
 
 class UpstreamSettings(Section):

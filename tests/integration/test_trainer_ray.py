@@ -132,6 +132,13 @@ def test_rewards_to_registered_candidate_then_only_new_records(
     assert run.data.tags[Tag.PARENT_VERSION] == champion and run.info.status == "FINISHED"
     assert {"clip_fraction", "ess", "kl", "reward_mean_canary", "reward_mean_stable"} <= set(run.data.metrics)
     assert len(registry.client.get_metric_history(run.info.run_id, "loss")) >= 2
+    # the KL band (on by default): its settings, the probe per step, the kept KL and why it stopped
+    band = s.trainer.band
+    assert run.data.params["band_low"] == str(band.low) and run.data.params["band_high"] == str(band.high)
+    assert run.data.tags["rtrl.band.stop"] in {"target", "backoffs_exhausted", "window_exhausted_in_band",
+                                               "window_exhausted_below_band"}
+    assert {"band_probe_kl", "band_backoffs", "gate_kl_parent", "steps"} <= set(run.data.metrics)
+    assert registry.client.get_metric_history(run.info.run_id, "probe_kl")
     assert load_policy(registry.download(version, tmp_path / "cand")).sample([BOS, 4], 4, seed=0)
 
     produce_rewards(s, champ_dir, 60, start=1000)

@@ -11,7 +11,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 STEP_KEYS = ("loss", "pg_loss", "kl", "kl_per_token", "clip_fraction", "ess", "truncated_fraction",
-             "ratio_mean", "ratio_max", "behavior_ratio_mean", "grad_norm", "step_seconds", "tokens")
+             "ratio_mean", "ratio_max", "behavior_ratio_mean", "grad_norm", "step_seconds", "tokens",
+             "probe_kl", "lr")
 
 
 class MlflowRunTracker:

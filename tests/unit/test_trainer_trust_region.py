@@ -1,0 +1,177 @@
+"""The steady step (trainer/trust_region.py): the band's rule as a table, the probe's KL
+against the offline gate's plain reference, and rl_train stopping at the target, backing off
+from an overshoot and resuming where it stopped."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.unit.test_trainer_increment import served
+from trainer.gate import kl_parent_candidate
+from trainer.increment import build_samples
+from trainer.loop import LoopConfig, Sample, rl_train
+from trainer.policy import TinyConfig, TinyTransformer
+from trainer.trust_region import (
+    STOP_CODES,
+    KLBand,
+    Probe,
+    Snapshot,
+    completion_kl,
+    decide,
+    split_probe,
+    stop_reason,
+)
+from trainer.window import parse_records
+
+pytestmark = pytest.mark.unit
+
+SMALL = TinyConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=32)
+BAND = KLBand(0.08, 0.2, probe_every=2, probe_size=64, max_epochs=4, max_backoffs=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("kl", "backoffs", "action"), [
+    (0.0, 0, "continue"),
+    (0.139, 0, "continue"),    # below the target (0.14)
+    (0.14, 0, "stop"),         # at the target
+    (0.2, 0, "stop"),          # at the high edge: still inside
+    (0.21, 0, "back_off"),     # above it
+    (0.21, 1, "back_off"),
+    (0.21, 2, "stop"),         # backoffs used up
+    (math.nan, 0, "back_off"),
+    (math.inf, 2, "stop"),
+])
+def test_decide_table(kl: float, backoffs: int, action: str) -> None:
+    assert decide(kl, BAND, backoffs) == action
+
+
+@pytest.mark.parametrize(("kept", "overshoot", "action", "last", "reason"), [
+    (0.15, False, "stop", False, "target"),
+    (0.1, True, "stop", False, "backoffs_exhausted"),
+    (0.1, False, "continue", True, "window_exhausted_in_band"),
+    (0.05, False, "continue", True, "window_exhausted_below_band"),
+    (0.05, True, "back_off", True, "window_exhausted_below_band"),
+    (0.1, False, "continue", False, "running"),
+])
+def test_stop_reason_table(kept: float, overshoot: bool, action: str, last: bool, reason: str) -> None:
+    assert stop_reason(kept, overshoot, action, last, BAND) == reason  # type: ignore[arg-type]
+    assert reason in STOP_CODES
+
+
+@pytest.mark.parametrize("bad", [(1.0, 1.0), (-0.1, 1.0), (0.5, math.inf), (2.0, 1.0)])
+def test_band_rejects_nonsense(bad: tuple[float, float]) -> None:
+    with pytest.raises(ValueError, match="KL band"):
+        KLBand(*bad)
+    with pytest.raises(ValueError, match="probe_every"):
+        KLBand(0.1, 1.0, probe_every=0)
+
+
+def test_completion_kl_matches_the_gates_reference() -> None:
+    rng = random.Random(3)
+    lens = [5, 3, 1, 4]
+    rows = [([rng.uniform(-3, -0.1) for _ in range(n)], [rng.uniform(-3, -0.1) for _ in range(n)],
+             [rng.uniform(-3, -0.1) for _ in range(n)]) for n in lens]
+    width = max(lens)
+
+    def pad(i: int) -> torch.Tensor:
+        return torch.tensor([r[i] + [0.0] * (width - len(r[i])) for r in rows], dtype=torch.float64)
+
+    mask = torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lens], dtype=torch.float64)
+    got = completion_kl(pad(1), pad(0), pad(2), mask, truncate=2.0)
+    want = sum(kl_parent_candidate(p, c, b, 2.0) for p, c, b in rows) / len(rows)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert completion_kl(pad(0), pad(0), pad(2), mask, 2.0) == 0.0  # the parent itself
+
+
+def test_the_probe_set_is_fixed_by_the_seed_kept_out_of_training_and_bounded() -> None:
+    train, probe = split_probe(100, 10, 1)
+    assert (train, probe) == split_probe(100, 10, 1) and probe != split_probe(100, 10, 2)[1]
+    assert len(probe) == 10 and not set(train) & set(probe) and sorted(train + probe) == list(range(100))
+    assert len(split_probe(100, 256, 1)[1]) == 20  # at most a fifth of the window
+    assert split_probe(4, 10, 1) == ([0, 1, 2, 3], [0, 1, 2, 3])  # too small to spare any
+
+
+def _world() -> tuple[TinyTransformer, list[Sample]]:
+    torch.manual_seed(0)
+    champion = TinyTransformer(SMALL)
+    parsed = parse_records(served(champion, 320, seed=1), 0.0)
+    return champion, build_samples(parsed.train, group_size=8, normalize_std=False)
+
+
+def test_snapshot_restores_trainable_parameters_and_optimizer() -> None:
+    champion, _ = _world()
+    policy = champion.clone()
+    opt = torch.optim.Adam(policy.module.parameters(), lr=1e-3)
+    snap = Snapshot.take(0, 0.0, policy, opt)
+    before = [p.detach().clone() for p in policy.module.parameters()]
+    with torch.no_grad():
+        for p in policy.module.parameters():
+            p.add_(1.0)
+    opt.param_groups[0]["lr"] = 9.0
+    snap.restore(policy, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.module.parameters(), strict=True))
+    assert opt.param_groups[0]["lr"] == 1e-3
+
+
+def test_the_band_stops_training_at_its_target_and_lands_inside() -> None:
+    champion, samples = _world()
+    free = champion.clone()
+    rl_train(free, champion.clone(), samples, LoopConfig(batch_size=16, epochs=4, lr=3e-3, seed=1))
+    probe = Probe(champion, [samples[i] for i in split_probe(len(samples), BAND.probe_size, 1)[1]], 2.0)
+    assert probe.kl(free) > BAND.high, "without the band the step must overshoot, or this test proves nothing"
+
+    policy = champion.clone()
+    history = rl_train(policy, champion.clone(), samples,
+                       LoopConfig(batch_size=16, epochs=1, lr=3e-3, seed=1, band=BAND))
+    kl = probe.kl(policy)
+    assert BAND.low <= kl <= BAND.high, kl
+    last = history[-1]
+    assert last["probe_kl_kept"] == pytest.approx(kl, rel=1e-6)
+    assert last["band_stop"] in (STOP_CODES["target"], STOP_CODES["backoffs_exhausted"])
+    assert len(history) < last["total_steps"]
+    assert all("lr" in h for h in history)
+
+
+def test_an_overshoot_backs_off_and_halves_the_learning_rate() -> None:
+    champion, samples = _world()
+    band = KLBand(0.05, 0.3, probe_every=3, probe_size=64, max_epochs=4, max_backoffs=3)
+    policy = champion.clone()
+    history = rl_train(policy, champion.clone(), samples,
+                       LoopConfig(batch_size=16, lr=3e-2, seed=2, band=band))
+    assert max(h.get("backoffs", 0.0) for h in history) >= 1, "lr 3e-2 must overshoot a 0.3 band"
+    lrs = sorted({h["lr"] for h in history}, reverse=True)
+    assert lrs[0] == pytest.approx(3e-2) and lrs[1] == pytest.approx(1.5e-2)
+    probe = [samples[i] for i in split_probe(len(samples), band.probe_size, 2)[1]]
+    kl = Probe(champion, probe, 2.0).kl(policy)
+    assert kl <= band.high, kl  # what is kept is never the overshoot
+    assert history[-1]["probe_kl_kept"] == pytest.approx(kl, rel=1e-6)
+
+
+def test_a_window_too_small_ends_below_the_band_and_says_so() -> None:
+    champion, samples = _world()
+    band = KLBand(50.0, 60.0, probe_every=2, probe_size=32, max_epochs=1)
+    history = rl_train(champion.clone(), champion.clone(), samples[:64],
+                       LoopConfig(batch_size=16, lr=1e-4, seed=3, band=band))
+    assert len(history) == 4 and history[-1]["band_stop"] == STOP_CODES["window_exhausted_below_band"]
+
+
+def test_a_resumed_run_that_had_reached_its_target_takes_no_more_steps() -> None:
+    champion, samples = _world()
+    cfg = LoopConfig(batch_size=16, lr=3e-3, seed=1, band=BAND)
+    policy = champion.clone()
+    history = rl_train(policy, champion.clone(), samples, cfg)
+    assert history[-1]["band_stop"] == STOP_CODES["target"]
+    again = rl_train(policy, champion.clone(), samples, cfg, start_step=len(history))
+    assert again == []

@@ -1,0 +1,212 @@
+"""A steady step: each increment aims at a KL to its parent inside a set band.
+
+One increment's step used to vary a lot with the same settings (the KL to the parent of ten
+single increments from one bootstrap ranged from 1.2 to 4.7 nats), so some candidates moved
+too little to matter and others so far that the canary's reward-hacking detectors or the
+offline gate threw them out. The band turns the step size into a setting:
+
+- every ``probe_every`` steps the policy is scored on a probe set of the window's samples
+  (chosen by the seed and kept out of training), and KL(parent || policy) per completion is
+  estimated there the way the offline gate estimates it on held-out records (k3 per token,
+  weighted by the truncated parent/behaviour ratio, summed over the completion);
+- at or above the band's **target** (its midpoint) the increment stops;
+- above the band's **high** edge the last step was too big: the policy and optimiser go back
+  to the last probe inside the band, the learning rate is halved and training goes on (at most
+  ``max_backoffs`` times; after that the increment stops at the restored state);
+- below the target, training goes on, over up to ``max_epochs`` passes of the window; a window
+  exhausted below ``low`` ends the increment there (recorded, not an error: the gate and the
+  canary still decide).
+
+:func:`decide` is the rule as a pure function; :class:`Probe` holds the probe set's parent
+log-probabilities (computed once) and scores the policy.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer.loop import Sample
+    from trainer.policy import TrainablePolicy
+
+
+@dataclass(frozen=True)
+class KLBand:
+    """The KL(parent || candidate) an increment aims at, in nats per completion."""
+
+    low: float
+    high: float
+    probe_every: int = 4
+    """Steps between probes."""
+    probe_size: int = 256
+    """Training samples in the probe set (chosen by the seed)."""
+    max_epochs: int = 3
+    """Most passes over the window while the KL is below the target."""
+    max_backoffs: int = 3
+    """Most overshoots (each halves the learning rate) before the increment stops."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.low < self.high and math.isfinite(self.high)):
+            raise ValueError(f"KL band needs 0 <= low < high < inf, got [{self.low}, {self.high}]")
+        if self.probe_every < 1 or self.probe_size < 1 or self.max_epochs < 1 or self.max_backoffs < 0:
+            raise ValueError("KL band: probe_every, probe_size and max_epochs must be >= 1, "
+                             "max_backoffs >= 0")
+
+    @property
+    def target(self) -> float:
+        return (self.low + self.high) / 2
+
+
+Action = Literal["continue", "stop", "back_off"]
+
+
+def decide(kl: float, band: KLBand, backoffs: int) -> Action:
+    """What to do after a probe measured ``kl``: ``back_off`` above the band (``stop`` once
+    ``max_backoffs`` are used up), ``stop`` at or above the target, else ``continue``. A
+    non-finite KL is an overshoot."""
+    if not math.isfinite(kl) or kl > band.high:
+        return "back_off" if backoffs < band.max_backoffs else "stop"
+    return "stop" if kl >= band.target else "continue"
+
+
+def stop_reason(kept_kl: float, overshoot: bool, action: Action, last: bool, band: KLBand) -> str:
+    """Why training ended (or ``running``), for the increment's record; ``kept_kl`` is the KL
+    of the policy kept after the probe (the restored one after an overshoot)."""
+    if action == "stop":
+        return "backoffs_exhausted" if overshoot else "target"
+    if last:
+        return "window_exhausted_in_band" if kept_kl >= band.low else "window_exhausted_below_band"
+    return "running"
+
+
+def completion_kl(policy_logp: torch.Tensor, parent_logp: torch.Tensor, behavior_logp: torch.Tensor,
+                  mask: torch.Tensor, truncate: float) -> float:
+    """Mean over completions of the summed k3 terms ``w ((c/p - 1) - log(c/p))``, with
+    ``w = min(p/mu, truncate)``: the offline gate's KL (trainer/gate.py), on tensors."""
+    w = torch.exp(parent_logp - behavior_logp).clamp(max=truncate)
+    d = policy_logp - parent_logp
+    per_seq = (w * (torch.expm1(d) - d) * mask).sum(dim=1)
+    return float(per_seq.mean()) if per_seq.numel() else 0.0
+
+
+def split_probe(n: int, size: int, seed: int) -> tuple[list[int], list[int]]:
+    """``(train, probe)`` indices of a window of ``n`` samples: the probe set is up to ``size``
+    samples (at most a fifth of the window), chosen by the seed and kept out of training, so its
+    KL is not flattered by samples the policy has fitted. A window too small to spare any is
+    probed on its own training samples."""
+    k = min(size, n // 5)
+    if k == 0:
+        return list(range(n)), list(range(n))
+    g = torch.Generator().manual_seed(seed + 7919)
+    probe = sorted(torch.randperm(n, generator=g)[:k].tolist())
+    held = set(probe)
+    return [i for i in range(n) if i not in held], probe
+
+
+class Probe:
+    """The probe set, with the parent's log-probabilities computed once."""
+
+    def __init__(self, parent: TrainablePolicy, picked: Sequence[Sample], truncate: float,
+                 batch: int = 64) -> None:
+        self.batches: list[tuple[list[list[int]], list[list[int]], torch.Tensor, torch.Tensor,
+                                 torch.Tensor]] = []
+        self.truncate = truncate
+        with torch.no_grad():
+            for i in range(0, len(picked), batch):
+                chunk = picked[i : i + batch]
+                prompts, completions = [s.prompt for s in chunk], [s.completion for s in chunk]
+                parent_logp, mask = parent.batch_logprobs(prompts, completions)
+                behavior = torch.zeros_like(parent_logp)
+                for j, s in enumerate(chunk):
+                    behavior[j, : len(s.behavior_logprobs)] = torch.tensor(s.behavior_logprobs)
+                self.batches.append((prompts, completions, parent_logp, behavior, mask.to(parent_logp.dtype)))
+
+    @torch.no_grad()
+    def kl(self, policy: TrainablePolicy) -> float:
+        was_training = policy.module.training
+        policy.module.eval()
+        total, n = 0.0, 0
+        for prompts, completions, parent_logp, behavior, mask in self.batches:
+            logp, _ = policy.batch_logprobs(prompts, completions)
+            total += completion_kl(logp, parent_logp, behavior, mask, self.truncate) * len(prompts)
+            n += len(prompts)
+        policy.module.train(was_training)
+        return total / n if n else 0.0
+
+
+@dataclass
+class Snapshot:
+    """The policy and optimiser at the last probe inside the band."""
+
+    step: int
+    kl: float
+    params: dict[str, torch.Tensor]
+    """Trainable parameters only (for an adapter, the adapter)."""
+    optimizer: dict[str, Any]
+
+    @classmethod
+    def take(cls, step: int, kl: float, policy: TrainablePolicy, opt: torch.optim.Optimizer) -> Snapshot:
+        params = {n: p.detach().clone() for n, p in policy.module.named_parameters() if p.requires_grad}
+        return cls(step, kl, params, copy.deepcopy(opt.state_dict()))
+
+    @torch.no_grad()
+    def restore(self, policy: TrainablePolicy, opt: torch.optim.Optimizer) -> None:
+        for n, p in policy.module.named_parameters():
+            if n in self.params:
+                p.copy_(self.params[n])
+        opt.load_state_dict(self.optimizer)
+
+
+STOP_CODES = {"running": 0.0, "target": 1.0, "backoffs_exhausted": 2.0, "window_exhausted_in_band": 3.0,
+              "window_exhausted_below_band": 4.0}
+"""Why training ended, as the float the step history carries (``band_stop``)."""
+
+
+class Steady:
+    """The band's bookkeeping inside :func:`trainer.loop.rl_train`: probe, decide, snapshot."""
+
+    def __init__(self, band: KLBand, parent: TrainablePolicy, probe: Sequence[Sample],
+                 truncate: float) -> None:
+        self.band = band
+        self.probe = Probe(parent, probe, truncate)
+        self.backoffs = 0
+        self.snapshot: Snapshot | None = None
+
+    def start(self, step: int, policy: TrainablePolicy, opt: torch.optim.Optimizer) -> bool:
+        """Snapshot the starting point; False when a resumed policy is already at its target."""
+        kl = self.probe.kl(policy) if step else 0.0
+        self.snapshot = Snapshot.take(step, kl, policy, opt)
+        return decide(kl, self.band, self.backoffs) == "continue"
+
+    def after_step(self, step: int, last: bool, policy: TrainablePolicy, opt: torch.optim.Optimizer,
+                   stats: dict[str, float]) -> bool:
+        """Probe when due; adds ``probe_kl``, ``backoffs``, ``lr`` and ``band_stop`` to ``stats``.
+        Returns True when training should stop."""
+        stats["lr"] = float(opt.param_groups[0]["lr"])
+        if step % self.band.probe_every and not last:
+            return False
+        assert self.snapshot is not None, "start() first"
+        kl = self.probe.kl(policy)
+        action = decide(kl, self.band, self.backoffs)
+        stats["probe_kl"] = kl
+        overshoot = not math.isfinite(kl) or kl > self.band.high
+        if overshoot:
+            self.snapshot.restore(policy, opt)
+            if action == "back_off":
+                self.backoffs += 1
+                for g in opt.param_groups:
+                    g["lr"] = g["lr"] * 0.5
+        elif action == "continue":
+            self.snapshot = Snapshot.take(step, kl, policy, opt)
+        kept = self.snapshot.kl if overshoot else kl
+        stats["backoffs"] = float(self.backoffs)
+        stats["lr"] = float(opt.param_groups[0]["lr"])
+        stats["probe_kl_kept"] = kept
+        stats["band_stop"] = STOP_CODES[stop_reason(kept, overshoot, action, last, self.band)]
+        return action == "stop" or last
