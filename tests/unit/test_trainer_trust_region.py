@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tests.unit.test_trainer_increment import served
+from tests.unit.test_trainer_increment import one_thread, served  # noqa: F401 (autouse fixture)
 from trainer.gate import kl_parent_candidate
 from trainer.increment import build_samples
 from trainer.loop import LoopConfig, Sample, rl_train
@@ -32,14 +31,6 @@ pytestmark = pytest.mark.unit
 
 SMALL = TinyConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=32)
 BAND = KLBand(0.08, 0.2, probe_every=2, probe_size=64, max_epochs=4, max_backoffs=2)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(("kl", "backoffs", "action"), [
