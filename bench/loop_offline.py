@@ -46,9 +46,10 @@ from services.local.sim_users import (
 from services.runtime.settings import Settings
 from trainer.gate import GateConfig, GateResult, evaluate
 from trainer.increment import build_samples, score_heldout
-from trainer.loop import LoopConfig, rl_train, sft_train
+from trainer.loop import LoopConfig, rl_train, sft_train, summarize
 from trainer.objective import ObjectiveConfig
 from trainer.policy import TinyConfig, TinyTransformer, load_policy
+from trainer.registration import stop_name
 from trainer.tokens import completion_kind
 from trainer.trust_region import KLBand
 
@@ -196,6 +197,27 @@ def band_arg(text: str, probe_every: int, max_epochs: int) -> KLBand | None:
         raise SystemExit(f"--kl-band {text!r}: expected off or LOW:HIGH, 0 <= LOW < HIGH ({exc})") from exc
 
 
+def window_row(first: Figures, f: Figures, gate: GateResult, st: dict[str, float],
+               detectors: DetectorPolicy) -> dict[str, Any]:
+    """One single increment of a spread against the bootstrap: its changes, KL, steps, what
+    would reject it, and whether it met the targets."""
+    dp = relative_change(first.persistence, f.persistence)
+    dl = relative_change(first.latency_ms, f.latency_ms)
+    why = rejections(first, f, gate, detectors)
+    banded = "band_stop" in st
+    return {"persistence": dp, "latency": dl, "kl": f.kl, "steps": int(st.get("steps", 0)), "rejected": why,
+            "band_stop": stop_name(st["band_stop"]) if banded else None,
+            "probe_kl": st["band_probe_kl"] if banded else None,
+            "met": dp >= 0.10 and dl <= -0.10 and not why}
+
+
+def row_text(r: dict[str, Any]) -> str:
+    band = f" probe_kl={r['probe_kl']:.2f} stop={r['band_stop']}" if r["band_stop"] else ""
+    rejected = "  REJECTED: " + "; ".join(r["rejected"]) if r["rejected"] else ""
+    return (f"persistence {r['persistence']:+.1%} latency {r['latency']:+.1%} steps={r['steps']}"
+            f"{band}{rejected}")
+
+
 def spread_line(spread: list[dict[str, Any]], band: KLBand | None) -> str:
     """The spread's verdict: how many single increments met the targets, and their KL."""
     kls = [x["kl"] for x in spread if x["kl"] is not None]
@@ -253,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     loop = LoopConfig(batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, seed=args.seed,
                       checkpoint_every=10**9, objective=ObjectiveConfig(kl_coef=args.kl_coef), band=band)
 
-    def increment(parent: TinyTransformer, k: int) -> tuple[TinyTransformer, Figures, GateResult, int]:
+    def increment(parent: TinyTransformer, k: int) -> tuple[TinyTransformer, Figures, GateResult,
+                                                              dict[str, float]]:
         """One increment from ``parent`` on window ``k`` (served by the parent), measured."""
         window = serve(parent, args.requests, world, users, spec, args, k)
         heldout, window = window[-HELDOUT:], window[:-HELDOUT]
@@ -263,20 +286,16 @@ def main(argv: list[str] | None = None) -> int:
         gate = evaluate(score_heldout(child, parent, cast(list[RewardRecord], heldout)),
                         [h["loss"] for h in history], gate_cfg)
         served = figures(serve(child, args.eval_requests, world, users, spec, args, 10_000 + k))
-        return child, replace(served, kl=gate.figures.get("kl_parent")), gate, len(history)
+        return child, replace(served, kl=gate.figures.get("kl_parent")), gate, summarize(history)
 
     first = rows[0][1]
     spread: list[dict[str, Any]] = []
     for k in range(1, args.spread + 1):  # single increments, each from the bootstrap
-        _, f, gate, steps = increment(policy, k)
+        _, f, gate, st = increment(policy, k)
         rows.append((f"window {k}", f))
-        dp = relative_change(first.persistence, f.persistence)
-        dl = relative_change(first.latency_ms, f.latency_ms)
-        why = rejections(first, f, gate, detectors)
-        spread.append({"persistence": dp, "latency": dl, "kl": f.kl, "steps": steps, "rejected": why,
-                       "met": dp >= 0.10 and dl <= -0.10 and not why})
-        print(f"{rows[-1][0]:>12}: {f.line()}  persistence {dp:+.1%} latency {dl:+.1%} steps={steps}"
-              f"{'  REJECTED: ' + '; '.join(why) if why else ''}  ({time.monotonic() - t0:.0f}s)", flush=True)
+        spread.append(window_row(first, f, gate, st, detectors))
+        print(f"{rows[-1][0]:>12}: {f.line()}  {row_text(spread[-1])}  ({time.monotonic() - t0:.0f}s)",
+              flush=True)
     if spread:
         print(spread_line(spread, band), flush=True)
     for k in range(1, (0 if args.spread else args.increments) + 1):  # a chain of increments

@@ -59,3 +59,17 @@ def test_spread_line_counts_what_met_the_targets_and_the_kl_inside_the_band() ->
     assert line.startswith("spread: 1 of 3 reach")
     assert "gate KL 1.20..2.40 nats, 1 of 2 inside the band [1, 2]" in line
     assert spread_line(rows, None).endswith("(no band)")
+
+
+def test_a_window_meets_the_targets_only_with_both_changes_and_no_rejection() -> None:
+    from bench.loop_offline import row_text, window_row
+
+    st, d = {"steps": 12.0, "band_stop": 1.0, "band_probe_kl": 1.52}, DetectorPolicy()
+    good = window_row(BASE, child(persistence=0.45, latency_ms=445.0, length=10.9), PASS, st, d)
+    assert good["met"] and good["band_stop"] == "target" and good["steps"] == 12
+    assert row_text(good) == "persistence +12.5% latency -11.0% steps=12 probe_kl=1.52 stop=target"
+    slow = window_row(BASE, child(persistence=0.45, latency_ms=455.0), PASS, st, d)
+    assert not slow["met"]  # latency -9%
+    hacked = window_row(BASE, child(persistence=0.45, latency_ms=300.0, length=7.0), PASS, {}, d)
+    assert not hacked["met"] and hacked["band_stop"] is None
+    assert "REJECTED: completion_length" in row_text(hacked)
