@@ -177,6 +177,7 @@ def parser() -> argparse.ArgumentParser:
                     metavar="LOW:HIGH|off",
                     help="aim each increment at a KL to its parent in [LOW, HIGH] nats "
                     "(default: the trainer's RTRL_TRAINER__BAND__*, %(default)s)")
+    ap.add_argument("--warmup", type=int, default=base.warmup_steps, help="learning-rate warm-up steps")
     ap.add_argument("--probe-every", type=int, default=band.probe_every)
     ap.add_argument("--max-epochs", type=int, default=band.max_epochs)
     ap.add_argument("--gate-max-kl", type=float, default=GateConfig().max_kl)
@@ -273,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("bootstrap", boot)]
     print(f"{rows[0][0]:>12}: {rows[0][1].line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
     loop = LoopConfig(batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, seed=args.seed,
-                      checkpoint_every=10**9, objective=ObjectiveConfig(kl_coef=args.kl_coef), band=band)
+                      checkpoint_every=10**9, objective=ObjectiveConfig(kl_coef=args.kl_coef), band=band,
+                      warmup_steps=args.warmup)
 
     def increment(parent: TinyTransformer, k: int) -> tuple[TinyTransformer, Figures, GateResult,
                                                               dict[str, float]]:

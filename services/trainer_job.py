@@ -63,7 +63,8 @@ def increment_config(settings: Settings) -> IncrementConfig:
         normalize_std=t.normalize_std,
         train_on=t.train_on,
         loop=LoopConfig(
-            batch_size=t.batch_size, epochs=t.epochs, lr=t.lr, max_grad_norm=t.max_grad_norm,
+            batch_size=t.batch_size, epochs=t.epochs, lr=t.lr, warmup_steps=t.warmup_steps,
+            max_grad_norm=t.max_grad_norm,
             seed=t.seed, checkpoint_every=t.checkpoint_every,
             objective=ObjectiveConfig(clip_low=t.clip_low, clip_high=t.clip_high,
                                       truncate_is=t.truncate_is, kl_coef=t.kl_coef),

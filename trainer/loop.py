@@ -21,7 +21,7 @@ import torch
 
 from trainer.objective import ObjectiveConfig, grpo_loss, next_token_loss
 from trainer.policy import TrainablePolicy, load_policy
-from trainer.trust_region import KLBand, Steady, split_probe
+from trainer.trust_region import KLBand, Steady, lr_at, split_probe
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class LoopConfig:
     seed: int = 0
     checkpoint_every: int = 50
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many optimiser steps (0: none)."""
     band: KLBand | None = None
     """Aim at a KL to the parent inside this band (trainer/trust_region.py): training stops at
     its target and backs off from overshoots, over up to ``band.max_epochs`` passes. None:
@@ -121,7 +123,11 @@ def rl_train(
         if after_backward is not None:
             after_backward(policy)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.module.parameters(), cfg.max_grad_norm)
+        lr = steady.lr(step, cfg.lr, cfg.warmup_steps) if steady else lr_at(step, cfg.lr, cfg.warmup_steps, 0)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         optimizer.step()
+        stats["lr"] = lr
         stats["grad_norm"] = float(grad_norm)
         stats["seq_tokens"] = float(sum(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)))
         stats["step_seconds"] = time.perf_counter() - t0

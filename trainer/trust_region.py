@@ -163,6 +163,19 @@ class Snapshot:
         opt.load_state_dict(self.optimizer)
 
 
+BACKOFFS_KEY = "rtrl_backoffs"
+"""Where the back-off count lives in the optimiser's first parameter group (so checkpoints keep it)."""
+
+
+def lr_at(step: int, base: float, warmup_steps: int, backoffs: int) -> float:
+    """The learning rate of optimiser step ``step`` (1-based): linear warm-up over the first
+    ``warmup_steps`` (Adam's first steps are full-size in every parameter whatever the
+    gradient's scale, which moved the policy far in directions the data did not ask for),
+    halved once per back-off."""
+    warm = min(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
+    return base * warm * 0.5**backoffs
+
+
 STOP_CODES = {"running": 0.0, "target": 1.0, "backoffs_exhausted": 2.0, "window_exhausted_in_band": 3.0,
               "window_exhausted_below_band": 4.0}
 """Why training ended, as the float the step history carries (``band_stop``)."""
@@ -179,16 +192,20 @@ class Steady:
         self.snapshot: Snapshot | None = None
 
     def start(self, step: int, policy: TrainablePolicy, opt: torch.optim.Optimizer) -> bool:
-        """Snapshot the starting point; False when a resumed policy is already at its target."""
+        """Snapshot the starting point; False when a resumed policy is already at its target.
+        A resumed run keeps the back-offs its checkpointed optimiser recorded."""
+        self.backoffs = int(opt.param_groups[0].get(BACKOFFS_KEY, 0))
         kl = self.probe.kl(policy) if step else 0.0
         self.snapshot = Snapshot.take(step, kl, policy, opt)
         return decide(kl, self.band, self.backoffs) == "continue"
 
+    def lr(self, step: int, base: float, warmup_steps: int) -> float:
+        return lr_at(step, base, warmup_steps, self.backoffs)
+
     def after_step(self, step: int, last: bool, policy: TrainablePolicy, opt: torch.optim.Optimizer,
                    stats: dict[str, float]) -> bool:
-        """Probe when due; adds ``probe_kl``, ``backoffs``, ``lr`` and ``band_stop`` to ``stats``.
+        """Probe when due; adds ``probe_kl``, ``backoffs`` and ``band_stop`` to ``stats``.
         Returns True when training should stop."""
-        stats["lr"] = float(opt.param_groups[0]["lr"])
         if step % self.band.probe_every and not last:
             return False
         assert self.snapshot is not None, "start() first"
@@ -200,13 +217,11 @@ class Steady:
             self.snapshot.restore(policy, opt)
             if action == "back_off":
                 self.backoffs += 1
-                for g in opt.param_groups:
-                    g["lr"] = g["lr"] * 0.5
+            opt.param_groups[0][BACKOFFS_KEY] = self.backoffs  # checkpointed with the optimiser
         elif action == "continue":
             self.snapshot = Snapshot.take(step, kl, policy, opt)
         kept = self.snapshot.kl if overshoot else kl
         stats["backoffs"] = float(self.backoffs)
-        stats["lr"] = float(opt.param_groups[0]["lr"])
         stats["probe_kl_kept"] = kept
         stats["band_stop"] = STOP_CODES[stop_reason(kept, overshoot, action, last, self.band)]
         return action == "stop" or last

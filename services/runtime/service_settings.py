@@ -177,6 +177,8 @@ class TrainerSettings(Section):
     """Passes over the window (1: each record trained once) when ``band`` is off."""
     lr: Annotated[float, Field(gt=0.0)] = 3e-4
     """Adam learning rate (all parameters)."""
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    """The learning rate rises linearly to ``lr`` over this many steps (0: from the first)."""
     max_grad_norm: Annotated[float, Field(gt=0.0)] = 1.0
     """Gradients are clipped to this global norm before each step."""
     clip_low: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.2

@@ -4,11 +4,14 @@ from an overshoot and resuming where it stopped."""
 
 from __future__ import annotations
 
+import copy
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
+from torch.optim import Optimizer
 
 from tests.unit.test_trainer_increment import one_thread, served  # noqa: F401 (autouse fixture)
 from trainer.gate import kl_parent_candidate
@@ -22,6 +25,7 @@ from trainer.trust_region import (
     Snapshot,
     completion_kl,
     decide,
+    lr_at,
     split_probe,
     stop_reason,
 )
@@ -166,3 +170,32 @@ def test_a_resumed_run_that_had_reached_its_target_takes_no_more_steps() -> None
     assert history[-1]["band_stop"] == STOP_CODES["target"]
     again = rl_train(policy, champion.clone(), samples, cfg, start_step=len(history))
     assert again == []
+
+
+@pytest.mark.parametrize(("step", "warmup", "backoffs", "want"), [
+    (1, 0, 0, 1e-3), (50, 0, 0, 1e-3), (1, 10, 0, 1e-4), (5, 10, 0, 5e-4), (10, 10, 0, 1e-3),
+    (40, 10, 0, 1e-3), (5, 10, 1, 2.5e-4), (40, 0, 2, 2.5e-4),
+])
+def test_learning_rate_schedule(step: int, warmup: int, backoffs: int, want: float) -> None:
+    assert lr_at(step, 1e-3, warmup, backoffs) == pytest.approx(want)
+
+
+def test_a_resumed_run_keeps_its_backoffs_and_warms_up_by_the_global_step() -> None:
+    champion, samples = _world()
+    band = KLBand(0.05, 0.3, probe_every=3, probe_size=64, max_epochs=4, max_backoffs=3)
+    cfg = LoopConfig(batch_size=16, lr=3e-2, seed=2, band=band, warmup_steps=2)
+    saved: list[tuple[int, dict[str, Any]]] = []
+
+    def crash_after_a_backoff(step: int, stats: dict[str, float], _p: object, opt: Optimizer) -> None:
+        if stats.get("backoffs", 0.0) >= 1 and not saved:
+            saved.append((step, copy.deepcopy(opt.state_dict())))
+            raise KeyboardInterrupt
+
+    policy = champion.clone()
+    with pytest.raises(KeyboardInterrupt):
+        rl_train(policy, champion.clone(), samples, cfg, on_step=crash_after_a_backoff)
+    assert saved, "lr 3e-2 must overshoot a 0.3 band"
+    step, opt_state = saved[0]
+    history = rl_train(policy, champion.clone(), samples, cfg, start_step=step, optimizer_state=opt_state)
+    assert history and history[0]["step"] == step + 1
+    assert history[0]["lr"] <= 1.5e-2 + 1e-12  # not back to the full rate
