@@ -3,6 +3,11 @@
 The wiring is services/trainer_job.py; this module parses arguments and prints outcomes.
 Without ``--corpus``, ``rtrl bootstrap`` trains on the demo world's corpus
 (services/local/sim_users.py), so the demo starts from nothing.
+
+Training runs for minutes with the trainer's own timeouts and retries, so the backends it
+needs are checked first, each bounded by ``RTRL_CLI__TIMEOUT_S`` (services/cli/backends.py):
+one that is down is one line on stderr and exit code 4 within seconds. The trainer's modules
+(torch, Ray) are imported only after that check.
 """
 
 from __future__ import annotations
@@ -12,11 +17,67 @@ import json
 import sys
 from pathlib import Path
 
+from services.cli import exit_codes
+from services.cli.backends import (
+    Backend,
+    BackendUnavailableError,
+    Failure,
+    backend_failure,
+    bounded_settings,
+    message,
+    probe_mlflow,
+)
 from services.local.sim_users import bootstrap_corpus
+from services.runtime.kafka_io import wait_for_broker
 from services.runtime.process import setup_logging
-from services.runtime.settings import get_settings
-from services.trainer_job import BusyError, bootstrap, describe, ray_running, run_once, shutdown_ray
+from services.runtime.redis_io import make_redis
+from services.runtime.settings import Settings, get_settings
 from trainer.corpus import write_corpus
+
+TRAIN_NEEDS: tuple[Backend, ...] = ("mlflow", "redis", "kafka")
+"""An increment reads rewards from Kafka, takes the candidate lock in Redis, logs and
+registers in MLflow."""
+BOOTSTRAP_NEEDS: tuple[Backend, ...] = ("mlflow",)
+
+
+def preflight(settings: Settings, backends: tuple[Backend, ...]) -> None:
+    """Raise :class:`BackendUnavailableError` for the first of ``backends`` that does not answer
+    within ``settings.cli.timeout_s``. For commands that then run for minutes with the services'
+    own (long) timeouts (``rtrl train --now``, ``rtrl bootstrap``): a backend that is down is
+    reported in seconds, before the work starts. Called before logging is set up, so the
+    clients' connection warnings are not printed."""
+    timeout_s = settings.cli.timeout_s
+    for backend in backends:
+        if backend == "mlflow":
+            probe_mlflow(settings.mlflow.tracking_uri, timeout_s)
+        elif backend == "redis":
+            client = make_redis(settings.redis, timeout_s)
+            try:
+                client.ping()
+            except Exception as exc:
+                failure = backend_failure(exc)
+                if failure is None:
+                    raise
+                raise BackendUnavailableError(failure) from exc
+            finally:
+                client.close()
+        else:
+            try:
+                wait_for_broker(bounded_settings(settings).kafka, timeout_s=timeout_s)
+            except TimeoutError as exc:  # no broker answered (refused or silent: kafka-python does not say)
+                raise BackendUnavailableError(Failure("kafka", refused=False)) from exc
+
+
+def _unreachable(command: str, settings: Settings, backends: tuple[Backend, ...]) -> bool:
+    """Check ``backends`` (bounded); print the one line and return True if one is down. Logging
+    is set up only afterwards, so the clients' connection warnings stay quiet."""
+    try:
+        preflight(settings, backends)
+    except BackendUnavailableError as exc:
+        print(message(command, exc.failure, settings, settings.cli.timeout_s), file=sys.stderr)
+        return True
+    setup_logging(settings.log_level, "trainer")
+    return False
 
 
 def _train_main(argv: list[str]) -> int:
@@ -25,12 +86,16 @@ def _train_main(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print the outcome as JSON")
     args = ap.parse_args(argv)
     settings = get_settings()
+    if _unreachable("train", settings, TRAIN_NEEDS):
+        return exit_codes.UNAVAILABLE
+    from services.trainer_job import BusyError, describe, ray_running, run_once, shutdown_ray
+
     ray_was_up = ray_running()
     try:
         outcome = run_once(settings)
     except BusyError as exc:
         print(f"rtrl train: {exc}", file=sys.stderr)
-        return 3
+        return exit_codes.NOT_DONE
     finally:
         if not ray_was_up:  # stop the local Ray this command started, not the caller's
             shutdown_ray()
@@ -44,7 +109,7 @@ def _train_main(argv: list[str]) -> int:
         if outcome.reason:
             line += f" — {outcome.reason}"
         print(line)
-    return 1 if outcome.status == "failed" else 0
+    return exit_codes.FAILED if outcome.status == "failed" else exit_codes.OK
 
 
 def _bootstrap_main(argv: list[str]) -> int:
@@ -67,6 +132,10 @@ def _bootstrap_main(argv: list[str]) -> int:
         n = write_corpus(args.write_corpus, bootstrap_corpus(args.records, seed))
         print(f"wrote {n} records to {args.write_corpus}")
         return 0
+    if _unreachable("bootstrap", settings, BOOTSTRAP_NEEDS):
+        return exit_codes.UNAVAILABLE
+    from services.trainer_job import bootstrap
+
     corpus = args.corpus
     if corpus is None:
         corpus = settings.trainer.data_dir / "bootstrap_corpus.jsonl"
@@ -83,8 +152,6 @@ def _bootstrap_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    settings = get_settings()
-    setup_logging(settings.log_level, "trainer")
     cmd, rest = (argv[0], argv[1:]) if argv else ("train", [])
     if cmd == "bootstrap":
         return _bootstrap_main(rest)

@@ -3,7 +3,9 @@
 Assumes ``rtrl up`` ran (connections come from ``.rtrl/stack.env`` via settings). Starts
 ``rtrl serve ingest`` and ``rtrl serve reward`` as subprocesses (reward windows compressed
 with ``--time-scale``), sends a few hundred signed events of every type plus some bad input
-to the raw topic, waits for the rewards, prints what happened and stops both services.
+to the raw topic, waits for the rewards, prints what happened and stops both services. With ``--json`` the
+progress goes to stderr and stdout gets one JSON document with the same facts. A broker that
+does not answer within ``RTRL_CLI__TIMEOUT_S`` is one line on stderr and exit code 4.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from ingest.events import (
     ModelRef,
 )
 from ingest.reward.spec import load_spec
+from services.cli import exit_codes
+from services.cli.backends import Failure, bounded_settings, message
 from services.runtime.event_producer import EventProducer
 from services.runtime.kafka_io import ensure_topics, make_consumer, wait_for_broker
 from services.runtime.settings import Settings, get_settings
@@ -154,13 +158,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--time-scale", type=float, default=0.005,
                     help="reward window compression (0.005: the 1 h horizon closes after 18 s)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", action="store_true",
+                    help="progress on stderr; the outcome as one JSON document on stdout")
     args = ap.parse_args(argv)
     settings = get_settings()
     try:
-        wait_for_broker(settings.kafka, timeout_s=5)
+        wait_for_broker(bounded_settings(settings).kafka, timeout_s=settings.cli.timeout_s)
     except TimeoutError:
-        print(f"no broker at {settings.kafka.bootstrap_servers}: run `rtrl up` first", file=sys.stderr)
-        return 2
+        line = message("sample", Failure("kafka", refused=False), settings, settings.cli.timeout_s)
+        print(f"{line}; run `rtrl up` first", file=sys.stderr)
+        return exit_codes.UNAVAILABLE
+    progress = sys.stderr if args.json else sys.stdout
     t = settings.topics
     ensure_topics(settings)
     run = f"sample{uuid.uuid4().hex[:6]}"
@@ -174,7 +182,8 @@ def main(argv: list[str]) -> int:
     spec = load_spec(settings.reward_spec)
     window_s = spec.window_s * args.time_scale
     print(f"rtrl sample {run}: broker {settings.kafka.bootstrap_servers}, spec {spec.version}, "
-          f"windows close within {window_s:.0f} s (time scale {args.time_scale:g})", flush=True)
+          f"windows close within {window_s:.0f} s (time scale {args.time_scale:g})",
+          file=progress, flush=True)
     procs = {
         "ingest": _spawn("ingest", ["ingest", "--instance-id", "sample-ingest-0"], env, logdir),
         "reward": _spawn("reward", ["reward", "--instance-id", "sample-reward-0"], env, logdir),
@@ -187,7 +196,7 @@ def main(argv: list[str]) -> int:
             n_bad = send_bad(prod, events[0], run)
             prod.flush()
         print(f"sent {len(events)} valid events ({n_served} served completions) and {n_bad} bad or "
-              f"duplicate records to {t.raw}; waiting for rewards ...", flush=True)
+              f"duplicate records to {t.raw}; waiting for rewards ...", file=progress, flush=True)
 
         def mine(recs: list[Any]) -> list[dict[str, Any]]:
             return [d for d in (json.loads(r.value) for r in recs) if d["request_id"].startswith(run + "-")]
@@ -200,9 +209,52 @@ def main(argv: list[str]) -> int:
         reasons = collections.Counter(json.loads(r.value)["reason"] for r in dlq)
     finally:
         stopped = [_stop(p, n) for n, p in procs.items()]
+    code = exit_codes.OK if len(rewards) == n_served else exit_codes.FAILED
+    if args.json:
+        doc = summary(len(events) + n_bad, len(forwarded), reasons, rewards, n_served)
+        doc.update(run=run, broker=settings.kafka.bootstrap_servers, reward_spec=spec.version,
+                   time_scale=args.time_scale, services_stopped=stopped, logs=str(logdir), exit_code=code)
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return code
     _print_summary(len(events) + n_bad, len(forwarded), reasons, rewards, n_served)
     print("services stopped: " + ", ".join(stopped) + f" (logs in {logdir})")
-    return 0 if len(rewards) == n_served else 1
+    return code
+
+
+def _outcome(r: dict[str, Any]) -> str:
+    if r["defaulted"]:
+        return "no feedback (default)"
+    if r["accepted"] is not None:
+        return "accepted" if r["accepted"] else "rejected"
+    return f"{r['completion_kind']}, follow-up only"
+
+
+def _examples(rewards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One reward record per (kind, accepted, defaulted), at most 4."""
+    shown: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in rewards:
+        label = (r["completion_kind"], r["accepted"], r["defaulted"])
+        if label not in shown and len(shown) < 4:
+            shown[label] = r
+    return list(shown.values())
+
+
+def summary(sent: int, forwarded: int, reasons: collections.Counter[str],
+            rewards: list[dict[str, Any]], n_served: int) -> dict[str, Any]:
+    """What ``rtrl sample --json`` prints (besides the run's identity): the facts of the text
+    summary."""
+    by_arm: dict[str, list[float]] = collections.defaultdict(list)
+    for r in rewards:
+        by_arm[r["arm"]].append(r["reward"])
+    return {
+        "events_sent": sent, "forwarded_by_ingest": forwarded,
+        "dead_lettered": sum(reasons.values()), "dead_lettered_by_reason": dict(sorted(reasons.items())),
+        "rewards_emitted": len(rewards), "served_completions": n_served,
+        "mean_reward_by_arm": {arm: {"mean": sum(v) / len(v), "n": len(v)}
+                               for arm, v in sorted(by_arm.items())},
+        "rewards_by_outcome": dict(sorted(collections.Counter(map(_outcome, rewards)).items())),
+        "example_rewards": _examples(rewards),
+    }
 
 
 def _print_summary(sent: int, forwarded: int, reasons: collections.Counter[str],
@@ -217,19 +269,10 @@ def _print_summary(sent: int, forwarded: int, reasons: collections.Counter[str],
         by_arm[r["arm"]].append(r["reward"])
     for arm, vals in sorted(by_arm.items()):
         print(f"  mean reward {arm:7s} {sum(vals) / len(vals):+.3f}  (n={len(vals)})")
-    kinds = collections.Counter(
-        "no feedback (default)" if r["defaulted"] else ("accepted" if r["accepted"] else
-                                                        "rejected" if r["accepted"] is False
-                                                        else f"{r['completion_kind']}, follow-up only")
-        for r in rewards)
+    kinds = collections.Counter(map(_outcome, rewards))
     print("  by outcome: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
-    shown: set[tuple[Any, ...]] = set()
     print("\nexample reward records:")
-    for r in rewards:
-        label = (r["completion_kind"], r["accepted"], r["defaulted"])
-        if label in shown or len(shown) >= 4:
-            continue
-        shown.add(label)
+    for r in _examples(rewards):
         comps = ", ".join(f"{k} {v:+.3f}" for k, v in r["components"].items() if v)
         print(f"  {r['request_id']}  {r['completion_kind']:8s} arm={r['arm']:6s} v{r['model']['version']} "
               f"reward {r['reward']:+.3f}  [{comps or 'all terms 0'}]  spec {r['reward_spec_version']}")
