@@ -49,9 +49,8 @@ from trainer.increment import build_samples, score_heldout
 from trainer.loop import LoopConfig, rl_train, sft_train, summarize
 from trainer.objective import ObjectiveConfig
 from trainer.policy import TinyConfig, TinyTransformer, load_policy
-from trainer.registration import stop_name
 from trainer.tokens import completion_kind
-from trainer.trust_region import KLBand
+from trainer.trust_region import KLBand, stop_name
 
 HELDOUT = 300
 """Records of each window kept out of training to measure the gate's KL on."""

@@ -46,10 +46,9 @@ from trainer.registration import (
     offer,
     register_candidate,
     registered_window_version,
-    stop_name,
 )
 from trainer.train_job import TrainJob, TrainRequest, TrainResult
-from trainer.trust_region import KLBand
+from trainer.trust_region import KLBand, stop_name
 from trainer.window import (
     ParsedWindow,
     PendingWindow,

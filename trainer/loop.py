@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trainer.objective import ObjectiveConfig, grpo_loss, next_token_loss
+from trainer.objective import ObjectiveConfig, grpo_loss, next_token_loss, padded
 from trainer.policy import TrainablePolicy, load_policy
 from trainer.trust_region import KLBand, Steady, lr_at, split_probe
 
@@ -113,9 +113,7 @@ def rl_train(
         logp, mask = policy.batch_logprobs(prompts, completions)
         with torch.no_grad():
             parent_logp, _ = parent.batch_logprobs(prompts, completions)
-        behavior = torch.zeros_like(mask)
-        for i, s in enumerate(batch):
-            behavior[i, : len(s.behavior_logprobs)] = torch.tensor(s.behavior_logprobs)
+        behavior = padded([s.behavior_logprobs for s in batch], mask)
         adv = torch.tensor([s.advantage for s in batch])
         loss, stats = grpo_loss(logp, parent_logp, behavior, mask, adv, cfg.objective)
         optimizer.zero_grad(set_to_none=True)
@@ -123,7 +121,7 @@ def rl_train(
         if after_backward is not None:
             after_backward(policy)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.module.parameters(), cfg.max_grad_norm)
-        lr = steady.lr(step, cfg.lr, cfg.warmup_steps) if steady else lr_at(step, cfg.lr, cfg.warmup_steps, 0)
+        lr = lr_at(step, cfg.lr, cfg.warmup_steps, steady.backoffs if steady else 0)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()

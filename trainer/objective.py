@@ -125,6 +125,21 @@ def importance_weights(parent_logp: Tensor, behavior_logp: Tensor, truncate: flo
     return torch.exp(parent_logp - behavior_logp).clamp(max=truncate).detach()
 
 
+def k3_tokens(log_ratio: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
+    """Per-token terms of the weighted k3 estimate of KL(parent || policy),
+    ``w ((pi/pi_0 - 1) - log(pi/pi_0))`` on real tokens; ``log_ratio`` is ``log pi - log pi_0``."""
+    return weights * (torch.expm1(log_ratio) - log_ratio) * mask
+
+
+def padded(rows: Sequence[Sequence[float]], like: Tensor) -> Tensor:
+    """Per-token values (e.g. behaviour log-probabilities) as a zero-padded tensor shaped like
+    ``like`` [B, T]."""
+    out = torch.zeros_like(like)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row)
+    return out
+
+
 def effective_sample_size(weights: Tensor, mask: Tensor | None = None) -> float:
     """Kish's effective sample size as a share of the sample: ``(sum w)^2 / (n * sum w^2)``,
     in (0, 1]; 1 when every weight is equal. 0 for an empty sample."""
@@ -164,7 +179,7 @@ def grpo_loss(
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
     pg = -(w * surrogate * mask).sum() / n_seq
-    kl_tokens = w * (torch.expm1(log_ratio) - log_ratio) * mask
+    kl_tokens = k3_tokens(log_ratio, w, mask)
     kl = kl_tokens.sum() / n_seq
     loss = pg + cfg.kl_coef * kl
 

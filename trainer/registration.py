@@ -26,7 +26,7 @@ from typing import Protocol, TypeVar
 
 from deployer.registry import LockUnavailableError, Registry, Tag, offer_candidate
 from trainer.gate import GateResult
-from trainer.trust_region import STOP_CODES
+from trainer.trust_region import stop_name
 
 log = logging.getLogger("trainer.increment")  # one logger for every step of the increment
 T = TypeVar("T")
@@ -133,11 +133,6 @@ def close_run(runs: RunTracker, retrying: Retrying, run_id: str, version: str, g
     except Exception:  # registered and committed: the increment did its work
         log.exception("version %s is registered and its window committed, but run %s was not closed",
                       version, run_id)
-
-
-def stop_name(code: float) -> str:
-    """The KL band's stop reason (trainer/trust_region.py) from its code in the step history."""
-    return next((k for k, v in STOP_CODES.items() if v == code), f"unknown ({code:g})")
 
 
 def mark_failed(runs: RunTracker, run_id: str) -> None:

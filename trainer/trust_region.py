@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from trainer.objective import importance_weights, k3_tokens, padded
+
 if TYPE_CHECKING:
     from trainer.loop import Sample
     from trainer.policy import TrainablePolicy
@@ -89,9 +91,8 @@ def completion_kl(policy_logp: torch.Tensor, parent_logp: torch.Tensor, behavior
                   mask: torch.Tensor, truncate: float) -> float:
     """Mean over completions of the summed k3 terms ``w ((c/p - 1) - log(c/p))``, with
     ``w = min(p/mu, truncate)``: the offline gate's KL (trainer/gate.py), on tensors."""
-    w = torch.exp(parent_logp - behavior_logp).clamp(max=truncate)
-    d = policy_logp - parent_logp
-    per_seq = (w * (torch.expm1(d) - d) * mask).sum(dim=1)
+    w = importance_weights(parent_logp, behavior_logp, truncate)
+    per_seq = k3_tokens(policy_logp - parent_logp, w, mask).sum(dim=1)
     return float(per_seq.mean()) if per_seq.numel() else 0.0
 
 
@@ -122,9 +123,7 @@ class Probe:
                 chunk = picked[i : i + batch]
                 prompts, completions = [s.prompt for s in chunk], [s.completion for s in chunk]
                 parent_logp, mask = parent.batch_logprobs(prompts, completions)
-                behavior = torch.zeros_like(parent_logp)
-                for j, s in enumerate(chunk):
-                    behavior[j, : len(s.behavior_logprobs)] = torch.tensor(s.behavior_logprobs)
+                behavior = padded([s.behavior_logprobs for s in chunk], parent_logp)
                 self.batches.append((prompts, completions, parent_logp, behavior, mask.to(parent_logp.dtype)))
 
     @torch.no_grad()
@@ -181,6 +180,11 @@ STOP_CODES = {"running": 0.0, "target": 1.0, "backoffs_exhausted": 2.0, "window_
 """Why training ended, as the float the step history carries (``band_stop``)."""
 
 
+def stop_name(code: float) -> str:
+    """The stop reason from its code in the step history."""
+    return next((k for k, v in STOP_CODES.items() if v == code), f"unknown ({code:g})")
+
+
 class Steady:
     """The band's bookkeeping inside :func:`trainer.loop.rl_train`: probe, decide, snapshot."""
 
@@ -198,9 +202,6 @@ class Steady:
         kl = self.probe.kl(policy) if step else 0.0
         self.snapshot = Snapshot.take(step, kl, policy, opt)
         return decide(kl, self.band, self.backoffs) == "continue"
-
-    def lr(self, step: int, base: float, warmup_steps: int) -> float:
-        return lr_at(step, base, warmup_steps, self.backoffs)
 
     def after_step(self, step: int, last: bool, policy: TrainablePolicy, opt: torch.optim.Optimizer,
                    stats: dict[str, float]) -> bool:
