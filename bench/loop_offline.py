@@ -32,7 +32,8 @@ from typing import Any, cast
 from ingest.events import RewardRecord
 from ingest.reward.maths import Feedback, compute_reward, persistence_ratio
 from ingest.reward.spec import RewardSpec, default_spec_text, parse_spec
-from rollback.types import DetectorPolicy
+from rollback.detectors import DETECTORS, drift_check, tolerance
+from rollback.types import DetectorPolicy, JudgePolicy
 from services.local.cohorts import Row, cohort, relative_change
 from services.local.demo_config import DEMO_LR, demo_spec_text, toml_text
 from services.local.sim_users import (
@@ -106,18 +107,22 @@ def figures(recs: list[ServedRec]) -> Figures:
                    mean(r.completion_kind == "empty" for r in recs))
 
 
+BEHAVIOUR = {"edit_rate": "edits", "question_rate": "questions", "abstention_rate": "empty",
+             "completion_length": "length"}
+"""The live detectors (rollback/detectors.py) this bench can evaluate, and the Figures field each watches."""
+
+
 def rejections(parent: Figures, child: Figures, gate: GateResult, d: DetectorPolicy) -> list[str]:
     """What would stop ``child`` before promotion: the offline gate's reasons, and every live
-    reward-hacking detector (rollback/detectors.py) whose tolerance the point estimate of the
-    change exceeds (which holds promotion back live, and rolls back once confident)."""
+    reward-hacking detector whose tolerance the point estimate of the change exceeds in its
+    suspicious direction (which holds promotion back live, and rolls back once confident)."""
+    policy = JudgePolicy(detectors=d)
     out = list(gate.reasons)
-    checks = [("edit_rate", parent.edits - child.edits, d.edit_rate_drop),
-              ("question_rate", child.questions - parent.questions, d.question_rate_rise),
-              ("abstention_rate", child.empty - parent.empty, d.abstention_rate_rise),
-              ("completion_length", abs(child.length - parent.length),
-               max(1.0, d.length_change * parent.length))]
-    out += [f"{name} moved {moved:.3g} (tolerance {tol:.3g})" for name, moved, tol in checks
-            if name in d.enabled and moved > tol]
+    for name in (n for n in d.enabled if n in BEHAVIOUR):
+        before, after = getattr(parent, BEHAVIOUR[name]), getattr(child, BEHAVIOUR[name])
+        moved, tol = after - before, tolerance(name, policy, before)
+        if drift_check(DETECTORS[name], moved, moved, moved, tol)[0]:
+            out.append(f"{name} moved {moved:+.3g} (tolerance {tol:.3g})")
     return out
 
 
