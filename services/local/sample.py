@@ -210,13 +210,13 @@ def main(argv: list[str]) -> int:
     finally:
         stopped = [_stop(p, n) for n, p in procs.items()]
     code = exit_codes.OK if len(rewards) == n_served else exit_codes.FAILED
+    doc = summary(len(events) + n_bad, len(forwarded), reasons, rewards, n_served)
     if args.json:
-        doc = summary(len(events) + n_bad, len(forwarded), reasons, rewards, n_served)
         doc.update(run=run, broker=settings.kafka.bootstrap_servers, reward_spec=spec.version,
                    time_scale=args.time_scale, services_stopped=stopped, logs=str(logdir), exit_code=code)
         print(json.dumps(doc, indent=2, sort_keys=True))
         return code
-    _print_summary(len(events) + n_bad, len(forwarded), reasons, rewards, n_served)
+    _print_summary(doc)
     print("services stopped: " + ", ".join(stopped) + f" (logs in {logdir})")
     return code
 
@@ -257,22 +257,18 @@ def summary(sent: int, forwarded: int, reasons: collections.Counter[str],
     }
 
 
-def _print_summary(sent: int, forwarded: int, reasons: collections.Counter[str],
-                   rewards: list[dict[str, Any]], n_served: int) -> None:
-    print(f"\nevents sent         {sent}")
-    print(f"forwarded by ingest {forwarded}")
-    print(f"dead-lettered       {sum(reasons.values())}" + "".join(
-        f"\n  {reason:22s} {n}" for reason, n in sorted(reasons.items())))
-    print(f"rewards emitted     {len(rewards)} of {n_served} served completions")
-    by_arm: dict[str, list[float]] = collections.defaultdict(list)
-    for r in rewards:
-        by_arm[r["arm"]].append(r["reward"])
-    for arm, vals in sorted(by_arm.items()):
-        print(f"  mean reward {arm:7s} {sum(vals) / len(vals):+.3f}  (n={len(vals)})")
-    kinds = collections.Counter(map(_outcome, rewards))
-    print("  by outcome: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
+def _print_summary(doc: dict[str, Any]) -> None:
+    """The text form of :func:`summary`."""
+    print(f"\nevents sent         {doc['events_sent']}")
+    print(f"forwarded by ingest {doc['forwarded_by_ingest']}")
+    print(f"dead-lettered       {doc['dead_lettered']}" + "".join(
+        f"\n  {reason:22s} {n}" for reason, n in doc["dead_lettered_by_reason"].items()))
+    print(f"rewards emitted     {doc['rewards_emitted']} of {doc['served_completions']} served completions")
+    for arm, m in doc["mean_reward_by_arm"].items():
+        print(f"  mean reward {arm:7s} {m['mean']:+.3f}  (n={m['n']})")
+    print("  by outcome: " + ", ".join(f"{k} {v}" for k, v in doc["rewards_by_outcome"].items()))
     print("\nexample reward records:")
-    for r in _examples(rewards):
+    for r in doc["example_rewards"]:
         comps = ", ".join(f"{k} {v:+.3f}" for k, v in r["components"].items() if v)
         print(f"  {r['request_id']}  {r['completion_kind']:8s} arm={r['arm']:6s} v{r['model']['version']} "
               f"reward {r['reward']:+.3f}  [{comps or 'all terms 0'}]  spec {r['reward_spec_version']}")

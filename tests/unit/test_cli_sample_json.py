@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from services.cli import exit_codes
 from services.local.sample import summary
 
@@ -53,3 +55,16 @@ def test_summary_has_the_facts_of_the_text_summary() -> None:
     assert doc["mean_reward_by_arm"] == {"canary": {"mean": 0.5, "n": 1}, "stable": {"mean": 0.5, "n": 2}}
     assert doc["rewards_by_outcome"] == {"accepted": 1, "no feedback (default)": 1, "rejected": 1}
     assert [r["request_id"] for r in doc["example_rewards"]] == [r["request_id"] for r in rewards]
+
+
+def test_the_text_summary_prints_the_same_document(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.local.sample import _print_summary
+
+    rewards = [_reward("stable", 1.0, True), _reward("canary", 0.5, None, defaulted=True)]
+    _print_summary(summary(12, 9, collections.Counter({"schema": 2}), rewards, 4))
+    out = capsys.readouterr().out
+    assert "events sent         12" in out and "dead-lettered       2\n  schema" in out
+    assert "rewards emitted     2 of 4 served completions" in out
+    assert "mean reward canary  +0.500  (n=1)" in out and "mean reward stable  +1.000  (n=1)" in out
+    assert "by outcome: accepted 1, no feedback (default) 1" in out
+    assert out.count(" reward +") == 2  # both examples
