@@ -41,7 +41,8 @@ from ingest.dedup import SOURCE_HEADER
 from ingest.events import parse_event
 from ingest.reward.spec import load_spec
 from services.cli import exit_codes
-from services.cli.backends import Failure, backend_failure, bounded_settings, message
+from services.cli.backends import BackendUnavailableError, backend_failure, bounded_settings, message
+from services.cli.probes import probe_broker
 from services.cli.reconcile_accounting import (
     UNREADABLE_DLQ,
     UNREADABLE_REWARD,
@@ -54,7 +55,7 @@ from services.cli.reconcile_accounting import (
 )
 from services.cli.reconcile_report import Report
 from services.runtime.flags import deprecated_alias
-from services.runtime.kafka_io import committed_offsets, make_admin, read_topic, wait_for_broker
+from services.runtime.kafka_io import committed_offsets, make_admin, read_topic
 from services.runtime.settings import Settings, get_settings
 
 
@@ -175,12 +176,12 @@ def main(argv: list[str]) -> int:
     settings = bounded_settings(get_settings())
     timeout_s = settings.cli.timeout_s
     try:
-        wait_for_broker(settings.kafka, timeout_s=timeout_s)
+        probe_broker(settings)
         rep = run(settings, ingest_group=args.ingest_group, reward_group=args.reward_group,
                   time_scale=args.time_scale, slack_s=args.slack_s,
                   use_offsets=not args.ignore_offsets, spec_path=args.spec)
-    except TimeoutError:  # from wait_for_broker: no broker answered
-        print(message("reconcile", Failure("kafka", refused=False), settings, timeout_s), file=sys.stderr)
+    except BackendUnavailableError as exc:  # from probe_broker: no broker answered
+        print(message("reconcile", exc.failure, settings, timeout_s), file=sys.stderr)
         return exit_codes.UNAVAILABLE
     except KafkaError as exc:
         failure = backend_failure(exc)

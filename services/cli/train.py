@@ -18,19 +18,10 @@ import sys
 from pathlib import Path
 
 from services.cli import exit_codes
-from services.cli.backends import (
-    Backend,
-    BackendUnavailableError,
-    Failure,
-    backend_failure,
-    bounded_settings,
-    message,
-    probe_mlflow,
-)
+from services.cli.backends import Backend, BackendUnavailableError, message
+from services.cli.probes import preflight
 from services.local.sim_users import bootstrap_corpus
-from services.runtime.kafka_io import wait_for_broker
 from services.runtime.process import setup_logging
-from services.runtime.redis_io import make_redis
 from services.runtime.settings import Settings, get_settings
 from trainer.corpus import write_corpus
 
@@ -38,34 +29,6 @@ TRAIN_NEEDS: tuple[Backend, ...] = ("mlflow", "redis", "kafka")
 """An increment reads rewards from Kafka, takes the candidate lock in Redis, logs and
 registers in MLflow."""
 BOOTSTRAP_NEEDS: tuple[Backend, ...] = ("mlflow",)
-
-
-def preflight(settings: Settings, backends: tuple[Backend, ...]) -> None:
-    """Raise :class:`BackendUnavailableError` for the first of ``backends`` that does not answer
-    within ``settings.cli.timeout_s``. For commands that then run for minutes with the services'
-    own (long) timeouts (``rtrl train --now``, ``rtrl bootstrap``): a backend that is down is
-    reported in seconds, before the work starts. Called before logging is set up, so the
-    clients' connection warnings are not printed."""
-    timeout_s = settings.cli.timeout_s
-    for backend in backends:
-        if backend == "mlflow":
-            probe_mlflow(settings.mlflow.tracking_uri, timeout_s)
-        elif backend == "redis":
-            client = make_redis(settings.redis, timeout_s)
-            try:
-                client.ping()
-            except Exception as exc:
-                failure = backend_failure(exc)
-                if failure is None:
-                    raise
-                raise BackendUnavailableError(failure) from exc
-            finally:
-                client.close()
-        else:
-            try:
-                wait_for_broker(bounded_settings(settings).kafka, timeout_s=timeout_s)
-            except TimeoutError as exc:  # no broker answered (refused or silent: kafka-python does not say)
-                raise BackendUnavailableError(Failure("kafka", refused=False)) from exc
 
 
 def _unreachable(command: str, settings: Settings, backends: tuple[Backend, ...]) -> bool:

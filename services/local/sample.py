@@ -37,9 +37,10 @@ from ingest.events import (
 )
 from ingest.reward.spec import load_spec
 from services.cli import exit_codes
-from services.cli.backends import Failure, bounded_settings, message
+from services.cli.backends import BackendUnavailableError, message
+from services.cli.probes import probe_broker
 from services.runtime.event_producer import EventProducer
-from services.runtime.kafka_io import ensure_topics, make_consumer, wait_for_broker
+from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.settings import Settings, get_settings
 
 KEY_ID = "sample"
@@ -163,9 +164,9 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     settings = get_settings()
     try:
-        wait_for_broker(bounded_settings(settings).kafka, timeout_s=settings.cli.timeout_s)
-    except TimeoutError:
-        line = message("sample", Failure("kafka", refused=False), settings, settings.cli.timeout_s)
+        probe_broker(settings)
+    except BackendUnavailableError as exc:
+        line = message("sample", exc.failure, settings, settings.cli.timeout_s)
         print(f"{line}; run `rtrl up` first", file=sys.stderr)
         return exit_codes.UNAVAILABLE
     progress = sys.stderr if args.json else sys.stdout
