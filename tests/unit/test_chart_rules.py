@@ -16,6 +16,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helm"))
 import chart_tools as ct
 import dashboard
+from chart_docs import Render, by_kind
 
 REQUIRED_ALERTS = {
     "RtrlPipelineLagHigh",
@@ -94,15 +95,10 @@ def test_promtool_unit_tests_fire_and_stay_quiet_for_each_alert(promtool: str, p
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_prometheusrule_ships_the_alert_files_with_the_configured_runbook_base(tmp_path: Path) -> None:
-    helm = ct.tool("helm")
+def test_prometheusrule_ships_the_alert_files_with_the_configured_runbook_base(render: Render) -> None:
     base = "https://wiki.example.com/rtrl/runbooks"
-    proc = ct.helm_template(helm, ct.helm_env(tmp_path), [
-        *ct.REQUIRED, "--set", "prometheusRule.enabled=true",
-        "--set", f"prometheusRule.runbookBaseUrl={base}",
-    ])
-    assert proc.returncode == 0, proc.stderr
-    (rule,) = [d for d in ct.documents(proc.stdout) if d["kind"] == "PrometheusRule"]
+    (rule,) = by_kind(render(*ct.REQUIRED, "--set", "prometheusRule.enabled=true",
+                             "--set", f"prometheusRule.runbookBaseUrl={base}"), "PrometheusRule")
     expected = [
         g for path in ALERT_FILES
         for g in yaml.safe_load(path.read_text().replace(ct.DEFAULT_RUNBOOK_BASE, base))["groups"]
@@ -171,15 +167,14 @@ def test_dashboard_promql_parses(promtool: str, tmp_path: Path) -> None:
     assert f"SUCCESS: {len(rules)} rules found" in proc.stdout
 
 
-def test_prometheusrule_writes_the_slo_values_the_approval_wait_and_the_chart_name_in(tmp_path: Path) -> None:
-    helm = ct.tool("helm")
+def test_prometheusrule_writes_the_slo_values_the_approval_wait_and_the_chart_name_in(
+    render: Render, tmp_path: Path,
+) -> None:
     values = tmp_path / "slo.yaml"
     values.write_text(yaml.safe_dump({"nameOverride": "loop", "prometheusRule": {
         "enabled": True, "slo": {"availability": 0.99, "latency": 0.95, "latencyThresholdSeconds": "2.5"},
         "approvalWaitSeconds": 7200}}))
-    proc = ct.helm_template(helm, ct.helm_env(tmp_path), [*ct.REQUIRED, "-f", str(values)])
-    assert proc.returncode == 0, proc.stderr
-    (rule,) = [d for d in ct.documents(proc.stdout) if d["kind"] == "PrometheusRule"]
+    (rule,) = by_kind(render(*ct.REQUIRED, "-f", str(values)), "PrometheusRule")
     exprs = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
     assert "14.4 * (1 - 0.99)" in exprs["RtrlGatewayErrorBudgetBurn"]
     assert "0.999" not in exprs["RtrlGatewayErrorBudgetBurn"]
@@ -191,8 +186,6 @@ def test_prometheusrule_writes_the_slo_values_the_approval_wait_and_the_chart_na
     assert "rtrl_canary_phase_age_seconds > 23400" in exprs["RtrlCanaryStuck"]  # only the approval wait
     assert 'app_kubernetes_io_name="loop"' in exprs["RtrlServiceDown"]
     assert 'app_kubernetes_io_name="rtrl"' not in exprs["RtrlWorkerDown"]
-    monitor = ct.helm_template(helm, ct.helm_env(tmp_path),
-                               [*ct.REQUIRED, "--set", "serviceMonitor.enabled=true"])
-    (monitor_doc,) = [d for d in ct.documents(monitor.stdout) if d["kind"] == "ServiceMonitor"]
+    (monitor_doc,) = by_kind(render(*ct.REQUIRED, "--set", "serviceMonitor.enabled=true"), "ServiceMonitor")
     assert {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"} <= set(
         monitor_doc["spec"]["targetLabels"])
