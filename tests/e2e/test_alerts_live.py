@@ -8,6 +8,7 @@ the lag rule, and the lag threshold), so the test takes minutes, not hours. Chec
 
 - in normal operation no alert is pending or firing;
 - every metric an alert or a dashboard panel uses is exported by some live target;
+- a manual command the deployer refuses fires ``RtrlOperatorCommandRefused``;
 - killing each service (SIGKILL) fires its alert: the reward worker also fires the
   broker-side lag alert, which its own (vanished) series could not.
 """
@@ -169,6 +170,12 @@ def test_alerts_stay_quiet_in_operation_and_fire_for_each_killed_service(
         used = {n for _, e in ct_exprs() for n in ct.metric_names(e)}
         missing = {n for n in used if n not in exported and _family(n) not in exported}
         assert not missing, f"used by alerts or panels but exported by no live target: {sorted(missing)}"
+
+        # a manual command the deployer refuses (unsigned; this deployer has no operator keys)
+        cli = subprocess.run([sys.executable, "-m", "services.cli", "pause", "--reason", "alert check",
+                              "--timeout", "5"], env=env, capture_output=True, text=True, timeout=60)
+        _wait(lambda: prom.firing("RtrlOperatorCommandRefused", command="pause"), 60,
+              f"RtrlOperatorCommandRefused did not fire for a refused pause: {cli.stdout}{cli.stderr}", sup)
 
         kills = [("reward", "RtrlWorkerDown"), ("ingest", "RtrlWorkerDown"), ("trainer", "RtrlWorkerDown"),
                  ("gateway", "RtrlServiceDown"), ("deployer", "RtrlServiceDown")]
