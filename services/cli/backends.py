@@ -17,17 +17,14 @@ the clients (``rtrl --help`` stays fast).
 
 from __future__ import annotations
 
-import os
 import urllib.error
 import urllib.request
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Literal
 
+from services.runtime.mlflow_http import TIMEOUT_VAR, bound_mlflow_client
 from services.runtime.settings import Settings
-
-MLFLOW_TIMEOUT_VAR = "MLFLOW_HTTP_REQUEST_TIMEOUT"
-MLFLOW_RETRIES_VAR = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
 
 Backend = Literal["mlflow", "redis", "kafka"]
 NAMES: dict[Backend, str] = {"mlflow": "MLflow", "redis": "Redis", "kafka": "Kafka"}
@@ -118,11 +115,9 @@ def bound_mlflow_env(timeout_s: int, environ: MutableMapping[str, str] | None = 
     """Make MLflow's client wait at most ``timeout_s`` per request and not retry, unless the
     environment sets either already; return the request timeout in effect. MLflow reads both
     variables at every request."""
-    env = os.environ if environ is None else environ
-    env.setdefault(MLFLOW_TIMEOUT_VAR, str(timeout_s))
-    env.setdefault(MLFLOW_RETRIES_VAR, "0")
+    in_effect = bound_mlflow_client(timeout_s, 0, environ)
     try:
-        return float(env[MLFLOW_TIMEOUT_VAR])
+        return float(in_effect[TIMEOUT_VAR])
     except ValueError:
         return float(timeout_s)
 

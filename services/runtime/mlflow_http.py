@@ -13,9 +13,7 @@ deployer. Variables an operator sets in the environment are left alone.
 from __future__ import annotations
 
 import os
-
-from redis import RedisError
-from requests import RequestException
+from collections.abc import MutableMapping
 
 from services.runtime.settings import MlflowSettings
 
@@ -23,27 +21,37 @@ TIMEOUT_VAR = "MLFLOW_HTTP_REQUEST_TIMEOUT"
 RETRIES_VAR = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
 
 
+def bound_mlflow_client(timeout_s: float, max_retries: int,
+                        environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set the MLflow client's request timeout and retries in ``environ`` (this process's
+    environment by default) unless they are set already; return the values in effect."""
+    env = os.environ if environ is None else environ
+    env.setdefault(TIMEOUT_VAR, f"{timeout_s:g}")
+    env.setdefault(RETRIES_VAR, str(max_retries))
+    return {TIMEOUT_VAR: env[TIMEOUT_VAR], RETRIES_VAR: env[RETRIES_VAR]}
+
+
 def bound_mlflow_http(m: MlflowSettings) -> dict[str, str]:
-    """Set the MLflow client's request timeout and retries for this process unless they are
-    set already; return the values in effect."""
-    os.environ.setdefault(TIMEOUT_VAR, str(m.http_timeout_s))
-    os.environ.setdefault(RETRIES_VAR, str(m.http_max_retries))
-    return {TIMEOUT_VAR: os.environ[TIMEOUT_VAR], RETRIES_VAR: os.environ[RETRIES_VAR]}
+    """:func:`bound_mlflow_client` with the long-running processes' ``settings.mlflow``."""
+    return bound_mlflow_client(m.http_timeout_s, m.http_max_retries)
+
+
+# The package an exception class comes from → the dependency it stands for. Matched on the
+# classes' modules, so that recognising an error imports none of the clients.
+_DEPENDENCY_OF_PACKAGE = {"mlflow": "mlflow", "requests": "mlflow", "urllib3": "mlflow",
+                          "redis": "redis", "kafka": "kafka"}
 
 
 def dependency_of(exc: BaseException) -> str | None:
-    """Which dependency an exception from a deployer tick came from: mlflow, redis, kafka or None."""
-    from mlflow.exceptions import MlflowException
-
+    """Which dependency an exception from a deployer tick came from: mlflow, redis, kafka or
+    None. The exception, its causes and contexts, and their base classes are looked at."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        if isinstance(cur, MlflowException | RequestException):
-            return "mlflow"
-        if isinstance(cur, RedisError):
-            return "redis"
-        if type(cur).__module__.startswith("kafka"):
-            return "kafka"
+        for cls in type(cur).__mro__:
+            dep = _DEPENDENCY_OF_PACKAGE.get(cls.__module__.split(".")[0])
+            if dep is not None:
+                return dep
         cur = cur.__cause__ or cur.__context__
     return None
