@@ -193,6 +193,20 @@ def test_keda_scales_ingest_and_reward_on_their_input_topics_lag(example) -> Non
         assert so["spec"]["maxReplicaCount"] == 4
 
 
+def test_scaled_objects_match_the_keda_models(example, render: Render) -> None:
+    from cloudcoil.models.keda import v1alpha1
+
+    secured = render(*ct.REQUIRED, "--set", "reward.keda.enabled=true", "--set", "kafka.securityProtocol=SASL_SSL",
+                     "--set", "kafka.sasl.mechanism=PLAIN", "--set", "reward.keda.authenticationRef=kafka-auth")
+    docs = by_kind(example, "ScaledObject") + by_kind(secured, "ScaledObject")
+    assert len(docs) == 3
+    for doc in docs:
+        assert doc["apiVersion"] == "keda.sh/v1alpha1"
+        model = v1alpha1.ScaledObject.model_validate(doc)
+        # The models ignore unknown fields: a field lost on the round trip is a typo.
+        assert model.model_dump(mode="json", by_alias=True, exclude_none=True) == doc, doc["metadata"]["name"]
+
+
 def test_keda_is_off_by_default(default) -> None:
     assert not by_kind(default, "ScaledObject")
 
