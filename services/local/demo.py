@@ -39,7 +39,15 @@ from typing import Any
 
 from deployer.adapters.redis_state import candidate_lock
 from services.local.demo_chaos import Chaos, ChaosResult, verify
-from services.local.demo_config import DemoConfig, DemoPlan, configure, prepare_data_dir, say
+from services.local.demo_config import (
+    DemoConfig,
+    DemoPlan,
+    configure,
+    prepare_data_dir,
+    say,
+    stdout_to_stderr,
+    strict_json,
+)
 from services.local.demo_inject import BadCandidateInjector
 from services.local.demo_services import (
     LazyRegistry,
@@ -79,13 +87,29 @@ class Run:
     bootstrap_version: str | None = None
     chaos: Chaos | None = None
     chaos_result: ChaosResult | None = None
+    report_path: Path | None = None
+    summary: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     """Said in the report's Notes section."""
 
+    def document(self, code: int) -> dict[str, Any]:
+        """What ``rtrl demo --json`` prints: the exit code, the report and its summary (the
+        decisions, the comparisons), the chaos checks and the notes."""
+        return strict_json({
+            "exit_code": code,
+            "report": str(self.report_path) if self.report_path else None,
+            "bootstrap_version": self.bootstrap_version,
+            "bad_version": self.bad.version if self.bad is not None else None,
+            "summary": self.summary,
+            "chaos": self.chaos_result.to_dict() if self.chaos_result is not None else None,
+            "notes": self.notes,
+        })
 
-def execute(plan: DemoPlan) -> int:
-    """The phases, then the end (even after Ctrl-C, SIGTERM or a failure); the exit code."""
-    run = Run()
+
+def execute(plan: DemoPlan, run: Run | None = None) -> int:
+    """The phases, then the end (even after Ctrl-C, SIGTERM or a failure); the exit code.
+    ``run`` (a new one by default) is left holding what was started and recorded."""
+    run = Run() if run is None else run
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     code = 0
     try:
@@ -196,7 +220,9 @@ def report(plan: DemoPlan, run: Run, config: DemoConfig, mlflow_url: str) -> Non
         finished=time.time(), command=plan.command, mlflow_url=mlflow_url, kinds=kinds, notes=run.notes,
     )
     say(f"report: {path} ({len(records)} reward records, {len(decisions)} decisions)")
-    say_headline(json.loads((path.parent / "summary.json").read_text()))
+    run.report_path = path
+    run.summary = json.loads((path.parent / "summary.json").read_text())
+    say_headline(run.summary)
 
 
 def version_kinds(run: Run, decisions: list[Decision], registry: LazyRegistry) -> dict[str, str]:
@@ -254,6 +280,9 @@ def main(argv: list[str]) -> int:
                              "reconcile the topics and check the ledger at the end")
     parser.add_argument("--chaos-every", type=float, default=base.chaos_every_s, metavar="SECONDS",
                         help="seconds between chaos kills (default %(default)s)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document on stdout at the end (exit code, report, summary, "
+                             "chaos checks); progress and every service's output go to stderr")
     args = parser.parse_args(argv)
     demo = base.model_copy(update={
         "minutes": args.minutes, "increments": args.increments, "data_dir": args.data_dir,
@@ -262,4 +291,11 @@ def main(argv: list[str]) -> int:
         "chaos": args.chaos, "chaos_every_s": args.chaos_every,
     })
     command = "rtrl demo " + " ".join(argv) if argv else "rtrl demo"
-    return execute(DemoPlan.create(demo, args.keep_stack, command.strip(), os.environ))
+    plan = DemoPlan.create(demo, args.keep_stack, command.strip(), os.environ)
+    if not args.json:
+        return execute(plan)
+    run = Run()
+    with stdout_to_stderr():
+        code = execute(plan, run)
+    print(json.dumps(run.document(code), indent=2, sort_keys=True, default=str))
+    return code

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import secrets
 import shutil
+import sys
 import time
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,6 +51,34 @@ def say(msg: str) -> None:
     """One line of the demo's console output, time-stamped."""
     stamp = datetime.now(UTC).strftime("%H:%M:%S")
     print(f"[{stamp}] {msg}", flush=True)
+
+
+@contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send file descriptor 1 to stderr until the block ends, for this process and every
+    process it starts meanwhile (the stack, the services, Ray, MLflow's client), so that
+    stdout carries only the document printed after it (``rtrl demo --json``)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every NaN or infinity replaced by None, for a JSON document other tools
+    parse (strict JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)

@@ -153,8 +153,13 @@ def test_the_end_follows_an_interrupted_run_and_stops_what_was_started(
     monkeypatch.setattr(demo, "stop_services", lambda sup: events.append(f"stop {sup}"))
     monkeypatch.setattr(demo, "stop_stack", lambda stack, keep: events.append(f"stack down keep={keep}"))
     settings = DemoSettings(data_dir=tmp_path / "demo", report_dir=tmp_path / "reports")
-    code = demo.execute(DemoPlan.create(settings, False, "rtrl demo", {"RTRL_REDIS__KEY_PREFIX": "x:"}))
+    run = demo.Run()
+    code = demo.execute(DemoPlan.create(settings, False, "rtrl demo", {"RTRL_REDIS__KEY_PREFIX": "x:"}), run)
     assert code == 130
+    doc = run.document(code)  # what --json prints
+    assert doc["exit_code"] == 130 and doc["report"].endswith("report.md") and doc["bootstrap_version"] == "1"
+    assert doc["summary"] == {"comparison": None, "chain": None} and doc["chaos"] is None
+    assert doc["notes"] == ["The run was interrupted before its planned end."]
     assert events == ["stack up", "services", "watching", "stop sup", "tracker stopped", "report",
                       "redis closed", "stack down keep=False"]
     assert {"reward-spec.toml", "bootstrap-corpus.jsonl"} <= {p.name for p in (tmp_path / "demo").iterdir()}
