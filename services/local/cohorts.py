@@ -142,8 +142,17 @@ def relative_change(before: float, after: float) -> float:
 
 @dataclass(frozen=True)
 class Targets:
+    """The demo's three online figures, as relative changes against the bootstrap champion."""
+
     persistence_up: float = 0.10
     latency_down: float = 0.10
+    dissatisfied_up: float = 0.0
+    """The dissatisfied follow-up rate may rise by at most this (0: no worse than stable)."""
+
+    def dissatisfied_ok(self, change: float) -> bool:
+        """No worse than allowed; a change that cannot be measured (no follow-up on the
+        stable side, NaN) is not a met target."""
+        return not math.isnan(change) and change <= self.dissatisfied_up
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,8 @@ class Comparison:
     latency_change: float
     persistence_ok: bool
     latency_ok: bool
+    dissatisfied_change: float = math.nan
+    dissatisfied_ok: bool = False
 
 
 def compare(cohorts: Mapping[str, Cohort], baseline: str, final: str,
@@ -161,9 +172,11 @@ def compare(cohorts: Mapping[str, Cohort], baseline: str, final: str,
     b, f = cohorts[baseline], cohorts[final]
     dp = relative_change(b.edit_persistence, f.edit_persistence)
     dl = relative_change(b.latency_ms, f.latency_ms)
+    dd = relative_change(b.dissatisfied_rate, f.dissatisfied_rate)
     return Comparison(baseline, final, dp, dl,
                       persistence_ok=dp >= targets.persistence_up,
-                      latency_ok=dl <= -targets.latency_down)
+                      latency_ok=dl <= -targets.latency_down,
+                      dissatisfied_change=dd, dissatisfied_ok=targets.dissatisfied_ok(dd))
 
 
 @dataclass(frozen=True)
@@ -176,6 +189,9 @@ class Chain:
     latency_change: float
     persistence_ok: bool
     latency_ok: bool
+    dissatisfied_change: float = math.nan
+    """NaN when a step's stable arm had no dissatisfied follow-up (a relative change from 0)."""
+    dissatisfied_ok: bool = False
 
 
 def chain_comparison(steps: Sequence[tuple[str, str, Cohort, Cohort]], baseline: str, final: str,
@@ -191,17 +207,18 @@ def chain_comparison(steps: Sequence[tuple[str, str, Cohort, Cohort]], baseline:
     nxt: dict[str, tuple[str, Cohort, Cohort]] = {}
     for stable, cand, st, ca in steps:
         nxt.setdefault(stable, (cand, st, ca))
-    versions, dp, dl, cur = [baseline], 1.0, 1.0, baseline
+    versions, dp, dl, dd, cur = [baseline], 1.0, 1.0, 1.0, baseline
     while cur != final and cur in nxt and len(versions) <= len(steps):
         cand, st, ca = nxt[cur]
         dp *= 1 + relative_change(st.edit_persistence, ca.edit_persistence)
         dl *= 1 + relative_change(st.latency_ms, ca.latency_ms)
+        dd *= 1 + relative_change(st.dissatisfied_rate, ca.dissatisfied_rate)
         versions.append(cand)
         cur = cand
     if cur != final or len(versions) < 2 or math.isnan(dp) or math.isnan(dl):
         return None  # no lineage, or a step without both arms measured
     return Chain(tuple(versions), dp - 1, dl - 1, dp - 1 >= targets.persistence_up,
-                 dl - 1 <= -targets.latency_down)
+                 dl - 1 <= -targets.latency_down, dd - 1, targets.dissatisfied_ok(dd - 1))
 
 
 def side_by_side(rows: Sequence[Row], stable: str, candidate: str, start: float, end: float,

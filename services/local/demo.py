@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import time
@@ -242,18 +243,22 @@ def version_kinds(run: Run, decisions: list[Decision], registry: LazyRegistry) -
 def say_headline(summary: dict[str, Any]) -> None:
     comp, chain = summary.get("comparison"), summary.get("chain")
     if comp:
-        say(f"bootstrap v{comp['baseline']} -> champion v{comp['final']}, whole run: edit persistence "
-            f"{_pct(comp['persistence_change'])}, mean latency {_pct(comp['latency_change'])}")
+        say(f"bootstrap v{comp['baseline']} -> champion v{comp['final']}, whole run: {_figures(comp)}")
     if chain:
-        say(f"side by side over {' -> '.join('v' + v for v in chain['versions'])}: edit persistence "
-            f"{_pct(chain['persistence_change'])}, mean latency {_pct(chain['latency_change'])}")
+        say(f"side by side over {' -> '.join('v' + v for v in chain['versions'])}: {_figures(chain)}")
+
+
+def _figures(c: dict[str, Any]) -> str:
+    return (f"edit persistence {_pct(c['persistence_change'])}, mean latency {_pct(c['latency_change'])}, "
+            f"dissatisfied follow-ups {_pct(c.get('dissatisfied_change'))}")
 
 
 def _pct(x: Any) -> str:
     try:
-        return f"{float(x):+.1%}"
+        value = float(x)
     except (TypeError, ValueError):
         return "n/a"
+    return "n/a" if math.isnan(value) else f"{value:+.1%}"
 
 
 def main(argv: list[str]) -> int:

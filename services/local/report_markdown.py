@@ -74,8 +74,10 @@ def result_table(cohorts: Mapping[str, Cohort], comparison: Comparison | None,
     lineage = " → ".join(f"v{v}" for v in chain.versions) if chain else ""
     cp = _pct(chain.persistence_change) if chain else "n/a"
     cl = _pct(chain.latency_change) if chain else "n/a"
+    cd = _pct(chain.dissatisfied_change) if chain else "n/a"
     p_ok = chain.persistence_ok if chain else comparison.persistence_ok
     l_ok = chain.latency_ok if chain else comparison.latency_ok
+    d_ok = chain.dissatisfied_ok if chain else comparison.dissatisfied_ok
     return [
         f"| | bootstrap champion v{comparison.baseline} | last promoted champion "
         f"v{comparison.final} | change, whole run | change side by side{', ' + lineage if chain else ''} "
@@ -85,6 +87,8 @@ def result_table(cohorts: Mapping[str, Cohort], comparison: Comparison | None,
         f"{_pct(comparison.persistence_change)} | {cp} | ≥ +10%: {ok[p_ok]} |",
         f"| mean latency (ms) | {_num(b.latency_ms, '.1f')} | {_num(f.latency_ms, '.1f')} | "
         f"{_pct(comparison.latency_change)} | {cl} | ≤ −10%: {ok[l_ok]} |",
+        f"| dissatisfied follow-ups | {_num(b.dissatisfied_rate)} | {_num(f.dissatisfied_rate)} | "
+        f"{_pct(comparison.dissatisfied_change)} | {cd} | no worse: {ok[d_ok]} |",
         f"| reward | {_num(b.reward)} | {_num(f.reward)} | "
         f"{_pct(relative_change(b.reward, f.reward))} | | |",
         f"| acceptance | {_num(b.acceptance)} | {_num(f.acceptance)} | "

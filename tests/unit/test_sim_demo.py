@@ -17,6 +17,7 @@ from ingest.reward.spec import default_spec_text, parse_spec
 from services.local.cohorts import (
     Cohort,
     Row,
+    Targets,
     by_version,
     cohort,
     compare,
@@ -180,13 +181,13 @@ def test_supervisor_reports_exits_once_and_runs_one_shots(tmp_path: Path) -> Non
 
 
 def _record(version: str, arm: str, served: float, accepted: bool | None, ratio: float | None,
-            latency: float, reward: float, kind: str = "edit") -> dict[str, object]:
+            latency: float, reward: float, kind: str = "edit", dissatisfied: int = 0) -> dict[str, object]:
     return {
         "served_ts": datetime.fromtimestamp(served, UTC).isoformat(),
         "model": {"name": "m", "version": version},
         "arm": arm, "completion_kind": kind, "accepted": accepted,
         "persistence": {} if ratio is None else {"30": 1.0, "600": ratio, "3600": ratio / 2},
-        "latency_ms": latency, "reward": reward, "dissatisfied": 0,
+        "latency_ms": latency, "reward": reward, "dissatisfied": dissatisfied,
     }
 
 
@@ -228,6 +229,22 @@ def test_relative_change_and_targets() -> None:
     assert cmp.latency_change == pytest.approx(-0.15) and cmp.latency_ok
     worse = compare(by_version(rows), "3", "1")
     assert not worse.persistence_ok and not worse.latency_ok
+    assert math.isnan(cmp.dissatisfied_change) and not cmp.dissatisfied_ok, "no follow-up on either side"
+
+
+def test_dissatisfied_follow_ups_are_the_third_figure() -> None:
+    t = 1_700_000_000.0
+    # v1: 2 of 8 dissatisfied (25%); v3: 1 of 5 (20%), a relative change of -20%
+    rows = [row_from_record(_record("1", "stable", t, True, 0.5, 200, 0.1, dissatisfied=int(i < 2)), 600)
+            for i in range(8)]
+    rows += [row_from_record(_record("3", "canary", t, True, 0.6, 170, 0.3, dissatisfied=int(i < 1)), 600)
+             for i in range(5)]
+    cmp = compare(by_version(rows), "1", "3")
+    assert cmp.dissatisfied_change == pytest.approx(-0.2) and cmp.dissatisfied_ok
+    back = compare(by_version(rows), "3", "1")
+    assert back.dissatisfied_change == pytest.approx(0.25) and not back.dissatisfied_ok
+    assert compare(by_version(rows), "1", "3", Targets(dissatisfied_up=-0.25)).dissatisfied_ok is False
+    assert Targets().dissatisfied_ok(0.0) and not Targets().dissatisfied_ok(math.nan)
 
 
 def test_series_bins_per_version_and_arm() -> None:
@@ -260,8 +277,8 @@ def test_write_report_states_targets_bad_candidate_and_plots(tmp_path: Path) -> 
     t = 1_700_000_000.0
     recs = []
     for i in range(40):
-        recs.append(_record("1", "stable", t + i, True, 0.4, 250, 0.1))
-        recs.append(_record("2", "canary", t + 100 + i, True, 0.5, 200, 0.3))
+        recs.append(_record("1", "stable", t + i, True, 0.4, 250, 0.1, dissatisfied=int(i % 4 == 0)))
+        recs.append(_record("2", "canary", t + 100 + i, True, 0.5, 200, 0.3, dissatisfied=int(i % 8 == 0)))
         recs.append(_record("3", "canary", t + 200 + i, None, None, 40, -0.3, kind="question"))
     decisions = [_decision("2", "promoted", "judge: canary at least as good", t + 150),
                  _decision("3", "rolled_back", "judge: canary worse: edit_rate drift", t + 250)]
@@ -271,6 +288,7 @@ def test_write_report_states_targets_bad_candidate_and_plots(tmp_path: Path) -> 
                         kinds={"1": "bootstrap", "2": "increment", "3": "reward-hacked"})
     md = path.read_text()
     assert "+25.0%" in md and "-20.0%" in md and "**not met**" not in md
+    assert "| dissatisfied follow-ups | 0.250 | 0.125 | -50.0% |" in md
     assert "rolled back automatically" in md and "edit_rate drift" in md
     assert "[canary-v3](http://mlflow/#/x)" in md and "http://mlflow" in md
     for png in ("edit_persistence.png", "latency_ms.png", "reward.png"):
@@ -278,6 +296,8 @@ def test_write_report_states_targets_bad_candidate_and_plots(tmp_path: Path) -> 
         assert f"]({png})" in md
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["comparison"]["persistence_ok"] and summary["records"] == 120
+    assert summary["comparison"]["dissatisfied_change"] == pytest.approx(-0.5)
+    assert summary["comparison"]["dissatisfied_ok"]
 
 
 def test_markdown_without_promotion_says_so() -> None:
@@ -323,8 +343,11 @@ def test_chain_compounds_side_by_side_changes_along_the_lineage() -> None:
 
     t = 1_700_000_000.0
 
-    def co(persist: float, latency: float) -> Cohort:
-        return cohort([row_from_record(_record("x", "stable", t, True, persist, latency, 0.0), 600)])
+    def co(persist: float, latency: float, dissatisfied: float = 0.5) -> Cohort:
+        # two rows: dissatisfied in 0, 1 or 2 of them
+        rows = [_record("x", "stable", t, True, persist, latency, 0.0, dissatisfied=int(i < 2 * dissatisfied))
+                for i in range(2)]
+        return cohort([row_from_record(r, 600) for r in rows])
 
     steps = [("1", "4", co(0.50, 600), co(0.55, 540)),     # +10% persistence, -10% latency
              ("1", "9", co(0.50, 600), co(0.10, 900)),     # a later branch from v1 is ignored
@@ -334,6 +357,12 @@ def test_chain_compounds_side_by_side_changes_along_the_lineage() -> None:
     assert chain.persistence_change == pytest.approx(1.10 * 1.05 - 1)
     assert chain.latency_change == pytest.approx(0.90 * 0.95 - 1)
     assert chain.persistence_ok and chain.latency_ok
+    assert chain.dissatisfied_change == pytest.approx(0.0) and chain.dissatisfied_ok
+    worse = chain_comparison([("1", "4", co(0.5, 600, 0.5), co(0.55, 540, 1.0))], "1", "4")
+    assert worse is not None and worse.dissatisfied_change == pytest.approx(1.0) and not worse.dissatisfied_ok
+    unmeasurable = chain_comparison([("1", "4", co(0.5, 600, 0.0), co(0.55, 540, 0.5))], "1", "4")
+    assert unmeasurable is not None and unmeasurable.persistence_ok, "the other figures still stand"
+    assert math.isnan(unmeasurable.dissatisfied_change) and not unmeasurable.dissatisfied_ok
     assert chain_comparison(steps, "1", "7") is None, "no lineage to v7"
     assert chain_comparison(steps, "1", "1") is None
     empty = cohort([])
