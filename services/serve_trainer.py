@@ -1,10 +1,16 @@
-"""``rtrl serve trainer``: RL increments on a schedule.
+"""``rtrl serve trainer``: RL increments on an adaptive cadence (trainer/cadence.py).
 
 APScheduler 3 runs one interval job (``trainer.interval_s``, 5 h by default) from a
 persistent SQLAlchemy job store in ``trainer.data_dir/jobs.sqlite``: a restarted trainer keeps
-its schedule, a run missed while it was down runs once on start-up (coalesced, within
-``misfire_grace_s``), and ``max_instances=1`` plus the increment lock mean never two
-increments at once. ``/metrics``, ``/healthz`` and ``/readyz`` are served on ``http``.
+its schedule, and a run missed while it was down fires once on start-up (coalesced, within
+``misfire_grace_s``). The interval job does not train by itself: it marks an increment *due*
+(the file ``trainer.data_dir/increment_due``, so a restart keeps it) and a check job, every
+``trainer.check_every_s``, decides: start when due or when ``trainer.trigger``'s records have
+arrived, never while a canary is in flight. An increment started early by records pushes the
+next interval run to a full interval later. Each decision to wait is logged when it changes,
+exported (``rtrl_trainer_waiting{for}``, ``rtrl_trainer_pending_records``/``_ess``) and
+written to Redis for ``rtrl status``. One check at a time and the increment lock mean never
+two increments at once. ``/metrics``, ``/healthz`` and ``/readyz`` are served on ``http``.
 
 SIGTERM: no new increment starts; a running one gets ``stop_grace_s`` to finish. If it has
 not finished by then the process exits anyway (0) — its window stays pending and the next
@@ -14,57 +20,179 @@ run resumes it from the last Ray Train checkpoint.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
+from apscheduler.jobstores.memory import MemoryJobStore
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
+from deployer.registry import CHAMPION, candidate_in_flight
 from services.runtime import metrics
 from services.runtime.flags import deprecated_alias
 from services.runtime.health import Health, HttpEndpoints
+from services.runtime.kafka_io import ensure_topics, make_consumer
+from services.runtime.mlflow_http import dependency_of
 from services.runtime.process import Stopper, setup_logging
+from services.runtime.redis_io import cadence_key, make_redis
 from services.runtime.settings import Settings, get_settings
-from services.trainer_job import BusyError, describe, run_once, shutdown_ray
+from services.trainer_job import BusyError, describe, registry_from, run_once, shutdown_ray
+from trainer.adapters.kafka_rewards import KafkaRewardLog
+from trainer.cadence import Decision, Readiness, RecordTally, Trigger, decide
+from trainer.increment import served_as_champion
 
 log = logging.getLogger("rtrl.trainer")
 JOB_ID = "rtrl-increment"
+CHECK_JOB_ID = "rtrl-cadence-check"
+WAITING_FOR = ("canary", "records")
 
 _state: dict[str, object] = {}
 _running = threading.Event()
+_checking = threading.Lock()
 
 
 def scheduled_increment() -> None:
-    """The job the scheduler runs (module-level so the persistent job store can name it)."""
+    """The interval job (module-level so the persistent job store can name it): the interval
+    has passed, so an increment is due; the check decides when it can start."""
     settings = _state.get("settings")
     if not isinstance(settings, Settings):
         log.error("trainer settings not initialised; skipping this run")
         return
-    stopper = _state.get("stopper")
-    if isinstance(stopper, Stopper) and stopper.stopping:
+    due_file(settings).touch()
+    check()
+
+
+def due_file(settings: Settings) -> Path:
+    settings.trainer.data_dir.mkdir(parents=True, exist_ok=True)
+    return settings.trainer.data_dir / "increment_due"
+
+
+class Watch:
+    """What the check looks at between increments: the records after the cut (read once
+    each, through a consumer kept open), the canary in flight and the due marker."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        t = settings.trainer
+        self.trigger = Trigger(t.trigger.min_records, t.trigger.min_ess)
+        self.tally = RecordTally(settings.topics.rewards)
+        self._rewards: KafkaRewardLog | None = None
+        self.rest_until = 0.0
+        """Until when the records trigger rests (monotonic clock)."""
+        self.last_key: tuple[bool, str, str | None] | None = None
+
+    def observe(self) -> Readiness:
+        s = self.settings
+        if self._rewards is None:
+            ensure_topics(s, [s.topics.rewards])  # a fresh install: no reward yet is 0 records
+            consumer = make_consumer(s.kafka, s.trainer.consumer_group, isolation_level="read_committed",
+                                     max_poll_records=2000)
+            self._rewards = KafkaRewardLog(consumer, s.topics.rewards)
+        registry = registry_from(s)
+        canary = candidate_in_flight(registry)
+        self.tally.update(self._rewards)
+        keep = (served_as_champion(registry, registry.alias_version(CHAMPION) or "")
+                if s.trainer.train_on == "champions" else (lambda _v: True))
+        records, ess = self.tally.figures(keep)
+        return Readiness(due_file(s).exists(), records, ess, canary, time.monotonic() < self.rest_until)
+
+    def close(self) -> None:
+        if self._rewards is not None:
+            self._rewards.close()
+            self._rewards = None
+
+
+def check() -> None:
+    """Decide, say, and start the increment if the rule says so. One check at a time."""
+    settings, watch, stopper = _state.get("settings"), _state.get("watch"), _state.get("stopper")
+    if not isinstance(settings, Settings) or not isinstance(watch, Watch):
         return
+    if (isinstance(stopper, Stopper) and stopper.stopping) or not _checking.acquire(blocking=False):
+        return
+    try:
+        try:
+            readiness = watch.observe()
+        except Exception as exc:
+            dep = dependency_of(exc) or "unknown"
+            metrics.DEPENDENCY_RETRIES.labels("trainer", dep).inc()
+            log.warning("cadence check failed (%s: %s); the next check retries", type(exc).__name__,
+                        str(exc)[:300])
+            watch.close()
+            return
+        decision = decide(readiness, watch.trigger)
+        publish(settings, watch, readiness, decision)
+        if decision.start and not start_increment(settings, decision) and decision.trigger == "records":
+            watch.rest_until = time.monotonic() + settings.trainer.trigger.retry_s
+    finally:
+        _checking.release()
+
+
+def publish(settings: Settings, watch: Watch, r: Readiness, d: Decision) -> None:
+    """The decision in the metrics, the log (when it changes) and Redis (for ``rtrl status``)."""
+    metrics.TRAIN_PENDING_RECORDS.set(r.records)
+    metrics.TRAIN_PENDING_ESS.set(r.ess)
+    for what in WAITING_FOR:
+        metrics.TRAIN_WAITING.labels(what).set(1 if d.waiting_for == what else 0)
+    key = (d.start, d.waiting_for, r.canary)
+    if d.start or key != watch.last_key:  # a wait is logged when what it waits for changes
+        log.info("cadence: %s: %s", "start" if d.start else "wait", d.reason)
+    watch.last_key = key
+    body = {"start": d.start, "trigger": d.trigger, "waiting_for": d.waiting_for, "reason": d.reason,
+            "due": r.due, "records": r.records, "ess": round(r.ess, 1), "canary": r.canary,
+            "min_records": watch.trigger.min_records, "min_ess": watch.trigger.min_ess, "at": time.time()}
+    try:
+        client = make_redis(settings.redis)
+        try:
+            ttl = max(60, int(10 * settings.trainer.check_every_s))  # gone soon after the trainer
+            client.set(cadence_key(settings.redis.key_prefix), json.dumps(body), ex=ttl)
+        finally:
+            client.close()
+    except Exception as exc:  # status for operators only: the cadence does not depend on it
+        log.debug("could not write the cadence status to Redis: %s", exc)
+
+
+def start_increment(settings: Settings, decision: Decision) -> bool:
+    """Run one increment now; whether it registered a candidate. The due marker is cleared as
+    it starts (a failed increment's window stays pending and is retried at the next due time
+    or trigger)."""
+    due_file(settings).unlink(missing_ok=True)
+    metrics.TRAIN_STARTS.labels(decision.trigger).inc()
+    if decision.trigger == "records":
+        push_interval(settings)
     _running.set()
     try:
         outcome = run_once(settings)
         log.info("increment: %s", describe(outcome))
+        return outcome.status == "success"
     except BusyError as exc:
         log.warning("%s; this run is skipped", exc)
     except Exception:
         log.exception("increment failed; its window stays pending and the next run retries it")
     finally:
         _running.clear()
+    return False
+
+
+def push_interval(settings: Settings) -> None:
+    """An increment started early: the next interval run is a full interval from now."""
+    scheduler = _state.get("scheduler")
+    if isinstance(scheduler, BackgroundScheduler) and scheduler.get_job(JOB_ID) is not None:
+        scheduler.modify_job(JOB_ID, next_run_time=_now() + timedelta(seconds=settings.trainer.interval_s))
 
 
 def make_scheduler(settings: Settings) -> BackgroundScheduler:
     t = settings.trainer
     t.data_dir.mkdir(parents=True, exist_ok=True)
     scheduler = BackgroundScheduler(
-        jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{(t.data_dir / 'jobs.sqlite').resolve()}")},
+        jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{(t.data_dir / 'jobs.sqlite').resolve()}"),
+                   "memory": MemoryJobStore()},
         job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": t.misfire_grace_s},
         timezone="UTC",
     )
@@ -85,6 +213,11 @@ def schedule(scheduler: BackgroundScheduler, settings: Settings) -> None:
                           replace_existing=True)
     if t.run_on_start:
         scheduler.modify_job(JOB_ID, next_run_time=_now())
+    # the check: not persisted (it has no state of its own); a second instance may start
+    # while the first runs an increment and returns at once, so the scheduler never warns
+    scheduler.add_job(check, IntervalTrigger(seconds=t.check_every_s, timezone="UTC"), id=CHECK_JOB_ID,
+                      name="cadence check", jobstore="memory", replace_existing=True, max_instances=2,
+                      next_run_time=_now())
 
 
 def _now() -> datetime:
@@ -108,6 +241,9 @@ def main(argv: list[str]) -> int:
     if updates:
         settings = settings.model_copy(update={"trainer": settings.trainer.model_copy(update=updates)})
     setup_logging(settings.log_level, "trainer")
+    # the executor logs every run of every job at INFO: a check every few seconds would flood
+    # the log; the cadence logs its own decisions
+    logging.getLogger("apscheduler.executors.default").setLevel(logging.WARNING)
     # Ray's driver installs abseil's C++ failure-signal handler for SIGTERM at the OS level:
     # it replaces ours and arms a 3 s abort timer, so a graceful stop died of SIGABRT when the
     # signal came after an increment had started Ray. This process owns SIGTERM.
@@ -116,8 +252,9 @@ def main(argv: list[str]) -> int:
     metrics.TRAIN_CADENCE.set(settings.trainer.interval_s)
 
     stopper = Stopper().install()
-    _state.update(settings=settings, stopper=stopper)
     scheduler = make_scheduler(settings)
+    watch = Watch(settings)
+    _state.update(settings=settings, stopper=stopper, watch=watch, scheduler=scheduler)
     health = Health(liveness_timeout_s=60)
     health.add_check("scheduler", lambda: bool(scheduler.running))
     port = args.port if args.port is not None else settings.http.port
@@ -125,8 +262,12 @@ def main(argv: list[str]) -> int:
     scheduler.start()
     schedule(scheduler, settings)
     job = scheduler.get_job(JOB_ID)
-    log.info("trainer scheduled every %.0fs; next increment at %s (metrics on port %d)",
-             settings.trainer.interval_s, job.next_run_time if job else None, http.port)
+    trig = settings.trainer.trigger
+    log.info("trainer scheduled every %.0fs%s; next increment due at %s; checks every %.0fs "
+             "(metrics on port %d)", settings.trainer.interval_s,
+             f" or at {trig.min_records} records (effective sample size {trig.min_ess:g})"
+             if trig.min_records else "", job.next_run_time if job else None,
+             settings.trainer.check_every_s, http.port)
     while not stopper.wait(1.0):
         health.beat()
     log.info("stopping: no new increments")
@@ -137,6 +278,8 @@ def main(argv: list[str]) -> int:
     abandoned = _running.is_set()
     scheduler.shutdown(wait=False)
     http.stop()
+    if not abandoned:
+        watch.close()
     if abandoned:
         log.warning("the running increment did not finish within %.0fs; its window stays pending "
                     "and the next run resumes it", settings.trainer.stop_grace_s)

@@ -40,7 +40,7 @@ from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
 from deployer.status import CanaryStatus, Command
 from services.cli import exit_codes
 from services.cli.backends import backend_failure, bound_mlflow_env, bounded_settings, message, probe_mlflow
-from services.runtime.redis_io import make_redis
+from services.runtime.redis_io import make_redis, read_cadence
 from services.runtime.settings import Settings, get_settings
 
 COHORT_ROWS = ("n", "users", "reward_mean", "acceptance", "persistence", "latency_mean_ms",
@@ -118,7 +118,8 @@ def render_history(rows: list[dict[str, Any]]) -> str:
 def _status(settings: Settings, as_json: bool) -> int:
     from services.serve_deployer import build_ports  # heavy: after Redis answered
 
-    ports = build_ports(settings, redis_client=_redis(settings))
+    client = _redis(settings)
+    ports = build_ports(settings, redis_client=client)
     status, holder = ports.state.load(), ports.state.holder()
     routing = ports.routing.read()  # type: ignore[attr-defined]
     aliases: dict[str, str | None] = {}
@@ -135,15 +136,29 @@ def _status(settings: Settings, as_json: bool) -> int:
         registry_error = message("status", failure, settings, bound_mlflow_env(settings.cli.timeout_s))
         print(registry_error, file=sys.stderr)
     engine = ports.engine.describe() if ports.engine is not None else None
+    trainer = read_cadence(client, settings.redis.key_prefix)
     if as_json:
         print(json.dumps({"status": status.to_json(), "aliases": aliases, "gates": gates,
                           "routing": routing, "controller": holder, "engine": engine,
-                          "registry_error": registry_error}, indent=2))
+                          "trainer": trainer, "registry_error": registry_error}, indent=2))
     else:
         print(render_status(status, aliases, gates, routing, holder, time.time()))
+        print(render_trainer(trainer, time.time()))
         if engine is not None:
             print(render_engine(engine, routing))
     return exit_codes.OK if registry_error is None else exit_codes.UNAVAILABLE
+
+
+def render_trainer(cadence: Mapping[str, Any] | None, now: float) -> str:
+    """The trainer service's last cadence decision: starting, or waiting and for what."""
+    if cadence is None:
+        return f"{'trainer':<13}no trainer service has reported in the last minutes"
+    what = "starting an increment" if cadence.get("start") else "waiting"
+    at = cadence.get("at")
+    when = f" ({_ago(float(at), now)} ago)" if isinstance(at, int | float) else ""
+    figures = (f"{cadence.get('records', 0)} records since the last window, effective sample size "
+               f"{float(cadence.get('ess', 0.0)):.0f}")
+    return "\n".join([f"{'trainer':<13}{what}{when}: {cadence.get('reason', '')}", f"{'':<13}{figures}"])
 
 
 def render_engine(engine: Mapping[str, Any], routing: Mapping[str, str | None]) -> str:

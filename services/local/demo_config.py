@@ -217,6 +217,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_TRAINER__INTERVAL_S": f"{demo.trainer_cadence_s:g}",
         "RTRL_TRAINER__DATA_DIR": str(data / "trainer"),
         "RTRL_TRAINER__MISFIRE_GRACE_S": "30",
+        "RTRL_TRAINER__CHECK_EVERY_S": "5",  # an increment that waited for a canary starts soon after it
         "RTRL_TRAINER__MIN_RECORDS": "200",
         "RTRL_TRAINER__STOP_GRACE_S": "10",  # within the demo's 20 s stop grace: an increment
         # running at the end is left to resume from its checkpoint, and the trainer exits 0

@@ -111,6 +111,20 @@ TRAIN_STAT = Gauge(
     ["stat"],
 )
 GATE_RESULTS = Counter("rtrl_gate_results_total", "Offline gate results", ["result"])
+TRAIN_STARTS = Counter(
+    "rtrl_trainer_increment_starts_total", "Increments started by the service, by trigger", ["trigger"]
+)
+"""trigger: interval (the interval passed) | records (enough records and users arrived early)"""
+TRAIN_WAITING = Gauge(
+    "rtrl_trainer_waiting", "1 while the next increment waits, by what it waits for", ["waiting_for"]
+)
+"""waiting_for: canary (a due increment waits for the canary in flight to be decided) | records"""
+TRAIN_PENDING_RECORDS = Gauge(
+    "rtrl_trainer_pending_records", "Reward records after the last cut the next increment would train on"
+)
+TRAIN_PENDING_ESS = Gauge(
+    "rtrl_trainer_pending_ess", "Effective sample size over users of rtrl_trainer_pending_records"
+)
 
 # --- deployer / judge --------------------------------------------------------------------
 CANARY_PHASE = Gauge("rtrl_canary_phase", "1 for the canary's current phase", ["phase"])
@@ -214,7 +228,8 @@ OWNERS: dict[str, tuple[Collector, ...]] = {
                REWARDS_EMITTED, REWARD_VALUE, REWARD_VALUE_POSITIVE, REWARD_VALUE_NEGATIVE,
                REWARD_CLOSE_SECONDS, REWARD_RECOVERED),
     "trainer": (TRAIN_INCREMENTS, TRAIN_RUNNING, TRAIN_LAST_SUCCESS, TRAIN_CADENCE, TRAIN_DURATION,
-                TRAIN_STAT, GATE_RESULTS),
+                TRAIN_STAT, GATE_RESULTS, TRAIN_STARTS, TRAIN_WAITING, TRAIN_PENDING_RECORDS,
+                TRAIN_PENDING_ESS),
     "deployer": (CANARY_PHASE, CANARY_WEIGHT, CANARY_PHASE_AGE, CANARY_VERDICTS, CANARY_PROMOTIONS,
                  CANARY_ROLLBACKS, CANARY_ABORTS, JUDGE_STAT, HACKING_DETECTIONS, GROUP_LAG_MESSAGES,
                  GROUP_LAG_SECONDS, GROUP_LAG_READ, OPERATOR_COMMANDS, NOTIFICATIONS),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -46,3 +48,21 @@ def wait_for_redis(url: str, timeout_s: float = 10.0) -> None:
             return
         time.sleep(0.05)
     raise TimeoutError(f"Redis at {url.split('@')[-1]} did not answer in {timeout_s}s")
+
+
+def cadence_key(prefix: str) -> str:
+    """The key holding the trainer service's last cadence decision (``rtrl status`` reads it)."""
+    return f"{prefix}trainer:cadence"
+
+
+def read_cadence(client: redis.Redis, prefix: str) -> dict[str, Any] | None:
+    """The trainer's last cadence decision, or None (no trainer service, or not for a while:
+    the key expires)."""
+    raw = client.get(cadence_key(prefix))
+    if raw is None:
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None

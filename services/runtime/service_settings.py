@@ -142,6 +142,19 @@ class BandSettings(Section):
         return self
 
 
+class TriggerSettings(Section):
+    """Start an increment before the interval once enough reward-complete records have arrived
+    (trainer/cadence.py; docs/trainer.md)."""
+
+    min_records: Annotated[int, Field(ge=0)] = 0
+    """Records after the last window's cut that start an increment early; 0: the interval alone."""
+    min_ess: Annotated[float, Field(ge=0.0)] = 0.0
+    """And the effective sample size over users (Kish's) they must reach."""
+    retry_s: Annotated[float, Field(ge=0.0)] = 600.0
+    """After an increment the records started registers no candidate (it failed, or was skipped),
+    the records trigger rests this long; the interval still applies."""
+
+
 class TrainerSettings(Section):
     """RL increments (``rtrl serve trainer``, ``rtrl train --now``, ``rtrl bootstrap``)."""
 
@@ -151,6 +164,10 @@ class TrainerSettings(Section):
     """A run missed (trainer down) by less than this still runs once at start-up."""
     run_on_start: bool = False
     """Also start one increment as soon as the scheduler starts."""
+    check_every_s: Annotated[float, Field(gt=0.0)] = 30.0
+    """How often the service looks at the records since the cut, the canary in flight and a
+    due increment (an increment never starts while a canary is in flight)."""
+    trigger: TriggerSettings = TriggerSettings()
     data_dir: Path = Path(".rtrl/trainer")
     """Scheduler job store, the pending window, Ray checkpoints and scratch space. On a Ray
     cluster, ``ray_storage`` must be shared storage instead."""
@@ -170,7 +187,10 @@ class TrainerSettings(Section):
     """Divide advantages by the group's reward standard deviation (off: Dr. GRPO)."""
     train_on: Literal["champions", "all"] = "champions"
     """``champions``: learn only from completions served by versions that were champion; the
-    records of canaries rolled back, aborted or undecided are consumed but not trained on."""
+    records of canaries rolled back or aborted are consumed but not trained on. The service
+    starts no increment while a canary is undecided, so its records are classified by its
+    outcome (``rtrl train --now`` does not wait: it consumes an undecided canary's records
+    without training on them)."""
     batch_size: Annotated[int, Field(ge=1)] = 32
     """Records per optimiser step."""
     epochs: Annotated[int, Field(ge=1)] = 1

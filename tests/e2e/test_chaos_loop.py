@@ -32,7 +32,8 @@ def test_the_loop_survives_random_kills_and_loses_nothing(tmp_path: Path) -> Non
     every = os.environ.get("RTRL_E2E_CHAOS_EVERY_S", "30")
     minutes = os.environ.get("RTRL_E2E_CHAOS_MINUTES", "7")
     argv = [sys.executable, "-m", "services.cli", "demo", "--chaos", "--chaos-every", every,
-            "--minutes", minutes, "--increments", "99", "--data-dir", str(data), "--report-dir", str(reports), "--json"]
+            "--minutes", minutes, "--increments", "99", "--data-dir", str(data), "--report-dir", str(reports),
+            "--json"]
     try:
         proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
         out = proc.stdout + proc.stderr
@@ -58,7 +59,8 @@ def test_the_loop_survives_random_kills_and_loses_nothing(tmp_path: Path) -> Non
         doc = json.loads(proc.stdout)
         assert doc["exit_code"] == 0 and doc["report"] == str(summary_file.parent / "report.md")
         assert doc["chaos"]["kills"] == chaos["kills"] and doc["chaos"]["reconcile"] == rec
-        assert doc["summary"]["decisions"] == summary["decisions"] and doc["bad_version"] == summary["bad_version"]
+        assert doc["summary"]["decisions"] == summary["decisions"]
+        assert doc["bad_version"] == summary["bad_version"]
         bad = summary["bad_version"]
         rolled = [d for d in summary["decisions"] if d["outcome"] == "rolled_back"
                   and d["decided_by"] == "controller"]

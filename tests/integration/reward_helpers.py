@@ -15,9 +15,11 @@ from ingest.events import (
     EditRejected,
     FollowupDissatisfied,
     ModelRef,
+    RewardRecord,
 )
 from services.runtime.kafka_io import ensure_topics, make_consumer, make_producer
 from services.runtime.settings import Settings
+from trainer.tokens import BOS
 
 T0 = datetime.now(UTC) - timedelta(minutes=5)
 
@@ -81,3 +83,17 @@ def read_rewards(settings: Settings, expect: int, timeout_s: float = 30.0,
     finally:
         c.close()
     return out
+
+
+def reward_record(i: int, user: str, prompt: list[int] | None = None, tokens: list[int] | None = None,
+                  logps: list[float] | None = None, reward: float = 1.0) -> RewardRecord:
+    """One reward record served by v1 to ``user``."""
+    now = datetime.now(UTC)
+    prompt, tokens = prompt or [BOS, 3, 10], tokens or [7, 1]
+    return RewardRecord(
+        request_id=f"req-{i}", served_event_id=f"ev-{i}", session_id=f"s{i % 9}", user_key=user,
+        served_ts=now, closed_ts=now, model=ModelRef(name="rtrl-policy", version="1"),
+        arm="canary" if i % 5 == 0 else "stable", prompt_tokens=prompt, completion_tokens=tokens,
+        behavior_logprobs=logps or [-1.0] * len(tokens), latency_ms=12.0, reward=reward,
+        components={"accept": reward}, reward_spec_version="default-v1",
+    )

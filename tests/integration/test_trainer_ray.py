@@ -14,14 +14,13 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from reward_helpers import reward_record
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.registry import CANDIDATE, CHAMPION, Tag
-from ingest.events import ModelRef, RewardRecord
 from services import trainer_job
 from services.cli import train as train_cli
 from services.local.sim_users import bootstrap_corpus
@@ -78,19 +77,11 @@ def produce_rewards(s: Settings, policy_dir: Path, n: int, start: int) -> None:
     """Completions sampled from the champion, rewarded when they start with a low token id."""
     policy = load_policy(policy_dir)
     rng = random.Random(start)
-    now = datetime.now(UTC)
     producer = make_producer(s.kafka)
     for i in range(start, start + n):
         prompt = [BOS, 3 + rng.randrange(4), *(rng.randrange(10, 64) for _ in range(4))]
         tokens, logps = policy.sample(prompt, 8, seed=i)
-        reward = 1.0 if tokens[0] < 30 else -0.25
-        rec = RewardRecord(
-            request_id=f"req-{i}", served_event_id=f"ev-{i}", session_id=f"s{i % 9}", user_key=f"u{i % 23}",
-            served_ts=now, closed_ts=now, model=ModelRef(name="rtrl-policy", version="1"),
-            arm="canary" if i % 5 == 0 else "stable", prompt_tokens=prompt, completion_tokens=tokens,
-            behavior_logprobs=logps, latency_ms=12.0, reward=reward, components={"accept": reward},
-            reward_spec_version="default-v1",
-        )
+        rec = reward_record(i, f"u{i % 23}", prompt, tokens, logps, 1.0 if tokens[0] < 30 else -0.25)
         producer.send(s.topics.rewards, key=rec.request_id.encode(), value=rec.model_dump_json().encode())
     producer.flush()
     producer.close()

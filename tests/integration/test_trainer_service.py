@@ -156,3 +156,102 @@ def test_sigterm_during_an_increment_exits_0_and_leaves_the_window_pending(
             proc.kill()
     assert pending.load() is not None, "the interrupted window stays pending for the next run"
     assert registry.versions() == [champion]
+
+
+def _metrics(port: int) -> str:
+    return get(f"http://127.0.0.1:{port}/metrics")[1]
+
+
+def _cadence_env(settings: Settings, **extra: str) -> dict[str, str]:
+    return {"RTRL_REDIS__URL": settings.redis.url.get_secret_value(),
+            "RTRL_REDIS__KEY_PREFIX": settings.redis.key_prefix, "RTRL_TRAINER__CHECK_EVERY_S": "1", **extra}
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+
+
+def test_a_due_increment_waits_for_the_canary_in_flight(settings: Settings, tmp_path: Path) -> None:
+    """Real MLflow registry (sqlite), broker and Redis: the interval is due at start, but a
+    candidate is under canary, so nothing trains until the canary is decided."""
+    from deployer.adapters.mlflow_registry import MlflowRegistry
+    from deployer.registry import CANDIDATE, Tag
+    from services.runtime.redis_io import make_redis, read_cadence
+
+    registry = MlflowRegistry(f"sqlite:///{tmp_path / 'mlflow.db'}", settings.mlflow.registered_model,
+                              settings.mlflow.training_experiment)
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "weights.bin").write_bytes(b"x")
+    version = registry.register(None, tmp_path / "policy")
+    registry.set_alias(CANDIDATE, version)  # no outcome yet: the canary is in flight
+    port = free_port()
+    proc = start(settings, tmp_path, port, "--run-on-start", env_extra=_cadence_env(settings))
+    redis = make_redis(settings.redis)
+    try:
+        wait_for(lambda: 'rtrl_trainer_waiting{waiting_for="canary"} 1.0' in _metrics(port), 120)
+        time.sleep(3)  # a few more checks: still waiting, nothing trained
+        body = _metrics(port)
+        assert 'rtrl_trainer_waiting{waiting_for="canary"} 1.0' in body
+        assert "rtrl_trainer_increments_total{" not in body
+        assert "rtrl_trainer_increment_starts_total{" not in body
+        cadence = read_cadence(redis, settings.redis.key_prefix)
+        assert cadence is not None and cadence["waiting_for"] == "canary" and cadence["canary"] == version
+        assert cadence["due"] and f"canary v{version} in flight" in cadence["reason"]
+        assert (tmp_path / "trainer" / "increment_due").exists()
+
+        registry.set_tags(version, {Tag.CANARY_OUTCOME: "rolled_back"})  # the deployer decided
+        wait_for(lambda: 'rtrl_trainer_increment_starts_total{trigger="interval"} 1.0' in _metrics(port), 60)
+        # no champion, so the increment fails fast: what matters is that it started
+        wait_for(lambda: 'rtrl_trainer_increments_total{outcome="failed"} 1.0' in _metrics(port), 60)
+        assert not (tmp_path / "trainer" / "increment_due").exists()
+        assert 'rtrl_trainer_waiting{waiting_for="canary"} 0.0' in _metrics(port)
+        _stop(proc)
+    finally:
+        redis.close()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_enough_records_start_an_increment_before_the_interval(settings: Settings, tmp_path: Path) -> None:
+    """Reward records on a real broker reach the trigger (count and users); the increment
+    starts early and the next interval run moves to a full interval later."""
+    from reward_helpers import reward_record
+
+    from services.runtime.kafka_io import ensure_topics, make_producer
+
+    ensure_topics(settings, [settings.topics.rewards])
+    producer = make_producer(settings.kafka)
+
+    def send(i: int, user: str) -> None:
+        rec = reward_record(i, user)
+        producer.send(settings.topics.rewards, key=rec.request_id.encode(),
+                      value=rec.model_dump_json().encode())
+    env = _cadence_env(settings, RTRL_TRAINER__TRIGGER__MIN_RECORDS="40", RTRL_TRAINER__TRIGGER__MIN_ESS="6",
+                       RTRL_TRAINER__TRAIN_ON="all")
+    port = free_port()
+    proc = start(settings, tmp_path, port, env_extra=env)
+    try:
+        for i in range(40):  # 40 records from 2 users: enough records, too few users
+            send(i, f"u{i % 2}")
+        producer.flush()
+        wait_for(lambda: "rtrl_trainer_pending_records 40.0" in _metrics(port), 120)
+        body = _metrics(port)
+        assert 'rtrl_trainer_waiting{waiting_for="records"} 1.0' in body
+        assert "rtrl_trainer_pending_ess 2.0" in body
+        assert "rtrl_trainer_increment_starts_total{" not in body
+        for i in range(40, 80):  # 40 more from 20 new users: 80^2 / (2 * 20^2 + 20 * 2^2) = 7.3 users
+            send(i, f"v{i % 20}")
+        producer.flush()
+        wait_for(lambda: 'rtrl_trainer_increment_starts_total{trigger="records"} 1.0' in _metrics(port), 60)
+        wait_for(lambda: 'rtrl_trainer_increments_total{outcome="failed"} 1.0' in _metrics(port), 60)
+        time.sleep(3)  # checks go on: a failed increment is not restarted at each one
+        assert 'rtrl_trainer_increments_total{outcome="failed"} 1.0' in _metrics(port)
+        _stop(proc)
+    finally:
+        producer.close()
+        if proc.poll() is None:
+            proc.kill()
+    with sqlite3.connect(tmp_path / "trainer" / "jobs.sqlite") as conn:
+        (next_run,) = conn.execute(NEXT_RUN).fetchone()
+    assert next_run > time.time() + 3000, "the next interval run is a full interval after the early one"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deployer.status import CanaryStatus, Phase
-from services.cli.operator import render_history, render_status
+from services.cli.operator import render_history, render_status, render_trainer
 
 
 def test_status_table_shows_versions_phase_weight_verdict_and_cohorts() -> None:
@@ -43,3 +43,16 @@ def test_history_rows() -> None:
     assert lines[1].startswith("2027-01-15 08:00") and "rollback" in lines[1]
     assert "judge: canary worse" in lines[1]
     assert lines[2].split()[-1] == "running"
+
+
+def test_status_says_what_the_trainer_waits_for() -> None:
+    now = 1_700_000_000.0
+    waiting = {"start": False, "trigger": "", "waiting_for": "canary", "records": 5123, "ess": 812.4,
+               "reason": "canary v7 in flight: a candidate trained now could not be offered", "at": now - 12}
+    text = render_trainer(waiting, now)
+    assert text.splitlines()[0] == ("trainer      waiting (0m12s ago): canary v7 in flight: a candidate "
+                                    "trained now could not be offered")
+    assert "5123 records since the last window, effective sample size 812" in text
+    started = {**waiting, "start": True, "trigger": "records", "reason": "5123 records (>= 5000)"}
+    assert "starting an increment" in render_trainer(started, now)
+    assert "no trainer service has reported" in render_trainer(None, now)

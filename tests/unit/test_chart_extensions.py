@@ -196,8 +196,9 @@ def test_keda_scales_ingest_and_reward_on_their_input_topics_lag(example) -> Non
 def test_scaled_objects_match_the_keda_models(example, render: Render) -> None:
     from cloudcoil.models.keda import v1alpha1
 
-    secured = render(*ct.REQUIRED, "--set", "reward.keda.enabled=true", "--set", "kafka.securityProtocol=SASL_SSL",
-                     "--set", "kafka.sasl.mechanism=PLAIN", "--set", "reward.keda.authenticationRef=kafka-auth")
+    secured = render(*ct.REQUIRED, "--set", "reward.keda.enabled=true",
+                     "--set", "kafka.securityProtocol=SASL_SSL", "--set", "kafka.sasl.mechanism=PLAIN",
+                     "--set", "reward.keda.authenticationRef=kafka-auth")
     docs = by_kind(example, "ScaledObject") + by_kind(secured, "ScaledObject")
     assert len(docs) == 3
     for doc in docs:
