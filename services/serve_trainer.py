@@ -28,6 +28,7 @@ import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from apscheduler.jobstores.memory import MemoryJobStore
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
@@ -47,6 +48,9 @@ from services.trainer_job import BusyError, describe, registry_from, run_once, s
 from trainer.adapters.kafka_rewards import KafkaRewardLog
 from trainer.cadence import Decision, Readiness, RecordTally, Trigger, decide
 from trainer.increment import served_as_champion
+
+if TYPE_CHECKING:
+    from deployer.adapters.mlflow_registry import MlflowRegistry
 
 log = logging.getLogger("rtrl.trainer")
 JOB_ID = "rtrl-increment"
@@ -84,6 +88,7 @@ class Watch:
         self.trigger = Trigger(t.trigger.min_records, t.trigger.min_ess)
         self.tally = RecordTally(settings.topics.rewards)
         self._rewards: KafkaRewardLog | None = None
+        self._registry: MlflowRegistry | None = None
         self.rest_until = 0.0
         """Until when the records trigger rests (monotonic clock)."""
         self.last_key: tuple[bool, str, str | None] | None = None
@@ -95,7 +100,9 @@ class Watch:
             consumer = make_consumer(s.kafka, s.trainer.consumer_group, isolation_level="read_committed",
                                      max_poll_records=2000)
             self._rewards = KafkaRewardLog(consumer, s.topics.rewards)
-        registry = registry_from(s)
+        if self._registry is None:
+            self._registry = registry_from(s)
+        registry = self._registry
         canary = candidate_in_flight(registry)
         self.tally.update(self._rewards)
         keep = (served_as_champion(registry, registry.alias_version(CHAMPION) or "")
@@ -278,7 +285,7 @@ def main(argv: list[str]) -> int:
     abandoned = _running.is_set()
     scheduler.shutdown(wait=False)
     http.stop()
-    if not abandoned:
+    if not abandoned and _checking.acquire(timeout=5):  # no check is reading meanwhile
         watch.close()
     if abandoned:
         log.warning("the running increment did not finish within %.0fs; its window stays pending "
