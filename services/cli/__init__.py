@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "stream sample events through ingest and reward, print what happened"),
     "reconcile": ("services.cli.reconcile",
                   "account for every raw event: lost or duplicated events and rewards"),
+    "replay": ("services.cli.replay", "recompute past rewards under another reward spec; what would change"),
     "train": ("services.cli.train", "run one RL increment now (train --now)"),
     "bootstrap": ("services.cli.train", "supervised first champion from a corpus file"),
     "status": ("services.cli.operator", "champion, candidate, canary phase, cohorts, verdict"),

@@ -47,7 +47,6 @@ from services.local.demo_config import (
     prepare_data_dir,
     say,
     stdout_to_stderr,
-    strict_json,
 )
 from services.local.demo_inject import BadCandidateInjector
 from services.local.demo_services import (
@@ -65,6 +64,7 @@ from services.local.demo_watch import read_decisions, watch
 from services.local.report import write_report
 from services.local.report_sources import Decision, read_rewards
 from services.local.stack import EmbeddedStack
+from services.runtime.json_doc import strict_json
 from services.runtime.settings import Settings
 
 

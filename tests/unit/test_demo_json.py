@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from services.local.demo_config import strict_json
+from services.runtime.json_doc import strict_json
 
 REPO = Path(__file__).resolve().parents[2]
 
