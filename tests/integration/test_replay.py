@@ -9,12 +9,17 @@ import os
 import subprocess
 import sys
 import threading
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from reward_helpers import accepted, dissatisfied, full_edit, produce, read_rewards, rejected, served
+from reward_helpers import T0, accepted, dissatisfied, full_edit, produce, read_rewards, rejected, served
 
+from deployer import ledger
+from deployer.actions import LedgerClose, LedgerOpen
+from deployer.adapters.ledger_mlflow import MlflowLedger
 from ingest.reward.spec import default_spec_text, load_spec
 from services.runtime.process import Stopper
 from services.runtime.service_settings import RewardSettings
@@ -47,8 +52,8 @@ def live(settings: Settings) -> Iterator[tuple[Settings, list[dict[str, object]]
     yield s, records
 
 
-def _replay(s: Settings, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RTRL_STACK__DATA_DIR": str(tmp_path / "no-stack"),
+def _replay(s: Settings, tmp_path: Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **env_extra, "RTRL_STACK__DATA_DIR": str(tmp_path / "no-stack"),
            "RTRL_KAFKA__BOOTSTRAP_SERVERS": s.kafka.bootstrap_servers, "RTRL_TOPICS__RAW": s.topics.raw,
            "RTRL_TOPICS__EVENTS": s.topics.events, "RTRL_TOPICS__REWARDS": s.topics.rewards}
     return subprocess.run([sys.executable, "-m", "services.cli", "replay", *args], cwd=REPO, env=env,
@@ -103,3 +108,31 @@ def test_replay_refuses_what_would_mix_with_live_data(settings: Settings, tmp_pa
     dead = settings.kafka.model_copy(update={"bootstrap_servers": "127.0.0.1:1"})
     proc = _replay(settings.model_copy(update={"kafka": dead}), tmp_path, "--spec", default, "--no-canaries")
     assert proc.returncode == 4 and "Traceback" not in proc.stderr and "Kafka" in proc.stderr
+
+
+def test_replay_judges_past_canaries_from_a_real_ledger(
+    live: tuple[Settings, list[dict[str, object]]], mlflow_server: str, tmp_path: Path,
+) -> None:
+    """A canary recorded in the MLflow ledger (real tracking server) over the live records'
+    minutes is judged again with the replayed rewards."""
+    s, _ = live
+    exp = f"rtrl-deployments-{uuid.uuid4().hex[:6]}"
+    cid = f"canary-v1-{uuid.uuid4().hex[:6]}"
+    start, end = T0.timestamp() - 60, time.time()
+    led = MlflowLedger(mlflow_server, exp)
+    led.record(LedgerOpen(cid, ledger.open_params("1", "1", (0.5,), 1.0, 600.0),
+                          ledger.open_tags(cid, "canary", "1", "1"), start))
+    tags = ledger.decision_tags("promoted", "judge: at least as good", "controller", end)
+    led.record(LedgerClose(cid, end, tags, {"canary_id": cid, "decision": "promote"}))
+    spec = tmp_path / "rejection-penalty.toml"
+    spec.write_text(default_spec_text().replace('version = "default-v1"', 'version = "rej-v3"')
+                    .replace("rejected = -0.25", "rejected = -2.0"))
+    proc = _replay(s, tmp_path, "--spec", str(spec), "--json", "--out", str(tmp_path / "c.jsonl"),
+                   RTRL_MLFLOW__TRACKING_URI=mlflow_server, RTRL_MLFLOW__DEPLOYMENTS_EXPERIMENT=exp)
+    assert proc.returncode == 0, proc.stderr
+    [canary] = json.loads(proc.stdout)["canaries"]
+    assert canary["canary_id"] == cid and canary["outcome"] == "promoted"
+    # stable served the edits, rejections and questions (30 users), the canary the accepts (10)
+    assert canary["live"]["users"] == [30, 10] == canary["replayed"]["users"]
+    # only stable served rejections, so the canary's reward advantage grows under the new spec
+    assert canary["replayed"]["reward_difference"] > canary["live"]["reward_difference"] + 0.3
