@@ -8,7 +8,7 @@ its schedule, and a run missed while it was down fires once on start-up (coalesc
 ``trainer.check_every_s``, decides: start when due or when ``trainer.trigger``'s records have
 arrived, never while a canary is in flight. An increment started early by records pushes the
 next interval run to a full interval later. Each decision to wait is logged when it changes,
-exported (``rtrl_trainer_waiting{for}``, ``rtrl_trainer_pending_records``/``_ess``) and
+exported (``rtrl_trainer_waiting{waiting_for}``, ``rtrl_trainer_pending_records``/``_ess``) and
 written to Redis for ``rtrl status``. One check at a time and the increment lock mean never
 two increments at once. ``/metrics``, ``/healthz`` and ``/readyz`` are served on ``http``.
 
@@ -50,6 +50,8 @@ from trainer.cadence import Decision, Readiness, RecordTally, Trigger, decide
 from trainer.increment import served_as_champion
 
 if TYPE_CHECKING:
+    import redis
+
     from deployer.adapters.mlflow_registry import MlflowRegistry
 
 log = logging.getLogger("rtrl.trainer")
@@ -89,6 +91,7 @@ class Watch:
         self.tally = RecordTally(settings.topics.rewards)
         self._rewards: KafkaRewardLog | None = None
         self._registry: MlflowRegistry | None = None
+        self._redis: redis.Redis | None = None
         self.rest_until = 0.0
         """Until when the records trigger rests (monotonic clock)."""
         self.last_key: tuple[bool, str, str | None] | None = None
@@ -110,10 +113,19 @@ class Watch:
         records, ess = self.tally.figures(keep)
         return Readiness(due_file(s).exists(), records, ess, canary, time.monotonic() < self.rest_until)
 
+    def redis(self) -> redis.Redis:
+        """One client for the status writes, kept between checks."""
+        if self._redis is None:
+            self._redis = make_redis(self.settings.redis)
+        return self._redis
+
     def close(self) -> None:
         if self._rewards is not None:
             self._rewards.close()
             self._rewards = None
+        if self._redis is not None:
+            self._redis.close()
+            self._redis = None
 
 
 def check() -> None:
@@ -126,11 +138,14 @@ def check() -> None:
     try:
         try:
             readiness = watch.observe()
-        except Exception as exc:
-            dep = dependency_of(exc) or "unknown"
-            metrics.DEPENDENCY_RETRIES.labels("trainer", dep).inc()
-            log.warning("cadence check failed (%s: %s); the next check retries", type(exc).__name__,
-                        str(exc)[:300])
+        except Exception as exc:  # the same rule as a deployer tick (serve_deployer.run_tick)
+            dep = dependency_of(exc)
+            if dep is not None:
+                metrics.DEPENDENCY_RETRIES.labels("trainer", dep).inc()
+                log.warning("cadence check failed: %s unavailable (%s: %s); the next check retries", dep,
+                            type(exc).__name__, str(exc)[:300])
+            else:
+                log.exception("cadence check failed; the next check retries")
             watch.close()
             return
         decision = decide(readiness, watch.trigger)
@@ -155,12 +170,8 @@ def publish(settings: Settings, watch: Watch, r: Readiness, d: Decision) -> None
             "due": r.due, "records": r.records, "ess": round(r.ess, 1), "canary": r.canary,
             "min_records": watch.trigger.min_records, "min_ess": watch.trigger.min_ess, "at": time.time()}
     try:
-        client = make_redis(settings.redis)
-        try:
-            ttl = max(60, int(10 * settings.trainer.check_every_s))  # gone soon after the trainer
-            client.set(cadence_key(settings.redis.key_prefix), json.dumps(body), ex=ttl)
-        finally:
-            client.close()
+        ttl = max(60, int(10 * settings.trainer.check_every_s))  # gone soon after the trainer
+        watch.redis().set(cadence_key(settings.redis.key_prefix), json.dumps(body), ex=ttl)
     except Exception as exc:  # status for operators only: the cadence does not depend on it
         log.debug("could not write the cadence status to Redis: %s", exc)
 

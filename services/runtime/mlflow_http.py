@@ -43,8 +43,8 @@ _DEPENDENCY_OF_PACKAGE = {"mlflow": "mlflow", "requests": "mlflow", "urllib3": "
 
 
 def dependency_of(exc: BaseException) -> str | None:
-    """Which dependency an exception from a deployer tick came from: mlflow, redis, kafka or
-    None. The exception, its causes and contexts, and their base classes are looked at."""
+    """Which dependency an exception from a deployer tick or a trainer check came from: mlflow,
+    redis, kafka or None. The exception, its causes and contexts, and their base classes are looked at."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
