@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from deployer.engine import READY, EngineState
+from deployer.routing import Holdout
 
 # --------------------------------------------------------------------------- actions
 
@@ -28,6 +29,13 @@ class SetRouting:
     canary: str | None
     weight: float
     salt: str
+
+
+@dataclass(frozen=True)
+class SetHoldout:
+    """Write (or, with ``holdout=None``, remove) the long-term holdout the gateway reads."""
+
+    holdout: Holdout | None
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,8 @@ class EngineUnload:
 
 LedgerEvent = LedgerOpen | LedgerStep | LedgerNote | LedgerClose | LedgerRefusal
 EngineAction = EngineLoad | EngineUnload
-Action = SetRouting | SetWeight | MoveAlias | DeleteAlias | WriteTags | LedgerEvent | EngineAction
+RoutingAction = SetRouting | SetWeight | SetHoldout
+Action = RoutingAction | MoveAlias | DeleteAlias | WriteTags | LedgerEvent | EngineAction
 
 # --------------------------------------------------------------------------- ports
 
@@ -143,6 +152,12 @@ class RoutingPort(Protocol):
 
     def set_weight(self, weight: float) -> None:
         """Write the canary weight only."""
+
+    def set_holdout(self, holdout: Holdout | None) -> None:
+        """Write the holdout's key (one JSON value), or delete it."""
+
+    def read(self) -> dict[str, str | None]:
+        """The raw routing values by field name (``deployer.routing.ROUTING_FIELDS``)."""
 
 
 class AliasPort(Protocol):
@@ -183,6 +198,16 @@ def apply_engine(action: EngineAction, engine: EngineActions | None) -> None:
         raise RuntimeError(f"version {action.version} cannot be served by the engine: {state.reason}")
 
 
+def apply_routing(action: RoutingAction, routing: RoutingPort) -> None:
+    match action:
+        case SetRouting(stable=stable, canary=canary, weight=weight, salt=salt):
+            routing.set_routing(stable, canary, weight, salt)
+        case SetWeight(weight=weight):
+            routing.set_weight(weight)
+        case SetHoldout(holdout=holdout):
+            routing.set_holdout(holdout)
+
+
 def apply_actions(
     actions: Iterable[Action], routing: RoutingPort, registry: AliasPort, ledger: LedgerPort,
     engine: EngineActions | None = None,
@@ -193,10 +218,8 @@ def apply_actions(
         match action:
             case EngineLoad() | EngineUnload():
                 apply_engine(action, engine)
-            case SetRouting(stable=stable, canary=canary, weight=weight, salt=salt):
-                routing.set_routing(stable, canary, weight, salt)
-            case SetWeight(weight=weight):
-                routing.set_weight(weight)
+            case SetRouting() | SetWeight() | SetHoldout():
+                apply_routing(action, routing)
             case MoveAlias(alias=alias, version=version):
                 registry.set_alias(alias, version)
             case DeleteAlias(alias=alias, expected=expected):

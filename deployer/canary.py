@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from deployer import ledger, records
+from deployer import holdout, ledger, records
 from deployer.actions import (
     Action,
     DeleteAlias,
@@ -75,7 +75,8 @@ def next_state(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) ->
         status = _note_handled(status, cmd.id, result)
         actions += more
     status, more = PHASE_RULES[status.phase](status, obs, policy)
-    return status, actions + more + engine_upkeep(status, obs)
+    actions += more
+    return status, actions + holdout.upkeep(obs, actions) + engine_upkeep(status, obs)
 
 
 def engine_upkeep(status: CanaryStatus, obs: Observations) -> list[Action]:
@@ -88,10 +89,15 @@ def engine_upkeep(status: CanaryStatus, obs: Observations) -> list[Action]:
         keep.add(status.candidate)  # in flight, or the champion promoted this very tick
     if status.phase not in RESTING:
         keep.add(status.stable)
+    served = [obs.champion]
+    if obs.holdout is not None and obs.holdout.active(obs.now):
+        served.append(obs.holdout.version)  # the holdout's users are served it until it ends
+        keep.add(obs.holdout.version)
     actions: list[Action] = []
-    champ = obs.engine.get(obs.champion) if obs.champion is not None else None
-    if obs.champion is not None and (champ is None or champ.state != FAILED):
-        actions.append(EngineLoad(obs.champion))  # a no-op while the engine still lists it
+    for version in dict.fromkeys(v for v in served if v is not None):
+        state = obs.engine.get(version)
+        if state is None or state.state != FAILED:
+            actions.append(EngineLoad(version))  # a no-op while the engine still lists it
     actions += [EngineUnload(v) for v in sorted(obs.engine) if v not in keep]
     return actions
 

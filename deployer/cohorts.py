@@ -3,7 +3,9 @@
 A record belongs to the canary's window when it was served at or after the canary started
 and by the exact version of its arm: ``arm == "stable"`` and ``model.version`` = the stable
 version, or ``arm == "canary"`` and the candidate version. Everything else (earlier canaries,
-a different stable during a manual change) is left out, so both arms cover the same window.
+a different stable during a manual change, the long-term holdout's users) is left out, so both
+arms cover the same window. :class:`HoldoutWindow` does the same for the champion against the
+long-term holdout.
 """
 
 from __future__ import annotations
@@ -30,16 +32,24 @@ class CohortWindow:
     seen: set[str] = field(default_factory=set)
     """request ids already counted (a record read twice after a rebalance counts once)."""
 
+    def side(self, record: RewardRecord) -> str | None:
+        """The cohort ``record`` counts in (``stable`` or ``canary``), None when it is outside
+        the window (another arm or version, or served before the window started)."""
+        if record.served_ts.timestamp() < self.started_at:
+            return None
+        version = {"stable": self.stable_version, "canary": self.canary_version}.get(record.arm)
+        return record.arm if version is not None and record.model.version == version else None
+
     def belongs(self, record: RewardRecord) -> bool:
-        version = self.stable_version if record.arm == "stable" else self.canary_version
-        return record.model.version == version and record.served_ts.timestamp() >= self.started_at
+        return self.side(record) is not None
 
     def add(self, record: RewardRecord) -> bool:
         """Count ``record`` if it belongs to the window; True when it was counted."""
-        if record.request_id in self.seen or not self.belongs(record):
+        side = self.side(record)
+        if record.request_id in self.seen or side is None:
             return False
         self.seen.add(record.request_id)
-        self.outcomes[record.arm].append(outcome_from_reward(record))
+        self.outcomes[side].append(outcome_from_reward(record))
         return True
 
     def add_all(self, records: Iterable[RewardRecord]) -> int:
@@ -60,6 +70,23 @@ class CohortWindow:
             for arm in ARMS
         )
         return stable, canary
+
+
+@dataclass
+class HoldoutWindow(CohortWindow):
+    """The champion against the long-term holdout (deployer/holdout.py) since ``started_at``:
+    the holdout's records (arm ``holdout``, its pinned version) are the baseline, judged as
+    ``stable``; the champion's (arm ``stable``, the champion's version) are judged as ``canary``.
+    ``stable_version`` is the pinned version, ``canary_version`` the champion."""
+
+    def side(self, record: RewardRecord) -> str | None:
+        if record.served_ts.timestamp() < self.started_at:
+            return None
+        if record.arm == "holdout" and record.model.version == self.stable_version:
+            return "stable"
+        if record.arm == "stable" and record.model.version == self.canary_version:
+            return "canary"
+        return None
 
 
 def summary(cohort: CohortData) -> dict[str, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from deployer import holdout
 from deployer.actions import Action, LedgerNote
 from deployer.status import RESTING, TRANSIENT, CanaryPolicy, CanaryStatus, Command, Observations, Phase
 from deployer.transitions import decide, start
@@ -20,6 +21,9 @@ Handled = tuple[CanaryStatus, list[Action], str]
 def handle(status: CanaryStatus, obs: Observations, policy: CanaryPolicy, cmd: Command) -> Handled:
     if cmd.kind in ("pause", "resume"):
         return _pause(status, cmd, cmd.kind == "pause")
+    if cmd.kind in holdout.KINDS:  # independent of the canary: allowed in any phase
+        actions, result = holdout.handle(obs, cmd)
+        return status, actions, result
     if status.phase in TRANSIENT:
         return status, [], f"rejected: the canary of v{status.candidate} is finishing ({status.phase})"
     if cmd.kind == "approve":

@@ -36,7 +36,7 @@ UNAUTHENTICATED = "unauthenticated"
 RESULTS = ("accepted", UNAUTHENTICATED, "unknown_command", "unsigned", "no_keys", "unknown_operator",
            "bad_signature", "expired", "replayed")
 """Values of the ``result`` label of ``rtrl_operator_commands_total``."""
-KINDS = ("pause", "resume", "promote", "rollback", "approve")
+KINDS = ("pause", "resume", "promote", "rollback", "approve", "holdout_pin", "holdout_rotate", "holdout_end")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -96,7 +96,9 @@ def parse_keys(text: str) -> dict[str, tuple[bytes, ...]]:
 
 def payload(cmd: Command) -> bytes:
     """The signed bytes: every field the decision depends on, and when it was signed."""
-    fields = [SCHEME, cmd.id, cmd.kind, cmd.by, cmd.version, cmd.reason, repr(float(cmd.ts))]
+    fields: list[object] = [SCHEME, cmd.id, cmd.kind, cmd.by, cmd.version, cmd.reason, repr(float(cmd.ts))]
+    if cmd.share is not None or cmd.days is not None:  # holdout commands; others sign as before
+        fields += [cmd.share, cmd.days]  # as queued: JSON keeps a float exactly
     return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
 
 

@@ -14,6 +14,9 @@ assignment is
 * **re-randomised per canary**: a new salt reshuffles who lands in the first percent, so the
   same users are not the guinea pigs of every canary.
 
+A long-term holdout (deployer/holdout.py) takes its users out first, by its own salt: they are
+served the pinned version and never see a canary.
+
 Anything that needs to know a user's arm (the gateway, a simulator, an analysis notebook)
 can recompute it from these two functions and the salt in Redis.
 
@@ -26,16 +29,20 @@ routes nobody to the canary rather than everybody.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal
 
-Arm = Literal["stable", "canary"]
+Arm = Literal["stable", "canary", "holdout"]
 BUCKETS = 10_000
 """Resolution of the split: weights are effective in steps of 1/10_000 (0.01%)."""
 
-ROUTING_FIELDS = ("canary_weight", "salt", "stable_version", "canary_version")
+ROUTING_FIELDS = ("canary_weight", "salt", "stable_version", "canary_version", "holdout")
+MAX_HOLDOUT_SHARE = 0.5
+"""At most half the users are held out: the champion keeps the larger arm."""
 
 
 def routing_keys(prefix: str) -> dict[str, str]:
@@ -79,6 +86,62 @@ def assign_arm(user_key: str, salt: str, canary_weight: float) -> Arm:
 
 
 @dataclass(frozen=True)
+class Holdout:
+    """One pinned holdout, as written to ``{prefix}routing:holdout``."""
+
+    id: str
+    """``holdout-v<version>-<UTC stamp>``: also the name of its ledger run."""
+    version: str
+    """The pinned baseline version its users are served."""
+    share: float
+    """Share of all users held out, in (0, MAX_HOLDOUT_SHARE]."""
+    salt: str
+    """Salt of the sticky hash (independent of the canary's)."""
+    started_at: float
+    until: float
+    """Unix seconds: the holdout routes users in [started_at, until)."""
+    by: str = ""
+    """Who pinned or last rotated it."""
+
+    def active(self, now: float) -> bool:
+        return self.started_at <= now < self.until
+
+    def holds(self, user_key: str, now: float) -> bool:
+        """Whether ``user_key`` is held out at ``now``."""
+        return self.active(now) and bucket(user_key, self.salt) < canary_buckets(self.share)
+
+    def to_text(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def parse_holdout(raw: bytes | str | None) -> tuple[Holdout | None, str]:
+    """The holdout in a raw Redis value, and what was wrong with it ('' when nothing).
+
+    A missing value is no holdout. A value that does not parse, or whose share or times make
+    no sense, is *no holdout* too (never "everyone held out"), with the problem reported."""
+    if raw is None:
+        return None, ""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    if not text.strip():
+        return None, ""
+    try:
+        data = json.loads(text)
+        h = Holdout(id=str(data["id"]), version=str(data["version"]), share=float(data["share"]),
+                    salt=str(data["salt"]), started_at=float(data["started_at"]),
+                    until=float(data["until"]), by=str(data.get("by", "")))
+    except (ValueError, TypeError, KeyError) as exc:
+        return None, f"holdout {text[:80]!r} is unreadable ({type(exc).__name__}: {exc}); ignoring it"
+    if not (math.isfinite(h.share) and 0.0 < h.share <= MAX_HOLDOUT_SHARE):
+        return None, f"holdout share {h.share!r} is outside (0, {MAX_HOLDOUT_SHARE}]; ignoring the holdout"
+    if not (math.isfinite(h.started_at) and math.isfinite(h.until) and h.until > h.started_at):
+        return None, "holdout period is empty or not finite; ignoring the holdout"
+    if not h.version or not h.salt:
+        return None, "holdout has no version or salt; ignoring it"
+    return h, ""
+
+
+
+@dataclass(frozen=True)
 class RoutingTable:
     """The traffic split as the deployer last wrote it."""
 
@@ -90,11 +153,20 @@ class RoutingTable:
     """Model version serving the stable arm; None: use the registry's ``champion`` alias."""
     canary_version: str | None = None
     """Model version under canary; None: no canary, everybody is on stable."""
+    holdout: Holdout | None = None
+    """The long-term holdout (deployer/holdout.py); None: nobody is held out."""
     problems: tuple[str, ...] = ()
     """What was wrong with the raw values (logged and counted by the reader)."""
 
-    def arm_for(self, user_key: str, canary_available: bool) -> Arm:
-        """The arm serving ``user_key`` given whether a canary model is loaded."""
+    def arm_for(self, user_key: str, canary_available: bool, holdout_available: bool = False,
+                now: float | None = None) -> Arm:
+        """The arm serving ``user_key`` given whether the canary and holdout models are loaded.
+
+        A held-out user gets the holdout arm (or stable while its version is not loaded), never
+        the canary; everyone else is split between stable and canary."""
+        h = self.holdout
+        if h is not None and h.holds(user_key, time.time() if now is None else now):
+            return "holdout" if holdout_available else "stable"
         if not canary_available or self.canary_version is None:
             return "stable"
         return assign_arm(user_key, self.salt, self.canary_weight)
@@ -128,10 +200,14 @@ def parse_table(raw: Mapping[str, bytes | str | None]) -> RoutingTable:
                 problems.append(f"canary_weight {text!r} is outside [0, 1]; using 0")
             else:
                 weight = value
+    holdout, problem = parse_holdout(raw.get("holdout"))
+    if problem:
+        problems.append(problem)
     return RoutingTable(
         canary_weight=weight,
         salt=_text(raw.get("salt")) or "",
         stable_version=_text(raw.get("stable_version")),
         canary_version=_text(raw.get("canary_version")),
+        holdout=holdout,
         problems=tuple(problems),
     )

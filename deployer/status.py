@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from deployer.actions import Action
+from deployer.routing import Holdout
 
 
 class Phase(StrEnum):
@@ -87,11 +88,17 @@ class Command:
 
     id: str
     """Random; also the nonce that makes a copied command a replay."""
-    kind: Literal["pause", "resume", "promote", "rollback", "approve"]
+    kind: Literal["pause", "resume", "promote", "rollback", "approve", "holdout_pin", "holdout_rotate",
+                  "holdout_end"]
     by: str
     version: str | None = None
-    """promote / approve: the version; rollback: ``--to`` version (None: the canary)."""
+    """promote / approve: the version; rollback: ``--to`` version (None: the canary); holdout
+    pin / rotate: the version to pin (None: the champion)."""
     reason: str = ""
+    share: float | None = None
+    """holdout pin / rotate: share of users held out (None: the default or the current one)."""
+    days: float | None = None
+    """holdout pin / rotate: how long the holdout lasts (None: the default or the current one)."""
     ts: float = 0.0
     """When the operator signed it (Unix seconds)."""
     signature: str = ""
@@ -128,6 +135,8 @@ class Observations:
     """Commands whose signature, operator or age did not verify: recorded, never executed."""
     error: str | None = None
     """Set when reading observations failed (e.g. the rewards topic was unreachable)."""
+    holdout: Holdout | None = None
+    """The long-term holdout written in the routing table (expired or not)."""
     engine: Mapping[str, Any] | None = None
     """version -> deployer.engine.EngineState of versions on the inference engine; None when
     there is no engine (local policies): then nothing is loaded before traffic."""

@@ -30,7 +30,7 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 INT64_MAX = 2**63 - 1
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 """A non-negative count that a consumer reading 64-bit integers can hold."""
-Arm = Literal["stable", "canary"]
+Arm = Literal["stable", "canary", "holdout"]
 LogProb = Annotated[float, Field(le=0.0, allow_inf_nan=False)]
 
 

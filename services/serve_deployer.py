@@ -19,11 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kafka import TopicPartition
-from pydantic import ValidationError
-
 from deployer import cohorts
-from deployer.actions import Action, LedgerPort, RoutingPort, apply_actions
+from deployer.actions import Action, LedgerPort, LedgerStep, RoutingPort, apply_actions
 from deployer.adapters.redis_state import ControllerState, RedisRouting
 from deployer.adapters.vllm_engine import VllmEngine
 from deployer.adapters.webhook import WebhookNotifier
@@ -33,6 +30,7 @@ from deployer.ledger import TAG_GATE
 from deployer.notify import NotifyPort, notice_of
 from deployer.operators import screen
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
+from deployer.routing import parse_holdout
 from deployer.status import (
     JUDGED,
     CanaryPolicy,
@@ -40,10 +38,8 @@ from deployer.status import (
     Command,
     Observations,
 )
-from ingest.events import RewardRecord
 from rollback.judge import judge
 from rollback.types import GuardrailPolicy, JudgePolicy, default_metrics
-from services.gateway.counts import read_counts
 from services.runtime import metrics as m
 from services.runtime.canary_metrics import export_metrics
 from services.runtime.flags import deprecated_alias
@@ -54,6 +50,7 @@ from services.runtime.mlflow_http import bound_mlflow_http, dependency_of
 from services.runtime.operator_keys import authority
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.redis_io import make_redis
+from services.runtime.reward_tail import HoldoutMonitor, RewardReader
 from services.runtime.service_settings import DeployerSettings
 from services.runtime.settings import Settings, get_settings
 
@@ -84,68 +81,6 @@ def judge_policy(d: DeployerSettings) -> JudgePolicy:
     )
 
 
-class RewardReader:
-    """Reward records of the current canary's window, re-read from the rewards topic from
-    the canary's start time whenever the canary changes (also after a restart)."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.topic = settings.topics.rewards
-        self.poll_ms = settings.deployer.poll_timeout_ms
-        self.consumer = make_consumer(settings.kafka, group_id=None)
-        self.window: cohorts.CohortWindow | None = None
-        self.canary_id: str | None = None
-        self.invalid = 0
-        self._redis_settings = settings.redis
-        self._redis: object | None = None
-
-    def served_counts(self, status: CanaryStatus
-                      ) -> tuple[dict[str, int], dict[str, int], dict[str, list[tuple[str, float, int]]]]:
-        """The gateway's per-arm request and error counts since the canary started, and the
-        errors by user (services/gateway/counts.py): failed requests never make a reward
-        record, so the error rate and its guardrail need them."""
-        assert status.stable is not None and status.candidate is not None
-        if self._redis is None:
-            self._redis = make_redis(self._redis_settings)
-        versions = {"stable": status.stable, "canary": status.candidate}
-        return read_counts(self._redis, self._redis_settings.key_prefix, versions, status.started_at)
-
-    def _reset(self, status: CanaryStatus) -> None:
-        assert status.stable is not None and status.candidate is not None
-        parts = self.consumer.partitions_for_topic(self.topic) or set()
-        if not parts:
-            raise RuntimeError(f"rewards topic {self.topic} has no partitions (does it exist?)")
-        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
-        self.consumer.assign(tps)
-        found = self.consumer.offsets_for_times({tp: int(status.started_at * 1000) for tp in tps})
-        for tp in tps:
-            hit = found.get(tp)
-            if hit is None:
-                self.consumer.seek_to_end(tp)
-            else:
-                self.consumer.seek(tp, hit.offset)
-        self.window = cohorts.CohortWindow(status.stable, status.candidate, status.started_at)
-        self.canary_id = status.canary_id
-
-    def read(self, status: CanaryStatus) -> cohorts.CohortWindow:
-        if self.window is None or status.canary_id != self.canary_id:
-            self._reset(status)
-        assert self.window is not None
-        for _ in range(100):  # bounded: a tick never spins forever on a busy topic
-            batch = self.consumer.poll(timeout_ms=self.poll_ms, max_records=5000)
-            if not batch:
-                break
-            for records in batch.values():
-                for rec in records:
-                    try:
-                        self.window.add(RewardRecord.model_validate_json(rec.value))
-                    except ValidationError:
-                        self.invalid += 1
-        return self.window
-
-    def close(self) -> None:
-        self.consumer.close()
-
-
 @dataclass
 class Ports:
     routing: RoutingPort
@@ -164,10 +99,12 @@ class Controller:
     """One tick at a time; ``step`` is what the loop, the operator CLI and tests call."""
 
     def __init__(self, settings: Settings, ports: Ports, rewards: RewardReader | None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, holdout: HoldoutMonitor | None = None) -> None:
         self.settings, self.ports, self.rewards, self.clock = settings, ports, rewards, clock
         self.policy = canary_policy(settings.deployer)
         self.judge_policy = judge_policy(settings.deployer)
+        self.holdout = holdout
+        """Measures the champion against the long-term holdout (None: not in this process)."""
         uri = settings.mlflow.tracking_uri
         self.ui_url = settings.notify.mlflow_ui_url or (uri if uri.startswith(("http:", "https:")) else None)
         """Where links in notices point (the MLflow UI)."""
@@ -200,14 +137,36 @@ class Controller:
             self.ports.notifier.send(notice)  # queued: a slow receiver never delays the tick
         if after.phase != before.phase:
             log.info("canary %s: %s -> %s %s", after.canary_id, before.phase, after.phase, after.reason)
+        self.measure_holdout(obs)
         return after
+
+    def measure_holdout(self, obs: Observations) -> None:
+        """The champion against the long-term holdout, when due. Its failure is logged and
+        counted but never fails the tick: the canary does not wait on it."""
+        if self.holdout is None:
+            return
+        try:  # after the tick: a command of this tick may have changed the holdout
+            h = parse_holdout(self.ports.routing.read().get("holdout"))[0]
+            champion = self.ports.registry.alias_version(CHAMPION) if h is not None else None
+            self.holdout.measure(h, champion, obs.now)
+        except Exception as exc:
+            dep = dependency_of(exc)
+            if dep is None:
+                log.exception("measuring the holdout failed; retried at the next measurement")
+            else:
+                m.DEPENDENCY_RETRIES.labels(SERVICE, dep).inc()
+                log.warning("measuring the holdout failed: %s unavailable (%s)", dep, str(exc)[:300])
 
     def observe(self, status: CanaryStatus, commands: tuple[Command, ...]) -> Observations:
         reg = self.ports.registry
         champion, candidate, previous = (reg.alias_version(a) for a in (CHAMPION, CANDIDATE, PREVIOUS))
         wanted = {candidate, previous, *(c.version for c in commands)} - {None}
         tags = {v: self._tags(v) for v in wanted if v}
+        holdout, problem = parse_holdout(self.ports.routing.read().get("holdout"))
+        if problem:
+            log.error("routing table: %s", problem)
         obs = Observations(now=self.clock(), champion=champion, candidate=candidate, previous=previous,
+                           holdout=holdout,
                            gate={v: t.get(TAG_GATE, "") for v, t in tags.items()}, lineage=tags,
                            commands=commands,
                            engine=self.ports.engine.states() if self.ports.engine is not None else None)
@@ -297,6 +256,19 @@ def build_engine(settings: Settings, redis_client: Any, registry: Any) -> Engine
                       eng.engine_adapter_dir, key, settings.deployer.engine_check_tolerance, eng.timeout_s)
 
 
+def holdout_monitor(settings: Settings, ports: Ports) -> HoldoutMonitor | None:
+    """The champion-vs-holdout measurement of ``deployer.holdout_every_s`` (None: 0, off). Each
+    measurement is a step of the holdout's ledger run (step = Unix seconds)."""
+    every_s = settings.deployer.holdout_every_s
+    if every_s <= 0:
+        return None
+
+    def record(holdout_id: str, now: float, metrics: dict[str, float]) -> None:
+        ports.ledger.record(LedgerStep(holdout_id, int(now), now, metrics))
+
+    return HoldoutMonitor(settings, judge_policy(settings.deployer), ports.state.r, record, every_s)
+
+
 def start_lag_monitor(settings: Settings) -> GroupLagMonitor | None:
     """Reads the ingest and reward groups' lag from the broker in the background."""
     if settings.deployer.lag_interval_s <= 0:
@@ -328,7 +300,8 @@ def main(argv: list[str]) -> int:
     ensure_topics(settings, [settings.topics.rewards])
     ports = build_ports(settings)
     rewards = RewardReader(settings)
-    controller = Controller(settings, ports, rewards)
+    holdout = holdout_monitor(settings, ports)
+    controller = Controller(settings, ports, rewards, holdout=holdout)
     health = Health(liveness_timeout_s=max(60.0, 3 * tick_s))
     health.add_check("redis", lambda: bool(ports.state.r.ping()))
     port = args.port if args.port is not None else settings.http.port
@@ -346,6 +319,8 @@ def main(argv: list[str]) -> int:
     finally:
         ports.state.release()
         rewards.close()
+        if holdout is not None:
+            holdout.close()
         if lag is not None:
             lag.stop()
         if isinstance(ports.notifier, WebhookNotifier):

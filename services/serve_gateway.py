@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -105,13 +106,21 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
         champion = ChampionCache(lambda: source.alias_version("champion"), gw.champion_refresh_s).get
         model_name = settings.mlflow.registered_model
 
+    warned: list[str] = []
+
     def on_table(table: RoutingTable, stable: str | None) -> None:
+        h = table.holdout
+        held = h.version if h is not None and h.active(time.time()) else None
         if gw.stable_upstream is not None:
             stable = stable or gw.stable_upstream.version or gw.stable_upstream.model
             canary = table.canary_version if gw.canary_upstream is not None else None
+            if held is not None and h is not None and h.id not in warned:
+                warned.append(h.id)  # fixed upstreams serve no pinned version: say so once
+                log.warning("holdout %s pins v%s, but fixed upstreams cannot serve it: its users "
+                            "are served by stable (docs/holdout.md)", h.id, held)
             slots.want(stable, canary)
         else:
-            slots.want(stable or base, table.canary_version)
+            slots.want(stable or base, table.canary_version, held)
 
     exposures: ExposureLogger | ExposureProcess
     if gw.exposure_process:

@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
-from deployer import ledger, records
+from deployer import holdout, ledger, records
 from deployer.actions import LedgerClose, LedgerEvent, LedgerNote, LedgerOpen, LedgerRefusal, LedgerStep
 
 PLOT_ARTIFACT = "cohorts.png"
@@ -91,6 +91,8 @@ class MlflowLedger:
                 ts_ms = int(event.ts * 1000)
                 metrics = [Metric(k, float(v), ts_ms, event.step) for k, v in event.metrics.items()]
                 self.client.log_batch(self._need(event.canary_id), metrics=metrics)
+                if event.canary_id.startswith("holdout-"):  # its description shows the latest effect
+                    self._describe(self._need(event.canary_id))
             case LedgerNote():
                 self.client.set_tag(self._need(event.canary_id), event.key, ledger.clip(event.text))
             case LedgerClose():
@@ -139,6 +141,10 @@ class MlflowLedger:
         """Write the run's description (deployer/records.py) from its tags and latest metrics;
         returns the comparison rows it was made from."""
         data = self.client.get_run(run_id).data
+        if data.tags.get(ledger.TAG_KIND) == holdout.KIND:
+            text = holdout.description(data.tags, data.metrics)
+            self.client.set_tag(run_id, records.NOTE, ledger.clip(text))
+            return []
         rows = records.comparison(data.metrics)
         text = records.run_description(data.tags, rows, self.model,
                                        self._run_link(data.tags.get("rtrl.candidate.run_id")))
@@ -164,8 +170,10 @@ class MlflowLedger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(len(PANELS), 1, figsize=(8, 2.2 * len(PANELS)), sharex=True)
-        for ax, (title, keys) in zip(axes, PANELS, strict=True):
+        is_holdout = event.tags.get(ledger.TAG_KIND) == holdout.KIND
+        panels = holdout.PANELS if is_holdout else PANELS
+        fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels)), sharex=True)
+        for ax, (title, keys) in zip(axes, panels, strict=True):
             for key in keys:
                 points = self.series(run_id, key)
                 if points:
@@ -173,10 +181,10 @@ class MlflowLedger:
             ax.set_title(title, fontsize=9)
             if ax.lines:
                 ax.legend(fontsize=7, loc="best")
-        decision = event.tags.get(ledger.TAG_DECISION, "?")
+        decision = event.tags.get(ledger.TAG_DECISION, "ended" if is_holdout else "?")
         by = event.tags.get(ledger.TAG_DECIDED_BY, "?")
         fig.suptitle(f"{event.canary_id}: {decision} (decided by {by})", fontsize=10)
-        axes[-1].set_xlabel("judged tick")
+        axes[-1].set_xlabel("measured at (Unix seconds)" if is_holdout else "judged tick")
         fig.tight_layout()
         return fig
 

@@ -24,7 +24,7 @@ from deployer.actions import (
 from deployer.controller import tick
 from deployer.engine import FAILED, READY, EngineState
 from deployer.ledger import TAG_GATE
-from deployer.routing import ROUTING_FIELDS
+from deployer.routing import ROUTING_FIELDS, Holdout, parse_holdout
 from deployer.status import CanaryPolicy, CanaryStatus, Command, Judgement, Observations, Refusal
 
 
@@ -46,6 +46,13 @@ class FakeRouting:
 
     def set_weight(self, weight: float) -> None:
         self.keys["canary_weight"] = repr(float(weight))
+        self.writes += 1
+
+    def set_holdout(self, holdout: Holdout | None) -> None:
+        if holdout is None:
+            self.keys.pop("holdout", None)
+        else:
+            self.keys["holdout"] = holdout.to_text()
         self.writes += 1
 
     def read(self) -> dict[str, str | None]:
@@ -189,6 +196,7 @@ class FakeWorld:
             previous=aliases.get("previous"), gate=gate, lineage=lineage, judgement=judgement,
             cohorts=cohorts,
             commands=commands, refused=refused, error=error,
+            holdout=parse_holdout(self.routing.keys.get("holdout"))[0],
             engine=self.engine.states() if self.engine is not None else None,
         )
 

@@ -2,6 +2,7 @@
 the controller lease and the operator command queue. Keys (``p`` = ``key_prefix``)::
 
     {p}routing:canary_weight | salt | stable_version | canary_version   (gateway reads)
+    {p}routing:holdout     JSON of the long-term holdout (deployer/holdout.py; gateway reads)
     {p}deployer:status     JSON CanaryStatus, written after every tick
     {p}deployer:lease      owner id of the one controller allowed to act (expires)
     {p}deployer:commands   list of JSON operator commands, oldest first
@@ -12,6 +13,7 @@ the controller lease and the operator command queue. Keys (``p`` = ``key_prefix`
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any, cast
@@ -19,8 +21,10 @@ from typing import Any, cast
 import redis
 
 from deployer.registry import LockUnavailableError
-from deployer.routing import routing_keys
+from deployer.routing import Holdout, routing_keys
 from deployer.status import CanaryStatus, Command
+
+log = logging.getLogger(__name__)
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -63,6 +67,12 @@ class RedisRouting:
 
     def set_weight(self, weight: float) -> None:
         self.r.set(self.keys["canary_weight"], repr(float(weight)))
+
+    def set_holdout(self, holdout: Holdout | None) -> None:
+        if holdout is None:
+            self.r.delete(self.keys["holdout"])
+        else:
+            self.r.set(self.keys["holdout"], holdout.to_text())
 
     def read(self) -> dict[str, str | None]:
         values = self.r.mget(list(self.keys.values()))
@@ -118,7 +128,18 @@ class ControllerState:
         self.r.rpush(self.commands_key, json.dumps(command.__dict__))
 
     def pending(self) -> tuple[Command, ...]:
-        return tuple(Command(**json.loads(raw)) for raw in self.r.lrange(self.commands_key, 0, -1))
+        """The queued commands, oldest first. An entry that is no command (not JSON, no id or
+        kind) is dropped from the queue with a warning, so it cannot block the ones behind it;
+        fields this version does not know are ignored."""
+        out = []
+        for raw in self.r.lrange(self.commands_key, 0, -1):
+            try:
+                data = json.loads(raw)
+                out.append(Command(**{k: v for k, v in data.items() if k in Command.__dataclass_fields__}))
+            except (ValueError, TypeError, AttributeError) as exc:
+                log.warning("dropping a queued operator command that is not one (%s): %.200r", exc, raw)
+                self.r.lrem(self.commands_key, 1, cast(str, raw))
+        return tuple(out)
 
     def seen(self, ids: list[str]) -> set[str]:
         """Which of these command ids were accepted before (deployer/operators.py)."""

@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pause": ("services.cli.operator", "pause the canary controller"),
     "resume": ("services.cli.operator", "resume the canary controller"),
     "approve": ("services.cli.operator", "approve the canary that awaits approval (promotes it)"),
+    "holdout": ("services.cli.holdout", "the long-term holdout: show, pin, rotate or end it"),
     "demo": ("services.local.demo", "the closed loop on the embedded stack, with a report"),
     "version": ("services.cli.version", "the installed version (--json: with key dependencies)"),
 }

@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from deployer.adapters.webhook import WebhookNotifier
-from deployer.ledger import TAG_GATE
+from deployer.ledger import TAG_GATE, iso
 from deployer.operators import sign
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
+from deployer.routing import Holdout, parse_holdout
 from deployer.status import CanaryStatus, Command
 from services.cli import exit_codes
 from services.cli.backends import backend_failure, bound_mlflow_env, bounded_settings, message, probe_mlflow
@@ -121,7 +122,7 @@ def _status(settings: Settings, as_json: bool) -> int:
     client = _redis(settings)
     ports = build_ports(settings, redis_client=client)
     status, holder = ports.state.load(), ports.state.holder()
-    routing = ports.routing.read()  # type: ignore[attr-defined]
+    routing = ports.routing.read()
     aliases: dict[str, str | None] = {}
     gates: dict[str, str] = {}
     registry_error = None
@@ -137,13 +138,16 @@ def _status(settings: Settings, as_json: bool) -> int:
         print(registry_error, file=sys.stderr)
     engine = ports.engine.describe() if ports.engine is not None else None
     trainer = read_cadence(client, settings.redis.key_prefix)
+    holdout = parse_holdout(routing.get("holdout"))[0]
     if as_json:
         print(json.dumps({"status": status.to_json(), "aliases": aliases, "gates": gates,
                           "routing": routing, "controller": holder, "engine": engine,
-                          "trainer": trainer, "registry_error": registry_error}, indent=2))
+                          "trainer": trainer, "holdout": holdout.__dict__ if holdout else None,
+                          "registry_error": registry_error}, indent=2))
     else:
         print(render_status(status, aliases, gates, routing, holder, time.time()))
         print(render_trainer(trainer, time.time()))
+        print(render_holdout(holdout, time.time()))
         if engine is not None:
             print(render_engine(engine, routing))
     return exit_codes.OK if registry_error is None else exit_codes.UNAVAILABLE
@@ -161,14 +165,25 @@ def render_trainer(cadence: Mapping[str, Any] | None, now: float) -> str:
     return "\n".join([f"{'trainer':<13}{what}{when}: {cadence.get('reason', '')}", f"{'':<13}{figures}"])
 
 
+def render_holdout(h: Holdout | None, now: float) -> str:
+    """One line on the long-term holdout (``rtrl holdout`` shows its effect)."""
+    if h is None:
+        return f"{'holdout':<13}none pinned"
+    state = f"until {iso(h.until)}" if h.active(now) else f"expired at {iso(h.until)}"
+    return f"{'holdout':<13}{h.id}: {h.share:.1%} of users on v{h.version}, {state} (rtrl holdout)"
+
+
 def render_engine(engine: Mapping[str, Any], routing: Mapping[str, str | None]) -> str:
     """What the inference engine has loaded, and the model name each arm is served as."""
     versions: Mapping[str, Mapping[str, str]] = engine.get("versions", {})
     models = engine.get("engine_models")
     listed = ", ".join(models) if isinstance(models, list) else str(models)
     lines = ["", f"{'engine':<13}{engine.get('base_url')}  (serving: {listed or 'nothing'})"]
-    for arm in ("stable", "canary"):
-        v = routing.get(f"{arm}_version")
+    held = parse_holdout(routing.get("holdout"))[0]
+    for arm, v in (("stable", routing.get("stable_version")), ("canary", routing.get("canary_version")),
+                   ("holdout", held.version if held else None)):
+        if arm == "holdout" and v is None:
+            continue
         st = versions.get(v or "", {})
         where = st.get("model") or ("-" if v is None else "not loaded")
         lines.append(f"{arm:<13}v{v or '-'} as {where}" + (f"  [{st['state']}]" if st else ""))

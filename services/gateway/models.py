@@ -13,7 +13,7 @@ version each arm *should* serve (``want``); a loader thread loads what is missin
   and the gateway answers 503.
 * **canary** is dropped as soon as the wanted version changes or disappears (a rolled-back
   canary must stop serving at once); its users are served by stable until the new
-  version is ready.
+  version is ready. **holdout** (the long-term holdout's pinned version) behaves the same.
 * A version that fails to load is retried after ``retry_s``; meanwhile the arm keeps its
   previous backend (stable) or stays empty (canary). Failures are counted by arm.
 """
@@ -37,7 +37,7 @@ from trainer.tokens import EOS
 
 log = logging.getLogger(__name__)
 
-ARMS: tuple[Arm, Arm] = ("stable", "canary")
+ARMS: tuple[Arm, ...] = ("stable", "canary", "holdout")
 
 
 @dataclass(frozen=True)
@@ -175,11 +175,12 @@ class ModelSlots:
         return self._slots[arm].wanted
 
     # ----------------------------------------------------------------- control path
-    def want(self, stable: str | None, canary: str | None) -> None:
+    def want(self, stable: str | None, canary: str | None, holdout: str | None = None) -> None:
         """Set the versions each arm should serve; loads happen in ``step``."""
         changed = False
         with self._lock:
-            wants: tuple[tuple[Arm, str | None], ...] = (("stable", stable), ("canary", canary))
+            wants: tuple[tuple[Arm, str | None], ...] = (("stable", stable), ("canary", canary),
+                                                         ("holdout", holdout))
             for arm, version in wants:
                 slot = self._slots[arm]
                 if slot.wanted != version:
@@ -187,8 +188,8 @@ class ModelSlots:
                     log.info("%s arm: wanted version %s -> %s", arm, slot.wanted, version)
                     slot.wanted = version
                     # stable keeps serving its last version until the new one loads (and
-                    # rather than nothing when no version is wanted); canary stops at once.
-                    if arm == "canary" and slot.version != version:
+                    # rather than nothing when no version is wanted); the others stop at once.
+                    if arm != "stable" and slot.version != version:
                         self._install(arm, None, None)
         if changed:
             self._wake.set()

@@ -148,11 +148,11 @@ class OpenAIRoutes:
             except Exception as exc:
                 kind = "upstream" if isinstance(exc, UpstreamError) else "generate"
                 GATEWAY_ERRORS.labels(attempt, version, kind).inc()
-                if attempt != "canary":
+                if attempt == "stable":
                     return self._failed(call, exc)
-                log.warning("canary %s failed, serving from stable: %s", version, exc)
+                log.warning("%s %s failed, serving from stable: %s", attempt, version, exc)
                 GATEWAY_FALLBACKS.inc()
-                self.gw.count(version, "canary", True, call.user_key)
+                self.gw.count(version, attempt, True, call.user_key)
                 version, backend = stable
         raise AssertionError("unreachable")
 

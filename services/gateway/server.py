@@ -185,14 +185,14 @@ class Gateway:
     def pick(self, user_key: str) -> tuple[Arm, str, Backend, tuple[str, Backend]] | Response:
         """The arm, version and backend serving ``user_key``, and stable's (for a fallback);
         503 while no stable model is loaded."""
-        stable, canary = self.slots.get("stable"), self.slots.get("canary")
+        stable, canary, held = self.slots.get("stable"), self.slots.get("canary"), self.slots.get("holdout")
         if stable is None:
             GATEWAY_REQUESTS.labels("none", "none", "503").inc()
             wanted = self.slots.wanted("stable")
             why = f"version {wanted} is loading or failed to load" if wanted else "no champion yet"
             return _error(503, f"no champion model loaded yet ({why})")
-        arm: Arm = self._table().arm_for(user_key, canary is not None)
-        version, backend = canary if arm == "canary" and canary is not None else stable
+        arm: Arm = self._table().arm_for(user_key, canary is not None, held is not None)
+        version, backend = {"canary": canary, "holdout": held}.get(arm) or stable
         return arm, version, backend, stable
 
     def metrics(self) -> Response:
@@ -204,12 +204,16 @@ class Gateway:
 
     def routing(self) -> Response:
         table = self._table()
-        stable, canary = self.slots.get("stable"), self.slots.get("canary")
+        stable, canary, held = self.slots.get("stable"), self.slots.get("canary"), self.slots.get("holdout")
+        h = table.holdout
         return _json(200, {
             "canary_weight": table.canary_weight,
             "stable": {"version": stable[0]} if stable else None,
             "canary": {"version": canary[0]} if canary else None,
             "salt": table.salt,
+            "holdout": None if h is None else {
+                "id": h.id, "version": held[0] if held else None, "pinned": h.version, "share": h.share,
+                "salt": h.salt, "until": h.until, "active": h.active(time.time())},
         })
 
     # ----------------------------------------------------------------- completions
@@ -240,9 +244,9 @@ class Gateway:
                 self.count(version, arm, True, req.user_key)
             return result
         gen, gen_s = result
-        if arm == "canary" and gen is None:  # canary raised: stable serves, counted
+        if arm != "stable" and gen is None:  # canary or holdout raised: stable serves, counted
             GATEWAY_FALLBACKS.inc()
-            self.count(version, "canary", True, req.user_key)  # counted by assignment
+            self.count(version, arm, True, req.user_key)  # counted by assignment
             arm, (version, backend) = "stable", stable
             retry = self._generate(arm, version, backend, req)
             if isinstance(retry, Response):
@@ -256,7 +260,7 @@ class Gateway:
     def _generate(
         self, arm: Arm, version: str, backend: Backend, req: CompletionRequest
     ) -> tuple[Generation | None, float] | Response:
-        """(generation, seconds); (None, _) when a canary failed; a Response for errors."""
+        """(generation, seconds); (None, _) when a canary or holdout failed; a Response for errors."""
         vocab = backend.vocab_size
         if vocab is not None and max(req.prompt_tokens) >= vocab:
             GATEWAY_REQUESTS.labels(arm, version, "400").inc()
@@ -270,8 +274,8 @@ class Gateway:
         except Exception as exc:
             kind = "upstream" if isinstance(exc, UpstreamError) else "generate"
             GATEWAY_ERRORS.labels(arm, version, kind).inc()
-            if arm == "canary":
-                log.warning("canary %s failed, serving from stable: %s", version, exc)
+            if arm != "stable":
+                log.warning("%s %s failed, serving from stable: %s", arm, version, exc)
                 return None, 0.0
             code = exc.status if isinstance(exc, UpstreamError) else 500
             GATEWAY_REQUESTS.labels(arm, version, str(code)).inc()

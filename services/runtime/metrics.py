@@ -141,6 +141,13 @@ CANARY_ABORTS = Counter("rtrl_canary_aborts_total", "Canaries aborted (inconclus
 JUDGE_STAT = Gauge(
     "rtrl_judge_statistic", "The judge's latest statistics per metric", ["metric", "stat"]
 )
+HOLDOUT_EFFECT = Gauge(
+    "rtrl_holdout_effect",
+    "The champion minus the long-term holdout per metric, with its always-valid interval "
+    "(stat: estimate, lower, upper, relative)", ["metric", "stat"],
+)
+HOLDOUT_USERS = Gauge("rtrl_holdout_users", "Users in the champion vs holdout comparison", ["arm"])
+HOLDOUT_ACTIVE = Gauge("rtrl_holdout_active", "1 while a long-term holdout is pinned (0: none)")
 HACKING_DETECTIONS = Counter(
     "rtrl_reward_hacking_detections_total", "Reward-hacking detectors that fired", ["detector"]
 )
@@ -232,7 +239,8 @@ OWNERS: dict[str, tuple[Collector, ...]] = {
                 TRAIN_PENDING_ESS),
     "deployer": (CANARY_PHASE, CANARY_WEIGHT, CANARY_PHASE_AGE, CANARY_VERDICTS, CANARY_PROMOTIONS,
                  CANARY_ROLLBACKS, CANARY_ABORTS, JUDGE_STAT, HACKING_DETECTIONS, GROUP_LAG_MESSAGES,
-                 GROUP_LAG_SECONDS, GROUP_LAG_READ, OPERATOR_COMMANDS, NOTIFICATIONS),
+                 GROUP_LAG_SECONDS, GROUP_LAG_READ, OPERATOR_COMMANDS, NOTIFICATIONS, HOLDOUT_EFFECT,
+                 HOLDOUT_USERS, HOLDOUT_ACTIVE),
     "gateway": (GATEWAY_REQUESTS, GATEWAY_ERRORS, GATEWAY_SECONDS, GATEWAY_FALLBACKS, GATEWAY_EXPOSURES,
                 GATEWAY_MODEL_LOADS, GATEWAY_SERVING, GATEWAY_ROUTING_AGE, GATEWAY_CONNECTIONS,
                 GATEWAY_CLIENT_REQUESTS, GATEWAY_OPEN_CONNECTIONS),

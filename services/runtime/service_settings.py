@@ -365,5 +365,8 @@ class DeployerSettings(Section):
     lag_interval_s: Annotated[float, Field(ge=0.0)] = 30.0
     """Seconds between reads of the ingest and reward groups' lag from the broker
     (``rtrl_group_lag_seconds``, which outlives the consumers); 0 turns them off."""
+    holdout_every_s: Annotated[float, Field(ge=0.0)] = 60.0
+    """Seconds between measurements of the champion against the long-term holdout (while one
+    is pinned: ``rtrl holdout``, docs/holdout.md); 0 turns them off."""
     approval: ApprovalSettings = ApprovalSettings()
     """The approval gate (services/runtime/operator_settings.py)."""

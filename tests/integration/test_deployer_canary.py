@@ -44,7 +44,8 @@ def start_canary(deploy: Settings, tmp_path: Path) -> tuple[Controller, CanarySt
     status = controller.step()
     assert status is not None and status.phase == Phase.PENDING
     assert RedisRouting(ports.state.r, deploy.redis.key_prefix).read() == {
-        "canary_weight": "0.0", "salt": status.canary_id, "stable_version": "1", "canary_version": "2"}
+        "canary_weight": "0.0", "salt": status.canary_id, "stable_version": "1", "canary_version": "2",
+        "holdout": None}
     return controller, status
 
 

@@ -197,7 +197,7 @@ def test_weight_change_in_redis_moves_users_within_seconds(
     assert body["model"]["version"] == v2
     code, routing = running.request("GET", "/v1/routing")
     assert code == 200 and routing == {"canary_weight": 0.5, "stable": {"version": v1},
-                                       "canary": {"version": v2}, "salt": "salt-a"}
+                                       "canary": {"version": v2}, "salt": "salt-a", "holdout": None}
 
 
 def test_canary_that_fails_to_load_is_served_by_stable_and_counted(

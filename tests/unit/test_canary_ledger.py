@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from deployer import ledger
-from deployer.cohorts import CohortWindow, cohort_metrics, judgement, summary
+from deployer.cohorts import CohortWindow, HoldoutWindow, cohort_metrics, judgement, summary
 from deployer.status import CanaryStatus, Judgement, Observations, Phase
 from ingest.events import ModelRef, RewardRecord
 from rollback.judge import judge
@@ -69,9 +69,25 @@ def test_window_keeps_only_this_canarys_versions_arms_and_time_once() -> None:
     assert not w.add(record("c", "canary", "1", later))  # canary arm, wrong version
     assert not w.add(record("d", "stable", "2", later))  # stable arm, wrong version
     assert not w.add(record("e", "canary", "2", T0 - timedelta(seconds=1)))  # before the start
+    assert not w.add(record("f", "holdout", "1", later))  # the long-term holdout's users
+    assert not w.add(record("g", "holdout", "2", later))
     stable, canary = w.cohorts(requests={"canary": 10}, errors={"canary": 1})
     assert (len(stable.outcomes), len(canary.outcomes)) == (1, 1)
     assert canary.requests == 10 and canary.errors == 1 and stable.requests == 0
+
+
+@pytest.mark.parametrize(("arm", "version", "served_s", "side"), [
+    ("holdout", "1", 5, "stable"),  # the pinned version's users: the baseline
+    ("stable", "4", 5, "canary"),  # the champion's users: the treatment
+    ("holdout", "4", 5, None), ("stable", "1", 5, None), ("canary", "5", 5, None), ("canary", "4", 5, None),
+    ("holdout", "1", -1, None), ("stable", "4", -1, None),  # before the comparison started
+])
+def test_holdout_window_sides(arm: str, version: str, served_s: int, side: str | None) -> None:
+    w = HoldoutWindow(stable_version="1", canary_version="4", started_at=T0.timestamp())
+    rec = record("r", arm, version, T0 + timedelta(seconds=served_s))
+    assert w.side(rec) == side and w.add(rec) is (side is not None)
+    base, champ = w.cohorts()
+    assert (len(base.outcomes), len(champ.outcomes)) == ((side == "stable") * 1, (side == "canary") * 1)
 
 
 def test_cohort_summary_by_hand() -> None:

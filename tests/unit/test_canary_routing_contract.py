@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from deployer.adapters.memory import FakeRouting
-from deployer.routing import parse_table
+from deployer.routing import Holdout, parse_table
 
 
 class RoutingContract:
@@ -34,7 +34,19 @@ class RoutingContract:
             routing.set_routing("1", "2", 0.5, "s")
             routing.set_weight(0.5)
         assert routing.read() == {"canary_weight": "0.5", "salt": "s", "stable_version": "1",
-                                  "canary_version": "2"}
+                                  "canary_version": "2", "holdout": None}
+
+    def test_a_holdout_is_read_back_and_left_alone_by_canary_writes(self, routing: FakeRouting) -> None:
+        h = Holdout(id="holdout-v1-abc", version="1", share=0.1, salt="holdout-s", started_at=100.0,
+                    until=200.0, by="alice")
+        routing.set_holdout(h)
+        routing.set_routing("1", "2", 0.25, "s1")
+        routing.set_weight(0.5)
+        table = parse_table(routing.read())
+        assert table.holdout == h and not table.problems
+        routing.set_holdout(None)
+        assert parse_table(routing.read()).holdout is None
+        assert routing.read()["canary_version"] == "2"
 
 
 class TestFakeRouting(RoutingContract):

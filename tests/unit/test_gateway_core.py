@@ -124,7 +124,7 @@ def test_paths_and_methods() -> None:
     assert b"rtrl_gateway_requests_total" in gw.handle("GET", "/metrics", b"").body
     assert gw.handle("GET", "/healthz", b"").code == 200
     assert json.loads(gw.handle("GET", "/v1/routing", b"").body) == {
-        "canary_weight": 0.0, "stable": {"version": "1"}, "canary": None, "salt": "salt"}
+        "canary_weight": 0.0, "stable": {"version": "1"}, "canary": None, "salt": "salt", "holdout": None}
 
 
 def test_no_champion_is_503() -> None:

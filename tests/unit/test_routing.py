@@ -111,4 +111,5 @@ def test_routing_keys() -> None:
         "salt": "rtrl:routing:salt",
         "stable_version": "rtrl:routing:stable_version",
         "canary_version": "rtrl:routing:canary_version",
+        "holdout": "rtrl:routing:holdout",
     }

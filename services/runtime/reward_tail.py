@@ -1,0 +1,193 @@
+"""The deployer's readers of the rewards topic: a canary's window, and the long-term holdout's.
+
+Both re-read the topic from a start time (``offsets_for_times``) whenever what they measure
+changes (a new canary, a new holdout or champion, a restart) and then follow it, a bounded
+number of polls per tick, into a pure window of deployer/cohorts.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from kafka import TopicPartition
+from pydantic import ValidationError
+
+from deployer import cohorts, holdout
+from deployer.routing import Holdout
+from deployer.status import CanaryStatus
+from ingest.events import RewardRecord
+from rollback.judge import judge
+from rollback.types import JudgePolicy
+from services.gateway.counts import read_counts
+from services.runtime import metrics as m
+from services.runtime.kafka_io import make_consumer
+from services.runtime.redis_io import make_redis
+from services.runtime.settings import Settings
+
+log = logging.getLogger("rtrl.deployer")
+
+
+class RewardTail:
+    """A consumer without a group over every partition of the rewards topic."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.topic = settings.topics.rewards
+        self.poll_ms = settings.deployer.poll_timeout_ms
+        self.consumer = make_consumer(settings.kafka, group_id=None)
+        self.invalid = 0
+
+    def seek(self, since: float) -> None:
+        """Read from the first record appended at or after ``since`` (Unix seconds)."""
+        parts = self.consumer.partitions_for_topic(self.topic) or set()
+        if not parts:
+            raise RuntimeError(f"rewards topic {self.topic} has no partitions (does it exist?)")
+        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+        self.consumer.assign(tps)
+        found = self.consumer.offsets_for_times({tp: int(since * 1000) for tp in tps})
+        for tp in tps:
+            hit = found.get(tp)
+            if hit is None:
+                self.consumer.seek_to_end(tp)
+            else:
+                self.consumer.seek(tp, hit.offset)
+
+    def follow(self, window: cohorts.CohortWindow, polls: int = 100) -> None:
+        """Add what arrived since the last call to ``window`` (bounded: a tick never spins
+        forever on a busy topic; the rest is read on the next one)."""
+        for _ in range(polls):
+            batch = self.consumer.poll(timeout_ms=self.poll_ms, max_records=5000)
+            if not batch:
+                break
+            for records in batch.values():
+                for rec in records:
+                    try:
+                        window.add(RewardRecord.model_validate_json(rec.value))
+                    except ValidationError:
+                        self.invalid += 1
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class RewardReader(RewardTail):
+    """Reward records of the current canary's window, re-read from the rewards topic from
+    the canary's start time whenever the canary changes (also after a restart)."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.window: cohorts.CohortWindow | None = None
+        self.canary_id: str | None = None
+        self._redis_settings = settings.redis
+        self._redis: object | None = None
+
+    def served_counts(self, status: CanaryStatus
+                      ) -> tuple[dict[str, int], dict[str, int], dict[str, list[tuple[str, float, int]]]]:
+        """The gateway's per-arm request and error counts since the canary started, and the
+        errors by user (services/gateway/counts.py): failed requests never make a reward
+        record, so the error rate and its guardrail need them."""
+        assert status.stable is not None and status.candidate is not None
+        if self._redis is None:
+            self._redis = make_redis(self._redis_settings)
+        versions = {"stable": status.stable, "canary": status.candidate}
+        return read_counts(self._redis, self._redis_settings.key_prefix, versions, status.started_at)
+
+    def read(self, status: CanaryStatus) -> cohorts.CohortWindow:
+        if self.window is None or status.canary_id != self.canary_id:
+            assert status.stable is not None and status.candidate is not None
+            self.seek(status.started_at)
+            self.window = cohorts.CohortWindow(status.stable, status.candidate, status.started_at)
+            self.canary_id = status.canary_id
+        self.follow(self.window)
+        return self.window
+
+
+def report_key(prefix: str) -> str:
+    """``{prefix}holdout:report``: the latest champion-vs-holdout report (JSON)."""
+    return f"{prefix}holdout:report"
+
+
+def read_report(client: Any, prefix: str) -> dict[str, Any] | None:
+    """The stored report, None when there is none or it does not parse."""
+    raw = client.get(report_key(prefix))
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class HoldoutMonitor:
+    """Measures the champion against the long-term holdout every ``every_s`` seconds.
+
+    The comparison covers the current champion's time since it began serving while this
+    holdout was in force (``since``: the holdout's start, or when the deployer first saw the
+    new champion; kept in the stored report across restarts), in time strata like a canary's.
+    Each measurement is stored in Redis for ``rtrl status``, exported as metrics and logged to
+    the holdout's ledger run."""
+
+    def __init__(self, settings: Settings, policy: JudgePolicy, redis_client: Any,
+                 record: Callable[[str, float, dict[str, float]], None], every_s: float) -> None:
+        self.settings, self.policy, self.r = settings, policy, redis_client
+        self.prefix = settings.redis.key_prefix
+        self.record = record
+        """(holdout id, time, metrics) -> the ledger step."""
+        self.every_s = every_s
+        self.tail: RewardTail | None = None
+        self.window: cohorts.HoldoutWindow | None = None
+        self.key: tuple[str, str] | None = None
+        self.last_at = -math.inf
+
+    def _since(self, h: Holdout, champion: str, now: float) -> float:
+        stored = read_report(self.r, self.prefix)
+        if stored is None or stored.get("holdout_id") != h.id:
+            return h.started_at  # a new holdout: the champion of its start serves from there
+        if stored.get("champion") == champion:
+            return float(stored.get("since", h.started_at))
+        return now  # a new champion
+
+    def measure(self, h: Holdout | None, champion: str | None, now: float) -> dict[str, Any] | None:
+        """One measurement when due; None when not due or there is nothing to compare."""
+        m.HOLDOUT_ACTIVE.set(1.0 if h is not None and h.active(now) else 0.0)
+        if h is None or champion is None or not h.active(now):
+            if self.window is not None:
+                self.window, self.key = None, None
+            return None
+        if now - self.last_at < self.every_s:
+            return None
+        self.last_at = now
+        if self.key != (h.id, champion) or self.window is None:
+            since = self._since(h, champion, now)
+            if self.tail is None:
+                self.tail = RewardTail(self.settings)
+            self.tail.seek(since)
+            self.window = cohorts.HoldoutWindow(h.version, champion, since)
+            self.key = (h.id, champion)
+        self.tail.follow(self.window)  # type: ignore[union-attr]
+        base, champ = self.window.cohorts()
+        since = self.window.started_at
+        verdict = judge(base, champ, self.policy, None, elapsed_s=now - since, boundaries=(since,))
+        found = holdout.effects(verdict.metrics)
+        level = 1.0 - 2.0 * self.policy.alpha_per_test()
+        rep = holdout.report(h, champion, since, now, found, level)
+        rep["users"] = {"holdout": base.users(), "champion": champ.users()}
+        self.r.set(report_key(self.prefix), json.dumps(rep))
+        for e in found:
+            for stat, value in (("estimate", e.estimate), ("lower", e.lower), ("upper", e.upper),
+                                ("relative", e.relative)):
+                m.HOLDOUT_EFFECT.labels(e.metric, stat).set(value)
+        m.HOLDOUT_USERS.labels("holdout").set(base.users())
+        m.HOLDOUT_USERS.labels("champion").set(champ.users())
+        metrics = holdout.step_metrics(found)
+        if metrics:
+            self.record(h.id, now, metrics)
+        return rep
+
+    def close(self) -> None:
+        if self.tail is not None:
+            self.tail.close()
