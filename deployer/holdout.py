@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from deployer.actions import Action, EngineLoad, LedgerClose, LedgerOpen, SetHoldout
@@ -45,12 +45,17 @@ from deployer.registry import OUTCOME_RUNNING
 from deployer.routing import MAX_HOLDOUT_SHARE as MAX_SHARE
 from deployer.routing import Holdout, canary_buckets
 from deployer.status import Command, Observations
+from rollback.types import JudgePolicy
 
 KINDS = ("holdout_pin", "holdout_rotate", "holdout_end")
 """Operator command kinds that act on the holdout."""
 DEFAULT_SHARE = 0.05
 DEFAULT_DAYS = 14.0
 MAX_DAYS = 366.0
+MIN_USERS = 30
+"""Users on each side before the comparison has an interval: fewer than a canary's
+``judge_min_users`` (a holdout is a small share and nothing is decided on it), enough for the
+clustered variance and the normal approximation."""
 METRICS = ("persistence", "latency_ms", "dissatisfied", "reward", "acceptance")
 """The judge's metrics reported for champion vs holdout (those the judge measured)."""
 
@@ -290,6 +295,12 @@ class Effect:
         return self.estimate / self.holdout_mean if self.holdout_mean else math.nan
 
 
+def comparison_policy(policy: JudgePolicy) -> JudgePolicy:
+    """The judge's policy for champion vs holdout: the canary's, with intervals from
+    ``MIN_USERS`` users per side."""
+    return replace(policy, min_users=min(policy.min_users, MIN_USERS))
+
+
 def effects(evidence: Any) -> list[Effect]:
     """Effects from the judge's ``Verdict.evidence`` (holdout judged as stable, champion as canary),
     for the metrics in ``METRICS`` that have data on both sides."""
@@ -309,13 +320,16 @@ def report(h: Holdout, champion: str, since: float, now: float, found: list[Effe
     """The holdout's state for ``rtrl status``, metrics and the ledger (JSON-safe)."""
     return {
         "holdout_id": h.id, "version": h.version, "share": h.share, "until": h.until,
-        "champion": champion, "since": since, "at": now, "level": level,
-        "effects": {e.metric: {"holdout": _finite(e.holdout_mean), "champion": _finite(e.champion_mean),
-                               "estimate": _finite(e.estimate), "lower": _finite(e.lower),
-                               "upper": _finite(e.upper), "relative": _finite(e.relative),
-                               "users_holdout": e.users_holdout, "users_champion": e.users_champion}
-                    for e in found},
+        "champion": champion, "since": since, "at": now, "level": level, "effects": effects_doc(found),
     }
+
+
+def effects_doc(found: list[Effect]) -> dict[str, dict[str, Any]]:
+    """metric -> its figures, JSON-safe (an undefined bound or ratio is null)."""
+    return {e.metric: {"holdout": _finite(e.holdout_mean), "champion": _finite(e.champion_mean),
+                       "estimate": _finite(e.estimate), "lower": _finite(e.lower), "upper": _finite(e.upper),
+                       "relative": _finite(e.relative), "users_holdout": e.users_holdout,
+                       "users_champion": e.users_champion} for e in found}
 
 
 def _finite(value: float) -> float | None:

@@ -113,6 +113,8 @@ def canaries(pairs: Sequence[Pair], rows: Sequence[dict[str, Any]], policy: Judg
     for row in rows:
         if not row.get("decided_at") or not row.get("started_ms") or not row.get("candidate"):
             continue
+        if (row.get("kind") or "") not in ("", "canary"):  # a holdout, a refused command, a manual change
+            continue
         started = row["started_ms"] / 1000.0
         decided = datetime.fromisoformat(row["decided_at"]).timestamp()
         verdicts = {}

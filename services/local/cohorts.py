@@ -223,7 +223,8 @@ def chain_comparison(steps: Sequence[tuple[str, str, Cohort, Cohort]], baseline:
 
 def side_by_side(rows: Sequence[Row], stable: str, candidate: str, start: float, end: float,
                  ) -> tuple[Cohort, Cohort]:
-    """Both arms over the same window (a canary's life): stable ``stable`` vs ``candidate``."""
-    inside = [r for r in rows if start <= r.served_ts <= end]
+    """Both arms over the same window (a canary's life): stable ``stable`` vs ``candidate``
+    (the long-term holdout's users, served the same version as stable, are not stable's arm)."""
+    inside = [r for r in rows if start <= r.served_ts <= end and r.arm != "holdout"]
     return (cohort([r for r in inside if r.version == stable]),
             cohort([r for r in inside if r.version == candidate]))

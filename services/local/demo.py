@@ -55,6 +55,7 @@ from services.local.demo_services import (
     bootstrap,
     connect,
     new_stack,
+    pin_holdout,
     start_services,
     start_stack,
     stop_services,
@@ -66,6 +67,7 @@ from services.local.report_sources import Decision, read_rewards
 from services.local.stack import EmbeddedStack
 from services.runtime.json_doc import strict_json
 from services.runtime.settings import Settings
+from services.serve_deployer import judge_policy
 
 
 class DemoInterruptError(Exception):
@@ -158,6 +160,8 @@ def run_phases(plan: DemoPlan, run: Run) -> int:
     run.bootstrap_version = bootstrap(live, config.corpus, run.notes)
     if run.bootstrap_version is None:
         return 1
+    if plan.demo.holdout_share > 0:
+        pin_holdout(live, config, run.bootstrap_version, plan.demo.holdout_share)
     start_services(live.supervisor, config.gateway_port, run.notes)
     run.bad = BadCandidateInjector(
         plan.demo, plan.data / "bad-candidate", live.world, live.registry,
@@ -219,6 +223,7 @@ def report(plan: DemoPlan, run: Run, config: DemoConfig, mlflow_url: str) -> Non
         final_version=promoted[-1] if promoted else None,
         bad_version=run.bad.version if run.bad is not None else None, started=plan.started,
         finished=time.time(), command=plan.command, mlflow_url=mlflow_url, kinds=kinds, notes=run.notes,
+        judge_policy=judge_policy(settings.deployer),
     )
     say(f"report: {path} ({len(records)} reward records, {len(decisions)} decisions)")
     run.report_path = path
@@ -242,10 +247,14 @@ def version_kinds(run: Run, decisions: list[Decision], registry: LazyRegistry) -
 
 def say_headline(summary: dict[str, Any]) -> None:
     comp, chain = summary.get("comparison"), summary.get("chain")
+    held = (summary.get("holdout") or {}).get("headline")
     if comp:
         say(f"bootstrap v{comp['baseline']} -> champion v{comp['final']}, whole run: {_figures(comp)}")
     if chain:
         say(f"side by side over {' -> '.join('v' + v for v in chain['versions'])}: {_figures(chain)}")
+    if held:
+        say(f"champion v{held['champion']} against the holdout v{held['pinned']}, same minutes: "
+            f"{_figures(held['comparison'])}")
 
 
 def _figures(c: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from deployer.operators import key_line
 from ingest.reward.spec import default_spec_text, load_spec
 from services.local.sim_users import bootstrap_corpus
 from services.local.stack import EmbeddedStack, free_port
@@ -34,6 +35,8 @@ from services.runtime.service_settings import DeployerSettings
 from services.runtime.settings import Settings, settings_from_env
 
 MARKER = ".rtrl-demo"
+DEMO_OPERATOR = "rtrl-demo"
+"""The operator the demo signs its own commands as (pinning the holdout)."""
 """A data directory holding this file was made by the demo and may be wiped by it."""
 DEMO_LR = 2e-3
 """The trainer's learning rate in the demo: one increment of about 3,000 records then moves
@@ -113,6 +116,9 @@ class DemoConfig:
     """The variables every service process gets on top of the demo's environment."""
     settings: Settings
     """The settings those variables make, read by this process (topics, Redis, MLflow)."""
+    operator_token: str = ""
+    """The demo's operator token (its hash is the deployer's one key): the demo pins the
+    holdout with it; with ``--keep-stack``, ``rtrl holdout end --token-file <data>/operator.token``."""
 
 
 def configure(plan: DemoPlan, stack_env: Mapping[str, str]) -> DemoConfig:
@@ -125,10 +131,16 @@ def configure(plan: DemoPlan, stack_env: Mapping[str, str]) -> DemoConfig:
     primary_horizon = load_spec(spec_path).persistence.primary_horizon_s
     corpus = write_corpus(data / "bootstrap-corpus.jsonl", demo.seed)
     gateway_port = free_port()
-    env = service_env(demo, data, dict(stack_env), gateway_port, keys, spec_path)
+    token = secrets.token_hex(32)
+    (data / "operator-keys").write_text(key_line(DEMO_OPERATOR, token) + "\n")
+    token_file = data / "operator.token"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    env = {**service_env(demo, data, dict(stack_env), gateway_port, keys, spec_path),
+           "RTRL_OPERATORS__KEYS_FILE": str(data / "operator-keys")}
     return DemoConfig(spec_path=spec_path, corpus=corpus, primary_horizon=primary_horizon,
                       gateway_port=gateway_port, env=env,
-                      settings=settings_from_env({**plan.environ, **env}))
+                      settings=settings_from_env({**plan.environ, **env}), operator_token=token)
 
 
 def demo_spec_text(base: str, no_edit_penalty: float = 0.5) -> str:
@@ -228,6 +240,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_DEPLOYER__LEASE_TTL_S": "10",
         "RTRL_DEPLOYER__JUDGE_MIN_USERS": "60",
         "RTRL_DEPLOYER__JUDGE_MIN_REQUESTS": "60",
+        "RTRL_DEPLOYER__HOLDOUT_EVERY_S": "10",
         "RTRL_SIMULATOR__GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
         "RTRL_SIMULATOR__TIME_SCALE": f"{ts:g}",
         "RTRL_SIMULATOR__RATE_PER_S": f"{demo.sim_rate_per_s:g}",

@@ -6,13 +6,17 @@ from __future__ import annotations
 import sys
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
+from deployer.adapters.redis_state import ControllerState
+from deployer.operators import sign
 from deployer.registry import Registry
-from services.local.demo_config import DemoConfig, DemoPlan, say
+from deployer.status import Command
+from services.local.demo_config import DEMO_OPERATOR, DemoConfig, DemoPlan, say
 from services.local.sim_users import World, make_world
 from services.local.stack import EmbeddedStack, free_port
 from services.local.supervisor import ProcSpec, RewardsTracker, Supervisor, module_available, serve_argv
@@ -122,6 +126,17 @@ def bootstrap(live: Live, corpus: Path, notes: list[str]) -> str | None:
     version = live.registry().alias_version("champion")
     say(f"bootstrap champion v{version} registered in {time.monotonic() - t:.0f}s")
     return version
+
+
+def pin_holdout(live: Live, config: DemoConfig, version: str, share: float) -> None:
+    """Queue the signed command that holds ``share`` of the users out on ``version`` for the
+    run; the deployer executes it on its first tick (docs/holdout.md)."""
+    cmd = Command(id=uuid.uuid4().hex, kind="holdout_pin", by=DEMO_OPERATOR, version=version, share=share,
+                  days=1.0, reason="the demo's long-term holdout: the loop's total effect, same minutes")
+    ControllerState(live.redis, config.settings.redis.key_prefix).push(
+        sign(cmd, config.operator_token, time.time()))
+    say(f"holdout: {share:.0%} of the users stay on v{version} for the whole run (rtrl holdout pin, "
+        "applied on the deployer's first tick)")
 
 
 def start_services(supervisor: Supervisor, gateway_port: int, notes: list[str]) -> None:

@@ -22,6 +22,7 @@ from services.local.demo_config import STOP_RESERVE_S, DemoPlan, say
 from services.local.demo_inject import BadCandidateInjector
 from services.local.demo_services import Live
 from services.local.report_sources import Decision, read_ledger
+from services.runtime.demo_settings import DemoSettings
 from services.runtime.settings import Settings
 
 LEDGER_EVERY_S = 10.0
@@ -164,8 +165,23 @@ def watch(plan: DemoPlan, live: Live, bad: BadCandidateInjector, notes: list[str
         if increments_decided(watcher.decided, bad.tries, demo.until_promoted) >= demo.increments \
                 and bad.done(watcher.decided):
             say("enough canaries decided; finishing")
+            measure_holdout(demo, deadline, watcher, chaos)
             return
     say("time budget reached; finishing")
+
+
+def measure_holdout(demo: DemoSettings, deadline: float, watcher: Watcher, chaos: Chaos | None) -> None:
+    """With a holdout, serve ``holdout_measure_s`` more (within the budget) so that the last
+    champion is measured against the holdout in the same minutes."""
+    until = min(deadline, time.time() + demo.holdout_measure_s)
+    if demo.holdout_share <= 0 or until <= time.time():
+        return
+    say(f"measuring the last champion against the holdout for {until - time.time():.0f}s more")
+    while time.time() < until:
+        time.sleep(min(demo.progress_every_s, max(0.0, until - time.time())))
+        if chaos is not None:
+            chaos.step()
+        watcher.look()
 
 
 def increments_decided(decided: Mapping[str, str], bad_tries: list[str], until_promoted: bool) -> int:

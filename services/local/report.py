@@ -17,6 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from rollback.types import JudgePolicy
+from services.local import report_holdout
 from services.local.cohorts import (
     Chain,
     Cohort,
@@ -29,6 +31,7 @@ from services.local.cohorts import (
     row_from_record,
     side_by_side,
 )
+from services.local.report_holdout import holdout_periods
 from services.local.report_markdown import render_markdown
 from services.local.report_plots import plot_metric
 from services.local.report_sources import Decision
@@ -51,6 +54,7 @@ def write_report(
     mlflow_url: str,
     kinds: Mapping[str, str] | None = None,
     notes: Sequence[str] = (),
+    judge_policy: JudgePolicy | None = None,
 ) -> Path:
     """Write report.md, the plots and summary.json into ``report_dir``; return report.md."""
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -60,6 +64,8 @@ def write_report(
     t0 = min((r.served_ts for r in rows), default=started)
     plots = draw_plots(rows, t0, report_dir, decisions)
     concurrent = promotions_side_by_side(rows, decisions)
+    periods = holdout_periods(records, rows, decisions, baseline_version, finished,
+                              judge_policy or JudgePolicy())
     chain = None
     if comparison is not None:
         chain = chain_comparison([(d.stable, d.candidate, st, ca) for d, st, ca in concurrent],
@@ -68,11 +74,12 @@ def write_report(
         title="rtrl closed-loop demo", command=command, started=started, finished=finished,
         cohorts=cohorts, comparison=comparison, decisions=decisions, bad_version=bad_version,
         mlflow_url=mlflow_url, plots=plots, notes=notes, kinds=kinds, concurrent=concurrent,
-        chain=chain,
+        chain=chain, holdout=report_holdout.section(periods),
     )
     path = report_dir / "report.md"
     path.write_text(md)
     summary = summarise(cohorts, comparison, chain, decisions, concurrent, bad_version, kinds, len(rows))
+    summary["holdout"] = report_holdout.summary(periods)
     with open(report_dir / "rewards.jsonl", "w") as fh:  # the raw evidence, to recompute anything
         fh.writelines(json.dumps(r, default=str) + "\n" for r in records)
     (report_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str, allow_nan=True))

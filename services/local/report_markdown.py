@@ -38,6 +38,7 @@ def render_markdown(
     kinds: Mapping[str, str] | None = None,
     concurrent: Sequence[tuple[Decision, Cohort, Cohort]] = (),
     chain: Chain | None = None,
+    holdout: Sequence[str] = (),
 ) -> str:
     kinds = kinds or {}
     lines = [
@@ -45,6 +46,7 @@ def render_markdown(
         "## Result", "",
         *result_table(cohorts, comparison, chain),
         *promotions_side_by_side(concurrent),
+        *holdout,
         *bad_candidate_outcome(bad_version, decisions, kinds),
         f"MLflow (registry, training runs, decision ledger): {mlflow_url}", "",
         *decisions_section(decisions),

@@ -58,8 +58,8 @@ def read_ledger(tracking_uri: str, experiment: str) -> list[Decision]:
     for run in runs:
         tags = run.data.tags
         outcome = tags.get("rtrl.canary.outcome", "")
-        if outcome in {"", "running"}:
-            continue
+        if outcome in {"", "running"} or tags.get("rtrl.canary.kind") == "holdout":
+            continue  # undecided, or the long-term holdout's run (report_holdout.py measures it)
         out.append(Decision(
             canary_id=tags.get("rtrl.canary.id", run.info.run_name or run.info.run_id),
             candidate=tags.get("rtrl.candidate_version", ""),

@@ -97,6 +97,13 @@ class DemoSettings(Section):
     """Simulated users in the demo (``simulator.n_users``)."""
     seed: int = 0
     """Seeds the demo's simulated world, its users and its bad candidate."""
+    holdout_share: Annotated[float, Field(ge=0.0, le=0.5)] = 0.15
+    """Share of the simulated users held out on the bootstrap champion for the whole run (the
+    long-term holdout, docs/holdout.md): the report measures the last champion against them in
+    the same minutes. 0: no holdout."""
+    holdout_measure_s: Annotated[float, Field(ge=0.0)] = 60.0
+    """With a holdout: once enough canaries are decided, keep serving this long (within the
+    time budget) so the last champion is measured against the holdout."""
     no_edit_penalty: Annotated[float, Field(ge=0.0)] = 0.5
     """The demo reward spec's ``no_edit`` penalty for a question or an empty completion (0:
     the packaged spec's none; the increments then learn to answer ambiguous tasks with no

@@ -133,7 +133,7 @@ class HoldoutMonitor:
 
     def __init__(self, settings: Settings, policy: JudgePolicy, redis_client: Any,
                  record: Callable[[str, float, dict[str, float]], None], every_s: float) -> None:
-        self.settings, self.policy, self.r = settings, policy, redis_client
+        self.settings, self.policy, self.r = settings, holdout.comparison_policy(policy), redis_client
         self.prefix = settings.redis.key_prefix
         self.record = record
         """(holdout id, time, metrics) -> the ledger step."""

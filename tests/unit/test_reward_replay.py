@@ -158,7 +158,9 @@ def test_a_past_canary_is_judged_again_with_the_replayed_rewards() -> None:
     row = {"canary_id": "canary-v2", "candidate": "2", "stable": "1", "outcome": "promoted",
            "started_ms": T0.timestamp() * 1000, "decided_at": (T0 + timedelta(seconds=900)).isoformat()}
     undecided = {**row, "canary_id": "canary-v3", "decided_at": ""}
-    [out] = canaries(pairs, [row, undecided], JudgePolicy())
+    holdout = {**row, "canary_id": "holdout-v1-x", "kind": "holdout"}  # no canary: not judged
+    refused = {**row, "canary_id": "refused-x", "kind": "refused_command"}
+    [out] = canaries(pairs, [row, undecided, holdout, refused], JudgePolicy())
     assert out["canary_id"] == "canary-v2" and out["live"]["verdict"] != "rollback"
     assert out["replayed"]["verdict"] == "rollback" and out["changed"]
     assert out["live"]["reward_difference"] == pytest.approx(0.0, abs=0.1)

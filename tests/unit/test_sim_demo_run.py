@@ -144,6 +144,8 @@ def test_the_end_follows_an_interrupted_run_and_stops_what_was_started(
     monkeypatch.setattr(demo, "start_stack", lambda stack: events.append("stack up"))
     monkeypatch.setattr(demo, "connect", lambda plan, config: live)
     monkeypatch.setattr(demo, "bootstrap", lambda live, corpus, notes: "1")
+    monkeypatch.setattr(demo, "pin_holdout", lambda live, config, version, share: events.append(
+        f"holdout v{version} {share:g}" + (" signed" if config.operator_token else "")))
     monkeypatch.setattr(demo, "start_services", lambda sup, port, notes: events.append("services"))
     monkeypatch.setattr(demo, "candidate_lock", lambda client, prefix: nullcontext())
     monkeypatch.setattr(demo, "watch", interrupted)
@@ -160,6 +162,8 @@ def test_the_end_follows_an_interrupted_run_and_stops_what_was_started(
     assert doc["exit_code"] == 130 and doc["report"].endswith("report.md") and doc["bootstrap_version"] == "1"
     assert doc["summary"] == {"comparison": None, "chain": None} and doc["chaos"] is None
     assert doc["notes"] == ["The run was interrupted before its planned end."]
-    assert events == ["stack up", "services", "watching", "stop sup", "tracker stopped", "report",
-                      "redis closed", "stack down keep=False"]
-    assert {"reward-spec.toml", "bootstrap-corpus.jsonl"} <= {p.name for p in (tmp_path / "demo").iterdir()}
+    assert events == ["stack up", "holdout v1 0.15 signed", "services", "watching", "stop sup",
+                      "tracker stopped", "report", "redis closed", "stack down keep=False"]
+    assert {"reward-spec.toml", "bootstrap-corpus.jsonl", "operator-keys", "operator.token"} <= {
+        p.name for p in (tmp_path / "demo").iterdir()}
+    assert (tmp_path / "demo" / "operator.token").stat().st_mode & 0o077 == 0
