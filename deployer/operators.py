@@ -27,6 +27,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from deployer import holdout
 from deployer.status import Command, Refusal
 from ingest import auth as hmac_auth
 
@@ -36,7 +37,7 @@ UNAUTHENTICATED = "unauthenticated"
 RESULTS = ("accepted", UNAUTHENTICATED, "unknown_command", "unsigned", "no_keys", "unknown_operator",
            "bad_signature", "expired", "replayed")
 """Values of the ``result`` label of ``rtrl_operator_commands_total``."""
-KINDS = ("pause", "resume", "promote", "rollback", "approve", "holdout_pin", "holdout_rotate", "holdout_end")
+KINDS = ("pause", "resume", "promote", "rollback", "approve", *holdout.KINDS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 

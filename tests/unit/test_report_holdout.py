@@ -48,7 +48,7 @@ def test_champion_times(decisions: list[Decision], expect: list[tuple[str, float
     assert champion_times(decisions, "1", T, T + 300) == expect
 
 
-def world(seed: int = 1) -> tuple[list[dict[str, object]], list[Decision]]:
+def world(seed: int = 1, every: int = 20) -> tuple[list[dict[str, object]], list[Decision]]:
     """v1 pinned for the holdout all along; v1 champion until T+100, then v2 (persistence
     0.4 -> 0.5, latency 300 -> 240 ms); a canary of v3 that must not count."""
     rng = random.Random(seed)
@@ -59,9 +59,9 @@ def world(seed: int = 1) -> tuple[list[dict[str, object]], list[Decision]]:
                            dissatisfied=int(i % 10 == 0)))
         champ = "1" if t < T + 100 else "2"
         better = champ == "2"
-        every = 20 if better else 10
         recs.append(record(i, champ, "stable", t, rng.gauss(0.5 if better else 0.4, 0.05),
-                           rng.gauss(240 if better else 300, 20), dissatisfied=int(i % every == 0)))
+                           rng.gauss(240 if better else 300, 20),
+                           dissatisfied=int(i % (every if better else 10) == 0)))
         recs.append(record(i, "3", "canary", t, 0.0, 900))
     return recs, [decision("2", "1", "promoted", T + 100)]
 
@@ -87,6 +87,17 @@ def test_each_champion_is_compared_with_the_holdout_in_its_own_minutes() -> None
     assert "## Against the long-term holdout" in text and "| v2 | 3.3 | 400 / 400 |" in text
     assert "**The last champion v2 against the holdout v1, same minutes:** edit persistence +2" in text
     assert "(≥ +10%: met)" in text and "**not met**" not in text
+
+
+@pytest.mark.parametrize(("every", "ok"), [(20, True), (9, True), (2, False)])
+def test_dissatisfied_is_no_worse_unless_the_interval_shows_it_worse(every: int, ok: bool) -> None:
+    """1 in 10 held-out requests is followed by a dissatisfied follow-up; the champion's 1 in
+    ``every``: fewer, slightly more (not shown worse), five times as many (shown worse)."""
+    recs, decisions = world(every=every)
+    rows = [row_from_record(r, 600) for r in recs]
+    last = holdout_periods(recs, rows, decisions, "1", T + 300, JudgePolicy(alpha=0.05))[-1]
+    assert last.comparison.dissatisfied_ok is ok
+    assert (last.comparison.dissatisfied_change > 0) is (every < 10)
 
 
 def test_no_holdout_no_section_and_a_short_last_time_is_not_judged() -> None:
