@@ -27,8 +27,8 @@ from deployer.routing import parse_holdout, routing_keys
 from deployer.status import Command
 from services.cli import exit_codes
 from services.cli.backends import backend_failure, bound_mlflow_env, bounded_settings, message
-from services.cli.operator import _ago, _operator, _redis, _signed, send
-from services.runtime.reward_tail import read_report
+from services.cli.operator import _ago, _operator, _redis, _signed, add_signing_args, send
+from services.runtime.redis_io import read_holdout_report
 from services.runtime.settings import Settings, get_settings
 
 SUBCOMMANDS = ("status", "pin", "rotate", "end")
@@ -80,7 +80,7 @@ def _status(settings: Settings, as_json: bool) -> int:
     if problem:
         print(f"warning: {problem}", file=sys.stderr)
     doc = holdout.__dict__ if holdout is not None else None
-    report = read_report(client, prefix)
+    report = read_holdout_report(client, prefix)
     if as_json:
         print(json.dumps({"holdout": doc, "report": report if doc is not None else None}, indent=2))
     else:
@@ -99,12 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--days", type=float, default=None, help="pin / rotate: how long it lasts "
                     "(default 14, or the current holdout's length)")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    ap.add_argument("--by", default=None, help="operator name to sign as (default: RTRL_OPERATORS__NAME, "
-                    "else $USER); recorded in the ledger")
-    ap.add_argument("--token-file", default=None, help="file holding the operator token ('-': stdin; "
-                    "default: RTRL_OPERATORS__TOKEN)")
-    ap.add_argument("--reason", default="", help="why; recorded in the ledger")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the controller")
+    add_signing_args(ap)
     return ap
 
 

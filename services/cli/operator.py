@@ -271,13 +271,18 @@ def _parser(name: str) -> argparse.ArgumentParser:
     if name == "rollback":
         ap.add_argument("--to", dest="version", default=None,
                         help="with no canary running: the version to restore (default: previous)")
+    add_signing_args(ap)
+    return ap
+
+
+def add_signing_args(ap: argparse.ArgumentParser) -> None:
+    """The options of every signed operator command: who, the token, why, how long to wait."""
     ap.add_argument("--by", default=None, help="operator name to sign as (default: RTRL_OPERATORS__NAME, "
                     "else $USER); recorded in the ledger")
     ap.add_argument("--token-file", default=None, help="file holding the operator token ('-': stdin; "
                     "default: RTRL_OPERATORS__TOKEN)")
     ap.add_argument("--reason", default="", help="why; recorded in the ledger")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the controller")
-    return ap
 
 
 def main(argv: list[str]) -> int:

@@ -58,7 +58,23 @@ def cadence_key(prefix: str) -> str:
 def read_cadence(client: redis.Redis, prefix: str) -> dict[str, Any] | None:
     """The trainer's last cadence decision, or None (no trainer service, or not for a while:
     the key expires)."""
-    raw = client.get(cadence_key(prefix))
+    return read_json(client, cadence_key(prefix))
+
+
+def holdout_report_key(prefix: str) -> str:
+    """``{prefix}holdout:report``: the deployer's latest champion-vs-holdout measurement (JSON,
+    services/runtime/reward_tail.HoldoutMonitor)."""
+    return f"{prefix}holdout:report"
+
+
+def read_holdout_report(client: redis.Redis, prefix: str) -> dict[str, Any] | None:
+    """The latest champion-vs-holdout measurement, or None."""
+    return read_json(client, holdout_report_key(prefix))
+
+
+def read_json(client: redis.Redis, key: str) -> dict[str, Any] | None:
+    """A JSON object stored at ``key``; None when absent or not a JSON object."""
+    raw = client.get(key)
     if raw is None:
         return None
     try:

@@ -25,7 +25,7 @@ from rollback.types import JudgePolicy
 from services.gateway.counts import read_counts
 from services.runtime import metrics as m
 from services.runtime.kafka_io import make_consumer
-from services.runtime.redis_io import make_redis
+from services.runtime.redis_io import holdout_report_key, make_redis, read_holdout_report
 from services.runtime.settings import Settings
 
 log = logging.getLogger("rtrl.deployer")
@@ -105,23 +105,6 @@ class RewardReader(RewardTail):
         return self.window
 
 
-def report_key(prefix: str) -> str:
-    """``{prefix}holdout:report``: the latest champion-vs-holdout report (JSON)."""
-    return f"{prefix}holdout:report"
-
-
-def read_report(client: Any, prefix: str) -> dict[str, Any] | None:
-    """The stored report, None when there is none or it does not parse."""
-    raw = client.get(report_key(prefix))
-    if raw is None:
-        return None
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
-
-
 class HoldoutMonitor:
     """Measures the champion against the long-term holdout every ``every_s`` seconds.
 
@@ -144,7 +127,7 @@ class HoldoutMonitor:
         self.last_at = -math.inf
 
     def _since(self, h: Holdout, champion: str, now: float) -> float:
-        stored = read_report(self.r, self.prefix)
+        stored = read_holdout_report(self.r, self.prefix)
         if stored is None or stored.get("holdout_id") != h.id:
             return h.started_at  # a new holdout: the champion of its start serves from there
         if stored.get("champion") == champion:
@@ -176,7 +159,7 @@ class HoldoutMonitor:
         level = 1.0 - 2.0 * self.policy.alpha_per_test()
         rep = holdout.report(h, champion, since, now, found, level)
         rep["users"] = {"holdout": base.users(), "champion": champ.users()}
-        self.r.set(report_key(self.prefix), json.dumps(rep))
+        self.r.set(holdout_report_key(self.prefix), json.dumps(rep))
         for e in found:
             for stat, value in (("estimate", e.estimate), ("lower", e.lower), ("upper", e.upper),
                                 ("relative", e.relative)):

@@ -94,12 +94,17 @@ def reward_record(arm: str, version: str, quality: str, i: int, rng: random.Rand
 def feed_rewards(settings: Settings, stable: str, canary: str, quality: str, n: int = 500,
                  seed: int = 0) -> None:
     """n records per arm on the rewards topic, served now."""
+    feed_arms(settings, [("stable", stable, "stable"), ("canary", canary, quality)], n, seed)
+
+
+def feed_arms(settings: Settings, arms: list[tuple[str, str, str]], n: int = 500, seed: int = 0) -> None:
+    """n records for each (arm, version, quality) on the rewards topic, served now."""
     ensure_topics(settings, [settings.topics.rewards])
     rng = random.Random(seed)
     producer = make_producer(settings.kafka)
     try:
         for i in range(n):
-            for arm, version, q in (("stable", stable, "stable"), ("canary", canary, quality)):
+            for arm, version, q in arms:
                 rec = reward_record(arm, version, q, i, rng)
                 producer.send(settings.topics.rewards, key=rec.request_id.encode(),
                               value=rec.model_dump_json().encode())

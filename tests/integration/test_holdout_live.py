@@ -5,13 +5,12 @@ champion against it from the rewards topic and records it in its own ledger run.
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from deployer_helpers import deployer_settings, register_versions, reward_record, with_operators
+from deployer_helpers import deployer_settings, feed_arms, register_versions, with_operators
 
 from deployer.adapters.ledger_mlflow import MlflowLedger
 from deployer.adapters.redis_state import ControllerState, RedisRouting
@@ -22,9 +21,7 @@ from deployer.routing import Holdout, parse_table
 from services.cli import holdout as holdout_cli
 from services.cli import operator
 from services.runtime import metrics as m
-from services.runtime.kafka_io import ensure_topics, make_producer
-from services.runtime.redis_io import make_redis
-from services.runtime.reward_tail import read_report
+from services.runtime.redis_io import make_redis, read_holdout_report
 from services.runtime.settings import Settings
 from services.serve_deployer import Controller, RewardReader, build_ports, holdout_monitor
 
@@ -46,25 +43,6 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 
 def current(s: Settings) -> Holdout | None:
     return parse_table(RedisRouting(make_redis(s.redis), s.redis.key_prefix).read()).holdout
-
-
-def feed(s: Settings, holdout_version: str, champion: str, n: int = 300) -> None:
-    """n records of held-out users served the pinned version (stable quality) and n of the
-    champion's users (better: persistence +5 pts, latency -10 ms), plus canary records that
-    must not count."""
-    ensure_topics(s, [s.topics.rewards])
-    rng = random.Random(3)
-    producer = make_producer(s.kafka)
-    try:
-        for i in range(n):
-            for arm, version, q in (("holdout", holdout_version, "stable"), ("stable", champion, "better"),
-                                    ("canary", "9", "worse")):
-                rec = reward_record(arm, version, q, i, rng)
-                producer.send(s.topics.rewards, key=rec.request_id.encode(),
-                              value=rec.model_dump_json().encode())
-        producer.flush(30)
-    finally:
-        producer.close()
 
 
 def test_pin_measure_rotate_and_end_a_holdout(ops: tuple[Settings, dict[str, Path]], tmp_path: Path,
@@ -93,13 +71,16 @@ def test_pin_measure_rotate_and_end_a_holdout(ops: tuple[Settings, dict[str, Pat
 
     # the loop promoted v2 since; the deployer measures v2 against the pinned v1
     reg.set_alias("champion", "2")
-    feed(s, "1", "2")
+    # held-out users on the pinned v1, the champion's users better (persistence +5 pts, latency
+    # -10 ms), and canary records that must not count
+    feed_arms(s, [("holdout", "1", "stable"), ("stable", "2", "better"), ("canary", "9", "worse")],
+              n=300, seed=3)
     controller = Controller(s, build_ports(s), RewardReader(s), holdout=holdout_monitor(s, build_ports(s)))
     deadline = time.monotonic() + 60
     rep = None
     while time.monotonic() < deadline:
         assert controller.step() is not None
-        rep = read_report(state.r, s.redis.key_prefix)
+        rep = read_holdout_report(state.r, s.redis.key_prefix)
         if rep and rep["users"]["holdout"] >= 300 and rep["users"]["champion"] >= 300:
             break
         time.sleep(0.2)
