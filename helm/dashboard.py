@@ -151,6 +151,13 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ("{{reason}} by {{decided_by}}",
              "sum by (reason, decided_by) (increase(rtrl_canary_rollbacks_total[1d]))"),
         ]),
+        Panel("Champion vs long-term holdout", "percentunit",
+              "The champion's relative change against the users held out on the pinned baseline, "
+              "same minutes (docs/holdout.md); RtrlHoldoutRegression fires when the always-valid "
+              "interval shows the champion worse.", [
+                  ("{{metric}}", 'max by (metric) (rtrl_holdout_effect{stat="relative"}) '
+                                 "and on () max(rtrl_holdout_active) == 1"),
+              ]),
         Panel("Promotions (1d)", "short", "Candidates promoted in the last day, by whom.", [
             ("{{decided_by}}", "sum by (decided_by) (increase(rtrl_canary_promotions_total[1d]))"),
         ]),
