@@ -248,3 +248,26 @@ def test_effects_are_champion_minus_holdout_with_the_relative_change() -> None:
     doc = json.loads(json.dumps(rep, allow_nan=False))  # strict JSON for rtrl status --json
     assert doc["champion"] == "5" and doc["effects"]["reward"]["relative"] is None
     assert doc["effects"]["persistence"]["lower"] == pytest.approx(0.09)
+
+
+# ---------------------------------------------------------------------------- what operators read
+def test_status_and_holdout_cli_render_the_holdout_and_its_effect() -> None:
+    from services.cli.holdout import render
+    from services.cli.operator import render_holdout
+
+    assert render_holdout(None, NOW) == "holdout      none pinned"
+    line = render_holdout(H, NOW)
+    assert line.startswith("holdout      holdout-v1-c0ffee: 10.0% of users on v1, until ")
+    assert line.endswith("(rtrl holdout)")
+    assert "expired at" in render_holdout(H, H.until)
+    assert render(None, None, NOW).startswith("holdout      none pinned")
+    doc = json.loads(H.to_text())
+    assert "not measured yet" in render(doc, None, NOW)
+    found = holdout.effects([evidence("persistence", 0.4, 0.5)])
+    rep = holdout.report(H, "5", NOW - 600, NOW - 30, found, 0.99)
+    rep["users"] = {"holdout": 300, "champion": 2700}
+    text = render(doc, rep, NOW)
+    assert "champion v5 vs holdout v1" in text and "2,700 vs 300 users; measured 0m30s ago" in text
+    assert "persistence          0.400     0.500   +25.0%   [0.090, 0.110]" in text
+    assert "99.0% always-valid interval" in text
+    assert "not measured yet" in render(doc, {**rep, "holdout_id": "another"}, NOW)
