@@ -46,7 +46,7 @@ from services.runtime.flags import deprecated_alias
 from services.runtime.group_lag import BrokerOffsets, GroupLagMonitor
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.kafka_io import ensure_topics, make_admin, make_consumer, wait_for_broker
-from services.runtime.mlflow_http import bound_mlflow_http, dependency_of
+from services.runtime.mlflow_http import bound_mlflow_http, retry_later
 from services.runtime.operator_keys import authority
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.redis_io import make_redis
@@ -143,19 +143,14 @@ class Controller:
     def measure_holdout(self, obs: Observations) -> None:
         """The champion against the long-term holdout, when due. Its failure is logged and
         counted but never fails the tick: the canary does not wait on it."""
-        if self.holdout is None:
+        if self.holdout is None or not self.holdout.due(obs.now):
             return
         try:  # after the tick: a command of this tick may have changed the holdout
             h = parse_holdout(self.ports.routing.read().get("holdout"))[0]
             champion = self.ports.registry.alias_version(CHAMPION) if h is not None else None
             self.holdout.measure(h, champion, obs.now)
         except Exception as exc:
-            dep = dependency_of(exc)
-            if dep is None:
-                log.exception("measuring the holdout failed; retried at the next measurement")
-            else:
-                m.DEPENDENCY_RETRIES.labels(SERVICE, dep).inc()
-                log.warning("measuring the holdout failed: %s unavailable (%s)", dep, str(exc)[:300])
+            retry_later(SERVICE, "holdout measurement", exc, log)
 
     def observe(self, status: CanaryStatus, commands: tuple[Command, ...]) -> Observations:
         reg = self.ports.registry
@@ -200,13 +195,7 @@ def run_tick(controller: Controller) -> CanaryStatus | None:
     try:
         return controller.step()
     except Exception as exc:
-        dep = dependency_of(exc)
-        if dep is not None:
-            m.DEPENDENCY_RETRIES.labels(SERVICE, dep).inc()
-            log.warning("tick failed: %s unavailable (%s: %s); the next tick retries", dep,
-                        type(exc).__name__, str(exc)[:300])
-        else:
-            log.exception("tick failed; the next tick retries")
+        retry_later(SERVICE, "tick", exc, log)
         return None
 
 

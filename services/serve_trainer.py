@@ -40,7 +40,7 @@ from services.runtime import metrics
 from services.runtime.flags import deprecated_alias
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.kafka_io import ensure_topics, make_consumer
-from services.runtime.mlflow_http import dependency_of
+from services.runtime.mlflow_http import retry_later
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.redis_io import cadence_key, make_redis
 from services.runtime.settings import Settings, get_settings
@@ -139,13 +139,7 @@ def check() -> None:
         try:
             readiness = watch.observe()
         except Exception as exc:  # the same rule as a deployer tick (serve_deployer.run_tick)
-            dep = dependency_of(exc)
-            if dep is not None:
-                metrics.DEPENDENCY_RETRIES.labels("trainer", dep).inc()
-                log.warning("cadence check failed: %s unavailable (%s: %s); the next check retries", dep,
-                            type(exc).__name__, str(exc)[:300])
-            else:
-                log.exception("cadence check failed; the next check retries")
+            retry_later("trainer", "cadence check", exc, log)
             watch.close()
             return
         decision = decide(readiness, watch.trigger)

@@ -12,9 +12,11 @@ deployer. Variables an operator sets in the environment are left alone.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import MutableMapping
 
+from services.runtime import metrics
 from services.runtime.settings import MlflowSettings
 
 TIMEOUT_VAR = "MLFLOW_HTTP_REQUEST_TIMEOUT"
@@ -55,3 +57,17 @@ def dependency_of(exc: BaseException) -> str | None:
                 return dep
         cur = cur.__cause__ or cur.__context__
     return None
+
+
+def retry_later(service: str, what: str, exc: BaseException, log: logging.Logger) -> None:
+    """The rule for a periodic job (a deployer tick, a trainer check, a holdout measurement) that
+    failed and will simply run again: a dependency's failure is one warning line and a count in
+    ``rtrl_dependency_retries_total{service, dependency}``; anything else is logged with its
+    traceback and not counted."""
+    dep = dependency_of(exc)
+    if dep is None:
+        log.exception("%s failed; the next one retries", what)
+        return
+    metrics.DEPENDENCY_RETRIES.labels(service, dep).inc()
+    log.warning("%s failed: %s unavailable (%s: %s); the next one retries", what, dep, type(exc).__name__,
+                str(exc)[:300])

@@ -134,16 +134,18 @@ class HoldoutMonitor:
             return float(stored.get("since", h.started_at))
         return now  # a new champion
 
+    def due(self, now: float) -> bool:
+        """Whether ``every_s`` has passed since the last measurement."""
+        return now - self.last_at >= self.every_s
+
     def measure(self, h: Holdout | None, champion: str | None, now: float) -> dict[str, Any] | None:
-        """One measurement when due; None when not due or there is nothing to compare."""
+        """One measurement; None when there is nothing to compare."""
+        self.last_at = now
         m.HOLDOUT_ACTIVE.set(1.0 if h is not None and h.active(now) else 0.0)
         if h is None or champion is None or not h.active(now):
             if self.window is not None:
                 self.window, self.key = None, None
             return None
-        if now - self.last_at < self.every_s:
-            return None
-        self.last_at = now
         if self.key != (h.id, champion) or self.window is None:
             since = self._since(h, champion, now)
             if self.tail is None:
