@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from deployer.status import Judgement
 from ingest.events import RewardRecord
@@ -32,13 +33,17 @@ class CohortWindow:
     seen: set[str] = field(default_factory=set)
     """request ids already counted (a record read twice after a rebalance counts once)."""
 
+    SIDES: ClassVar[Mapping[str, str]] = {"stable": "stable", "canary": "canary"}
+    """The served arm whose records each judged side holds (arm -> side)."""
+
     def side(self, record: RewardRecord) -> str | None:
         """The cohort ``record`` counts in (``stable`` or ``canary``), None when it is outside
         the window (another arm or version, or served before the window started)."""
-        if record.served_ts.timestamp() < self.started_at:
+        side = self.SIDES.get(record.arm)
+        if side is None or record.served_ts.timestamp() < self.started_at:
             return None
-        version = {"stable": self.stable_version, "canary": self.canary_version}.get(record.arm)
-        return record.arm if version is not None and record.model.version == version else None
+        version = self.stable_version if side == "stable" else self.canary_version
+        return side if record.model.version == version else None
 
     def belongs(self, record: RewardRecord) -> bool:
         return self.side(record) is not None
@@ -79,14 +84,7 @@ class HoldoutWindow(CohortWindow):
     ``stable``; the champion's (arm ``stable``, the champion's version) are judged as ``canary``.
     ``stable_version`` is the pinned version, ``canary_version`` the champion."""
 
-    def side(self, record: RewardRecord) -> str | None:
-        if record.served_ts.timestamp() < self.started_at:
-            return None
-        if record.arm == "holdout" and record.model.version == self.stable_version:
-            return "stable"
-        if record.arm == "stable" and record.model.version == self.canary_version:
-            return "canary"
-        return None
+    SIDES: ClassVar[Mapping[str, str]] = {"holdout": "stable", "stable": "canary"}
 
 
 def summary(cohort: CohortData) -> dict[str, float]:
