@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from deployer.actions import Action, EngineLoad, LedgerClose, LedgerOpen, SetHoldout
+from deployer.cohorts import HoldoutWindow
 from deployer.engine import FAILED
 from deployer.ledger import (
     CONTROLLER,
@@ -45,8 +46,11 @@ from deployer.registry import OUTCOME_RUNNING
 from deployer.routing import MAX_HOLDOUT_SHARE as MAX_SHARE
 from deployer.routing import Holdout, canary_buckets
 from deployer.status import Command, Observations
+from rollback.judge import judge
 from rollback.types import JudgePolicy
 
+ID_PREFIX = "holdout-"
+"""Every holdout's id (and ledger run name) starts with it."""
 KINDS = ("holdout_pin", "holdout_rotate", "holdout_end")
 """Operator command kinds that act on the holdout."""
 DEFAULT_SHARE = 0.05
@@ -113,7 +117,7 @@ def plan(req: Request, current: Holdout | None, champion: str | None, gate: Mapp
         return Planned(f"ended holdout {live.id} (v{live.version}, {live.share:.1%} of users)", live, None)
     if req.kind == "holdout_pin" and live is not None:
         return Planned(f"rejected: holdout {live.id} is active (v{live.version}, until "
-                       f"{_iso(live.until)}); rotate or end it first")
+                       f"{iso(live.until)}); rotate or end it first")
     if req.kind == "holdout_rotate" and live is None:
         return Planned("rejected: no holdout is active; pin one first")
     if req.kind not in KINDS:
@@ -133,7 +137,7 @@ def plan(req: Request, current: Holdout | None, champion: str | None, gate: Mapp
     new = Holdout(id=holdout_id, version=version, share=share, salt=salt_of(req.command_id),
                   started_at=now, until=now + days * 86400.0, by=req.by)
     verb = "pinned" if live is None else f"rotated {live.id} into"
-    return Planned(f"{verb} {new.id}: {share:.1%} of users on v{version} until {_iso(new.until)}",
+    return Planned(f"{verb} {new.id}: {share:.1%} of users on v{version} until {iso(new.until)}",
                    live, new)
 
 
@@ -155,7 +159,7 @@ def expired(current: Holdout | None, now: float) -> bool:
 def holdout_id(version: str, command_id: str) -> str:
     """The holdout's id and ledger run name, fixed by the command that made it (so a tick
     retried after a failure finds the same ledger run)."""
-    return f"holdout-v{version}-{command_id[:12]}"
+    return f"{ID_PREFIX}v{version}-{command_id[:12]}"
 
 
 # ---------------------------------------------------------------------------- in the controller
@@ -194,7 +198,7 @@ def handle(obs: Observations, cmd: Command) -> tuple[list[Action], str]:
         word = "ended" if p.after is None else f"rotated into {p.after.id}"
         actions += close(p.before, obs.now, f"{word}{said}", cmd.by)
     elif obs.holdout is not None:  # an expired one the controller has not ended yet
-        actions += close(obs.holdout, obs.now, f"expired at {_iso(obs.holdout.until)}", CONTROLLER)
+        actions += close(obs.holdout, obs.now, f"expired at {iso(obs.holdout.until)}", CONTROLLER)
     if p.after is not None:
         actions.append(LedgerOpen(p.after.id, open_params(p.after), open_tags(p.after, f"pinned{said}"),
                                   obs.now))
@@ -208,7 +212,7 @@ def upkeep(obs: Observations, actions: list[Action]) -> list[Action]:
     h = obs.holdout
     if h is None or not expired(h, obs.now) or any(isinstance(a, SetHoldout) for a in actions):
         return []
-    return [*close(h, obs.now, f"expired at {_iso(h.until)}", CONTROLLER), SetHoldout(None)]
+    return [*close(h, obs.now, f"expired at {iso(h.until)}", CONTROLLER), SetHoldout(None)]
 
 
 # ---------------------------------------------------------------------------- the ledger
@@ -221,7 +225,7 @@ KIND = "holdout"
 
 def open_params(h: Holdout) -> dict[str, str]:
     return {"holdout_version": h.version, "share": f"{h.share:g}", "salt": h.salt,
-            "started_at": _iso(h.started_at), "until": _iso(h.until)}
+            "started_at": iso(h.started_at), "until": iso(h.until)}
 
 
 def open_tags(h: Holdout, reason: str) -> dict[str, str]:
@@ -231,17 +235,13 @@ def open_tags(h: Holdout, reason: str) -> dict[str, str]:
 
 def close(h: Holdout, now: float, reason: str, by: str) -> list[Action]:
     """Ledger actions that end ``h``'s run (opening it first when it was never recorded)."""
-    tags = {TAG_OUTCOME: "ended", TAG_END: clip(reason), TAG_DECIDED_BY: by, TAG_DECIDED_AT: _iso(now),
+    tags = {TAG_OUTCOME: "ended", TAG_END: clip(reason), TAG_DECIDED_BY: by, TAG_DECIDED_AT: iso(now),
             TAG_KIND: KIND}
     summary = {"holdout_id": h.id, "version": h.version, "share": h.share, "salt": h.salt,
-               "started_at": _iso(h.started_at), "until": _iso(h.until), "ended_at": _iso(now),
+               "started_at": iso(h.started_at), "until": iso(h.until), "ended_at": iso(now),
                "ended": reason, "by": by}
     return [LedgerOpen(h.id, open_params(h), open_tags(h, "pinned (recorded when it ended)"), h.started_at),
             LedgerClose(h.id, now, tags, summary)]
-
-
-def _iso(ts: float) -> str:
-    return iso(ts)
 
 
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
@@ -299,6 +299,29 @@ def comparison_policy(policy: JudgePolicy) -> JudgePolicy:
     """The judge's policy for champion vs holdout: the canary's, with intervals from
     ``MIN_USERS`` users per side."""
     return replace(policy, min_users=min(policy.min_users, MIN_USERS))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One comparison of the champion against the holdout."""
+
+    effects: list[Effect]
+    level: float
+    """Confidence level of the intervals (two-sided, per test)."""
+    users_holdout: int
+    users_champion: int
+
+
+def measure(window: HoldoutWindow, policy: JudgePolicy, now: float) -> Measured:
+    """The champion against the holdout over ``window`` until ``now``: the judge on the
+    window's two sides (holdout as stable), time strata from the window's start, with
+    :func:`comparison_policy`. Shared by the deployer and the demo report."""
+    base, champ = window.cohorts()
+    policy = comparison_policy(policy)
+    start = window.started_at
+    verdict = judge(base, champ, policy, None, elapsed_s=now - start, boundaries=(start,))
+    level = 1.0 - 2.0 * policy.alpha_per_test()
+    return Measured(effects(verdict.metrics), level, base.users(), champ.users())
 
 
 def effects(evidence: Any) -> list[Effect]:

@@ -91,7 +91,7 @@ class MlflowLedger:
                 ts_ms = int(event.ts * 1000)
                 metrics = [Metric(k, float(v), ts_ms, event.step) for k, v in event.metrics.items()]
                 self.client.log_batch(self._need(event.canary_id), metrics=metrics)
-                if event.canary_id.startswith("holdout-"):  # its description shows the latest effect
+                if event.canary_id.startswith(holdout.ID_PREFIX):  # its description shows the latest effect
                     self._describe(self._need(event.canary_id))
             case LedgerNote():
                 self.client.set_tag(self._need(event.canary_id), event.key, ledger.clip(event.text))

@@ -20,7 +20,6 @@ from deployer import cohorts, holdout
 from deployer.routing import Holdout
 from deployer.status import CanaryStatus
 from ingest.events import RewardRecord
-from rollback.judge import judge
 from rollback.types import JudgePolicy
 from services.gateway.counts import read_counts
 from services.runtime import metrics as m
@@ -116,7 +115,7 @@ class HoldoutMonitor:
 
     def __init__(self, settings: Settings, policy: JudgePolicy, redis_client: Any,
                  record: Callable[[str, float, dict[str, float]], None], every_s: float) -> None:
-        self.settings, self.policy, self.r = settings, holdout.comparison_policy(policy), redis_client
+        self.settings, self.policy, self.r = settings, policy, redis_client
         self.prefix = settings.redis.key_prefix
         self.record = record
         """(holdout id, time, metrics) -> the ledger step."""
@@ -154,21 +153,17 @@ class HoldoutMonitor:
             self.window = cohorts.HoldoutWindow(h.version, champion, since)
             self.key = (h.id, champion)
         self.tail.follow(self.window)  # type: ignore[union-attr]
-        base, champ = self.window.cohorts()
-        since = self.window.started_at
-        verdict = judge(base, champ, self.policy, None, elapsed_s=now - since, boundaries=(since,))
-        found = holdout.effects(verdict.metrics)
-        level = 1.0 - 2.0 * self.policy.alpha_per_test()
-        rep = holdout.report(h, champion, since, now, found, level)
-        rep["users"] = {"holdout": base.users(), "champion": champ.users()}
+        got = holdout.measure(self.window, self.policy, now)
+        rep = holdout.report(h, champion, self.window.started_at, now, got.effects, got.level)
+        rep["users"] = {"holdout": got.users_holdout, "champion": got.users_champion}
         self.r.set(holdout_report_key(self.prefix), json.dumps(rep))
-        for e in found:
+        for e in got.effects:
             for stat, value in (("estimate", e.estimate), ("lower", e.lower), ("upper", e.upper),
                                 ("relative", e.relative)):
                 m.HOLDOUT_EFFECT.labels(e.metric, stat).set(value)
-        m.HOLDOUT_USERS.labels("holdout").set(base.users())
-        m.HOLDOUT_USERS.labels("champion").set(champ.users())
-        metrics = holdout.step_metrics(found)
+        m.HOLDOUT_USERS.labels("holdout").set(got.users_holdout)
+        m.HOLDOUT_USERS.labels("champion").set(got.users_champion)
+        metrics = holdout.step_metrics(got.effects)
         if metrics:
             self.record(h.id, now, metrics)
         return rep
