@@ -22,9 +22,9 @@ from pydantic import ValidationError
 from deployer import holdout
 from deployer.cohorts import HoldoutWindow
 from ingest.events import RewardRecord
-from rollback.judge import judge
 from rollback.types import JudgePolicy
 from services.local.cohorts import Cohort, Comparison, Row, cohort, compare, parse_ts
+from services.local.report_markdown import _num, _pct
 from services.local.report_sources import Decision
 
 MIN_ROWS = 30
@@ -108,12 +108,10 @@ def _intervals(records: Sequence[RewardRecord], pinned: str, champion: str, a: f
                policy: JudgePolicy) -> tuple[dict[str, dict[str, float | None]], float]:
     window = HoldoutWindow(pinned, champion, a)
     window.add_all(r for r in records if r.served_ts.timestamp() < b)
-    base, champ = window.cohorts()
-    if not base.outcomes or not champ.outcomes:
+    if not all(window.outcomes.values()):
         return {}, math.nan
-    policy = holdout.comparison_policy(policy)
-    verdict = judge(base, champ, policy, None, elapsed_s=b - a, boundaries=(a,))
-    return holdout.effects_doc(holdout.effects(verdict.metrics)), 1.0 - 2.0 * policy.alpha_per_test()
+    got = holdout.measure(window, policy, b)
+    return holdout.effects_doc(got.effects), got.level
 
 
 def headline(periods: Sequence[HoldoutPeriod]) -> HoldoutPeriod | None:
@@ -123,14 +121,6 @@ def headline(periods: Sequence[HoldoutPeriod]) -> HoldoutPeriod | None:
 
 
 # ---------------------------------------------------------------------------- text
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None or math.isnan(x) else f"{x:+.1%}"
-
-
-def _num(x: float | None, fmt: str = ".3f") -> str:
-    return "n/a" if x is None or math.isnan(x) else format(x, fmt)
-
-
 def _interval(e: Mapping[str, float | None] | None, fmt: str) -> str:
     if not e:
         return "n/a"

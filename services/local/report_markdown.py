@@ -14,12 +14,12 @@ LEDGER_EVIDENCE = {"edit_persistence", "persistence", "reward", "latency_mean", 
 """The cohort.* metrics of a ledger run shown in the decisions table."""
 
 
-def _pct(x: float) -> str:
-    return "n/a" if math.isnan(x) else f"{x:+.1%}"
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:+.1%}"
 
 
-def _num(x: float, fmt: str = ".3f") -> str:
-    return "n/a" if isinstance(x, float) and math.isnan(x) else format(x, fmt)
+def _num(x: float | None, fmt: str = ".3f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
 def render_markdown(
