@@ -38,11 +38,12 @@ from services.gateway.engine_backend import engine_body
 from services.gateway.generation import GenRequest
 from services.local.engine import LocalVllm
 from services.local.stack import EmbeddedStack
-from services.local.tiny_llm import build_lora_adapter, build_tiny_llm, check_prompt_ids, write_engine_check
+from services.local.tiny_llm import build_lora_adapter, build_tiny_llm, write_engine_check
 from services.runtime.engine_settings import EngineSettings
 from services.runtime.service_settings import DeployerSettings
 from services.runtime.settings import Settings
 from services.serve_deployer import Controller, build_ports
+from trainer.lora_policy import check_prompt_ids
 
 MESSAGES = ({"role": "user", "content": "Please fix the loop."},)
 KEY = "bench-key"

@@ -34,6 +34,8 @@ READY = "ready"
 FAILED = "failed"
 CHECK_FILE = "engine_check.json"
 ADAPTER_DIR = "adapter"
+CHECK_TEXT = "def add(a, b):\n    return a + b\n"
+"""The fixed prompt a version's own log-probabilities are written for (under its tokenizer)."""
 
 
 class EngineCheckError(Exception):
@@ -107,6 +109,15 @@ def is_base(root: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(manifest, dict) and manifest.get("engine") == "base"
+
+
+def write_check(root: Path, prompt_ids: Sequence[int], logprobs: Sequence[float | None]) -> Path:
+    """``engine_check.json``: the fixed prompt's token ids and the version's own log-probabilities
+    of them (None for the first token)."""
+    path = root / CHECK_FILE
+    path.write_text(json.dumps({"prompt_token_ids": [int(t) for t in prompt_ids],
+                                "prompt_logprobs": [None if x is None else float(x) for x in logprobs]}))
+    return path
 
 
 def read_check(root: Path) -> tuple[list[int], list[float | None]]:

@@ -52,6 +52,12 @@ class Tag:
     DECIDED_BY = "rtrl.decided_by"
     RUN_ID = "rtrl.run_id"
     """The MLflow run that produced the version (the fake stores what it is given)."""
+    POLICY_KIND = "rtrl.policy.kind"
+    """The saved policy's kind (``tiny-transformer``, ``hf``, ``hf-lora``)."""
+    BASE_MODEL = "rtrl.base_model"
+    """A LoRA version's base model directory, where it was trained."""
+    BASE_SHA256 = "rtrl.base_sha256"
+    """A LoRA version's base model and tokenizer, by content hash (trainer/lora_policy.py)."""
 
 
 def candidate_in_flight(registry: Registry) -> str | None:

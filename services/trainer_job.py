@@ -17,6 +17,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,12 +36,14 @@ from trainer.increment import IncrementConfig, Outcome, run_increment
 from trainer.loop import LoopConfig, sft_train
 from trainer.objective import ObjectiveConfig
 from trainer.policy import TinyConfig, TinyTransformer, TrainablePolicy, n_parameters
+from trainer.registration import manifest_tags
 from trainer.train_job import TrainJob
 from trainer.trust_region import KLBand
 from trainer.window import PendingWindow
 
 if TYPE_CHECKING:
     from deployer.adapters.mlflow_registry import MlflowRegistry
+    from trainer.lora_policy import LoraSpec
 
 log = logging.getLogger("rtrl.trainer")
 
@@ -190,9 +193,10 @@ def describe(outcome: Outcome) -> dict[str, object]:
 
 def bootstrap(
     settings: Settings, corpus: Path, epochs: int, lr: float, batch_size: int,
-    hf_model: str | None = None, force: bool = False,
+    hf_model: str | None = None, force: bool = False, lora: LoraSpec | None = None,
 ) -> str:
-    """Train on the corpus, register, set ``champion``; return the version."""
+    """Train on the corpus, register, set ``champion``; return the version. With ``lora`` the
+    policy is a LoRA adapter on the ``hf_model`` base (no epochs: the base as it is)."""
     from trainer.adapters.mlflow_runs import MlflowRunTracker
 
     registry = registry_from(settings)
@@ -200,7 +204,11 @@ def bootstrap(
     if old is not None and not force:
         raise RuntimeError(f"version {old} is already champion; pass --force to replace it")
     policy: TrainablePolicy
-    if hf_model:
+    if hf_model and lora is not None:
+        from trainer.lora_policy import LoRAPolicy
+
+        policy = LoRAPolicy.create(hf_model, lora, seed=settings.trainer.seed)
+    elif hf_model:
         from trainer.hf_policy import HFPolicy
 
         policy = HFPolicy.from_pretrained(hf_model)
@@ -212,7 +220,10 @@ def bootstrap(
     cfg = LoopConfig(batch_size=batch_size, epochs=epochs, lr=lr, seed=settings.trainer.seed)
     params = {"corpus": str(corpus), "corpus_sha256": digest, "records": str(len(pairs)),
               "epochs": str(epochs), "lr": str(lr), "batch_size": str(batch_size),
-              "parameters": str(n_parameters(policy.module))}
+              "parameters": str(n_parameters(policy.module)),
+              "trainable_parameters": str(sum(p.numel() for p in policy.module.parameters()
+                                              if p.requires_grad)),
+              **({"lora": json.dumps(asdict(lora)), "base_model": str(hf_model)} if lora else {})}
     run_id = runs.start("bootstrap", params, {Tag.KIND: "bootstrap"})
     t0 = time.monotonic()
     last = [t0]
@@ -223,13 +234,13 @@ def bootstrap(
             log.info("bootstrap step %d/%d loss %.4f", step, int(stats["total_steps"]), stats["loss"])
 
     try:
-        history = sft_train(policy, pairs, cfg, on_step=progress)
+        history = sft_train(policy, pairs, cfg, on_step=progress) if epochs > 0 else []
         runs.log_steps(run_id, history)
         out = settings.trainer.data_dir / "bootstrap" / run_id
         policy.save(out)
         notes = json.dumps({"reasons": [], "notes": ["bootstrap: supervised, not gated"]})
         tags = {Tag.KIND: "bootstrap", Tag.PARENT_VERSION: "", "rtrl.corpus_sha256": digest,
-                Tag.GATE_RESULT: "pass", Tag.GATE_REASONS: notes}
+                Tag.GATE_RESULT: "pass", Tag.GATE_REASONS: notes, **manifest_tags(out)}
         version = registry.register(run_id, out, tags)
         if old is not None:
             registry.set_alias(PREVIOUS, old)
@@ -237,7 +248,8 @@ def bootstrap(
     except BaseException:
         runs.finish(run_id, "FAILED", {}, {})
         raise
-    runs.finish(run_id, "FINISHED", {"final_loss": history[-1]["loss"], "seconds": time.monotonic() - t0},
+    final = {"final_loss": history[-1]["loss"]} if history else {}
+    runs.finish(run_id, "FINISHED", {**final, "seconds": time.monotonic() - t0},
                 {"rtrl.version": version})
     shutil.rmtree(out, ignore_errors=True)
     return version

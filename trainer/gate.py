@@ -27,6 +27,10 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.mismatch import Mismatch
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,9 @@ class GateConfig:
     z: float = 1.96
     min_heldout: int = 20
     max_abs_loss: float = 1e4
+    max_mismatch: float = 0.1
+    """Largest mean |log π_trainer − log π_engine| per token of the parent on the tokens it served
+    (nats); above it the trainer is not training the model the engine serves. 0: not checked."""
 
 
 @dataclass(frozen=True)
@@ -105,12 +112,26 @@ def kl_parent_candidate(
     return total
 
 
+def mismatch_check(found: Mismatch | None, bound: float, reasons: list[str], notes: list[str]) -> None:
+    """The parent's train-inference mismatch against its bound (None or bound 0: not checked)."""
+    if found is None or bound <= 0:
+        return
+    if found.tokens == 0:
+        notes.append("no records served by the parent: train-inference mismatch not measured")
+    elif not found.mean_abs <= bound:
+        reasons.append(f"train-inference mismatch of the parent {found.mean_abs:.3g} nats/token (p99 "
+                       f"{found.p99_abs:.3g}) exceeds {bound:g}: the trainer is not training the model "
+                       "the engine serves")
+
+
 def evaluate(
-    scores: Sequence[HeldoutScore], train_losses: Sequence[float], cfg: GateConfig
+    scores: Sequence[HeldoutScore], train_losses: Sequence[float], cfg: GateConfig,
+    mismatch: Mismatch | None = None,
 ) -> GateResult:
     reasons: list[str] = []
     notes: list[str] = []
     figures: dict[str, float] = {"heldout": float(len(scores))}
+    mismatch_check(mismatch, cfg.max_mismatch, reasons, notes)
 
     bad_losses = [x for x in train_losses if not math.isfinite(x)]
     if bad_losses:

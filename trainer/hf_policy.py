@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from trainer.policy import completion_logprobs, pad_batch, sampling_generator, write_manifest
 
 
-def _transformers() -> Any:
+def transformers_lib() -> Any:
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -41,7 +41,7 @@ class HFPolicy:
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str | Path, **kwargs: Any) -> HFPolicy:
-        model = _transformers().AutoModelForCausalLM.from_pretrained(str(name_or_dir), **kwargs)
+        model = transformers_lib().AutoModelForCausalLM.from_pretrained(str(name_or_dir), **kwargs)
         model.eval()
         return cls(model)
 

@@ -36,6 +36,7 @@ from deployer.registry import CHAMPION, Registry, Tag
 from ingest.events import RewardRecord
 from trainer.gate import GateConfig, GateResult, HeldoutScore, evaluate
 from trainer.loop import LoopConfig, Sample, summarize
+from trainer.mismatch import Mismatch, measure_parent
 from trainer.objective import assign_groups, group_advantages, reward_stats
 from trainer.policy import TrainablePolicy, load_policy
 from trainer.registration import (
@@ -132,6 +133,8 @@ class TrainingRun:
     lineage: dict[str, str]
     """The registry tags that tie the version to its parent, window and reward spec."""
     reward_stats: dict[str, float]
+    mismatch: Mismatch
+    """The parent's train-inference mismatch on the records it served (trainer/mismatch.py)."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ def run_increment(
     retrying = Retrying(cfg.registry_retry_s, on_registry_retry)
     try:
         trained = train(job, run, cfg.loop, workdir, runs, retrying)
-        gate = gate_candidate(trained.result, run.parent_dir, plan.records.heldout, cfg.gate)
+        gate = gate_candidate(trained.result, run.parent_dir, plan.records.heldout, cfg.gate, run.mismatch)
         version = register_candidate(registry, retrying, run.run_id, plan.window.id,
                                      trained.result.policy_dir, {**run.lineage, **gate_tags(gate)})
         if gate.passed:
@@ -298,9 +301,14 @@ def start_run(cfg: IncrementConfig, plan: Plan, registry: Registry, runs: RunTra
         Tag.REWARD_SPEC_VERSION: ",".join(sorted({r.reward_spec_version for r in train_records})),
         Tag.KIND: "increment",
     }
+    found = measure_parent(load_policy(parent_dir), train_records, plan.parent,
+                           cfg.loop.objective.truncate_is)
+    log.info("train-inference mismatch of version %s on %d served tokens: mean %.4f, p99 %.4f nats, "
+             "%.1f%% of weights truncated", plan.parent, found.tokens, found.mean_abs, found.p99_abs,
+             100 * found.truncated_share)
     name = f"increment-{plan.window.id}"
     run_id = runs.start(name, _params(cfg, len(samples)), {**lineage, "rtrl.retry": str(plan.retry)})
-    return TrainingRun(run_id, name, parent_dir, samples, lineage, rstats)
+    return TrainingRun(run_id, name, parent_dir, samples, lineage, {**rstats, **found.figures()}, found)
 
 
 def train(job: TrainJob, run: TrainingRun, loop: LoopConfig, workdir: Path, runs: RunTracker,
@@ -317,11 +325,11 @@ def train(job: TrainJob, run: TrainingRun, loop: LoopConfig, workdir: Path, runs
 
 
 def gate_candidate(result: TrainResult, parent_dir: Path, heldout: Sequence[RewardRecord],
-                   cfg: GateConfig) -> GateResult:
-    """The offline gate on the held-out records (trainer/gate.py)."""
+                   cfg: GateConfig, found: Mismatch | None = None) -> GateResult:
+    """The offline gate on the held-out records and the parent's mismatch (trainer/gate.py)."""
     candidate = load_policy(result.policy_dir)
     scores = score_heldout(candidate, load_policy(parent_dir), heldout)
-    return evaluate(scores, [h["loss"] for h in result.history], cfg)
+    return evaluate(scores, [h["loss"] for h in result.history], cfg, found)
 
 
 def gate_tags(gate: GateResult) -> dict[str, str]:

@@ -72,7 +72,8 @@ def plan_batches(n: int, batch_size: int, epochs: int, seed: int) -> list[list[i
 
 
 def make_optimizer(policy: TrainablePolicy, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.Adam(policy.module.parameters(), lr=lr)
+    """Adam over the trainable parameters (a LoRA policy's base stays frozen)."""
+    return torch.optim.Adam([p for p in policy.module.parameters() if p.requires_grad], lr=lr)
 
 
 def rl_train(

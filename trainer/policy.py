@@ -38,6 +38,7 @@ MANIFEST = "policy.json"
 KINDS: dict[str, str] = {
     "tiny-transformer": "trainer.policy:TinyTransformer",
     "hf": "trainer.hf_policy:HFPolicy",
+    "hf-lora": "trainer.lora_policy:LoRAPolicy",
 }
 """Policy kind -> ``module:Class`` whose ``load(directory, config)`` rebuilds it."""
 
@@ -118,9 +119,10 @@ def load_policy(directory: str | Path) -> TrainablePolicy:
     return policy
 
 
-def write_manifest(directory: Path, kind: str, config: dict[str, Any]) -> None:
+def write_manifest(directory: Path, kind: str, config: dict[str, Any], **extra: Any) -> None:
+    """``policy.json``: the kind, its config, and top-level ``extra`` keys (e.g. ``engine``)."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / MANIFEST).write_text(json.dumps({"kind": kind, "config": config}, indent=2))
+    (directory / MANIFEST).write_text(json.dumps({"kind": kind, "config": config, **extra}, indent=2))
 
 
 def pad_batch(

@@ -26,6 +26,7 @@ from typing import Protocol, TypeVar
 
 from deployer.registry import LockUnavailableError, Registry, Tag, offer_candidate
 from trainer.gate import GateResult
+from trainer.policy import MANIFEST
 from trainer.trust_region import stop_name
 
 log = logging.getLogger("trainer.increment")  # one logger for every step of the increment
@@ -94,7 +95,9 @@ def register_candidate(
 ) -> str:
     """Register the candidate trained on window ``window_id`` and return its version. After
     any failed registry call of this increment, the window's version is looked up before
-    registering again: the failed attempt may have registered it already."""
+    registering again: the failed attempt may have registered it already. The version is also
+    tagged with what the saved policy is (:func:`manifest_tags`)."""
+    tags = {**manifest_tags(policy_dir), **tags}
 
     def register_once() -> str:
         if retrying.failures:
@@ -118,6 +121,18 @@ def offer(registry: Registry, version: str, lock: AbstractContextManager[object]
     if held is not None:
         log.info("version %s passed the gate but v%s is still under canary: the candidate "
                  "alias stays; a later increment offers a fresher candidate", version, held)
+
+
+def manifest_tags(directory: Path) -> dict[str, str]:
+    """Registry tags that say what a saved policy is: its kind and, for an adapter, its base
+    model (where it was trained, and by content hash)."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    config = manifest.get("config", {})
+    tags = {Tag.POLICY_KIND: str(manifest.get("kind", ""))}
+    if "base_sha256" in config:
+        tags[Tag.BASE_MODEL] = str(config.get("base", ""))
+        tags[Tag.BASE_SHA256] = str(config["base_sha256"])
+    return tags
 
 
 def close_run(runs: RunTracker, retrying: Retrying, run_id: str, version: str, gate: GateResult,

@@ -87,8 +87,18 @@ def _bootstrap_main(argv: list[str]) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--hf-model", help="a local Hugging Face model directory to start from")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="train LoRA adapters on the --hf-model base (this rank) instead of full weights; "
+                         "every increment after it trains the adapter")
+    ap.add_argument("--lora-alpha", type=int, default=0, help="LoRA alpha (default: twice the rank)")
+    ap.add_argument("--lora-targets", default="q_proj,v_proj",
+                    help="modules the adapter wraps (comma-separated)")
     ap.add_argument("--force", action="store_true", help="replace an existing champion")
     args = ap.parse_args(argv)
+    if args.lora_rank and not args.hf_model:
+        ap.error("--lora-rank needs --hf-model (the base model the adapter is trained on)")
+    if args.epochs < 0 or (args.epochs == 0 and not args.lora_rank):
+        ap.error("--epochs must be positive (0 only with --lora-rank: the base model as it is)")
     settings = get_settings()
     seed = settings.simulator.seed
     if args.write_corpus:
@@ -105,8 +115,14 @@ def _bootstrap_main(argv: list[str]) -> int:
         write_corpus(corpus, bootstrap_corpus(args.records, seed))
         print(f"generated the default corpus: {corpus} ({args.records} records)")
     try:
+        lora = None
+        if args.lora_rank:
+            from trainer.lora_policy import LoraSpec
+
+            lora = LoraSpec(args.lora_rank, args.lora_alpha or 2 * args.lora_rank,
+                            tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
         version = bootstrap(settings, corpus, args.epochs, args.lr, args.batch_size,
-                            args.hf_model, args.force)
+                            args.hf_model, args.force, lora)
     except (RuntimeError, ValueError, FileNotFoundError) as exc:
         print(f"rtrl bootstrap: {exc}", file=sys.stderr)
         return 1

@@ -18,11 +18,12 @@ transformers, tokenizers, peft and torch are imported inside the functions (heav
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 from pathlib import Path
 from typing import Any
+
+from deployer.engine import write_check
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -30,7 +31,6 @@ CHAT_TEMPLATE = (
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 VOCAB_SIZE = 512
-CHECK_PROMPT = "def add(a, b):\n    return a + b\n"
 
 _SUBJECTS = ["the loop", "this function", "the parser", "the test", "the cache", "the request handler",
              "the config loader", "the query", "the retry logic", "the import"]
@@ -138,15 +138,5 @@ def reference_logprobs(model_dir: Path, adapter_dir: Path | None,
 def write_engine_check(version_dir: Path, model_dir: Path, adapter_dir: Path | None,
                        prompt_ids: list[int]) -> Path:
     """``engine_check.json`` for a version: the fixed prompt and its reference log-probabilities."""
-    path = version_dir / "engine_check.json"
-    path.write_text(json.dumps({"prompt_token_ids": prompt_ids,
-                                "prompt_logprobs": reference_logprobs(model_dir, adapter_dir, prompt_ids)}))
-    return path
+    return write_check(version_dir, prompt_ids, reference_logprobs(model_dir, adapter_dir, prompt_ids))
 
-
-def check_prompt_ids(model_dir: Path) -> list[int]:
-    """The token ids of the fixed check prompt under the model's tokenizer."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return [int(t) for t in tokenizer.encode(CHECK_PROMPT)]

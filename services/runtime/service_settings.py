@@ -111,6 +111,10 @@ class GateSettings(Section):
     """Fewer held-out records: the estimate is reported but not used to fail the candidate."""
     max_abs_loss: Annotated[float, Field(gt=0.0)] = 1e4
     """A training loss larger than this (in magnitude) fails the candidate."""
+    max_mismatch: Annotated[float, Field(ge=0.0)] = 0.1
+    """Largest train-inference mismatch of the parent: mean |log π_trainer − log π_engine| per
+    token (nats) on the tokens it served, measured before the first step. Above it the trainer is
+    not training the model the engine serves, and the candidate fails. 0: not checked."""
 
 
 class BandSettings(Section):
@@ -171,6 +175,10 @@ class TrainerSettings(Section):
     data_dir: Path = Path(".rtrl/trainer")
     """Scheduler job store, the pending window, Ray checkpoints and scratch space. On a Ray
     cluster, ``ray_storage`` must be shared storage instead."""
+    base_model_dir: Path | None = None
+    """Where the base model of LoRA versions is on this machine, when not at the path it was
+    trained at (their ``policy.json``); checked against the version's content hash. Read from
+    the environment by every process that loads a LoRA version (the trainer and its Ray workers)."""
     ray_storage: str | None = None
     """Ray Train storage_path (e.g. s3://bucket/rtrl); None: ``<data_dir>/ray``."""
     consumer_group: str = "rtrl-trainer"

@@ -26,7 +26,7 @@ from deployer.routing import engine_model_key
 from deployer.status import Command, Phase
 from ingest.events import CompletionServed, parse_event
 from services.gateway.server import GatewayServer
-from services.local.tiny_llm import check_prompt_ids, write_engine_check
+from services.local.tiny_llm import write_engine_check
 from services.runtime.engine_settings import EngineSettings
 from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics, make_consumer
@@ -37,6 +37,7 @@ from services.serve_deployer import Controller, build_ports
 from services.serve_gateway import build
 from tests.integration.conftest import Engine
 from tests.integration.deployer_helpers import deployer_settings, with_operators
+from trainer.lora_policy import check_prompt_ids
 
 pytestmark = pytest.mark.integration
 

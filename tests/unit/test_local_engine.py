@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
+from deployer.engine import CHECK_TEXT as CHECK_PROMPT
 from services.local.engine import EngineError, LocalVllm, server_argv, server_env
 from services.local.tiny_llm import (
-    CHECK_PROMPT,
     build_lora_adapter,
     build_tiny_llm,
-    check_prompt_ids,
     corpus,
     corrupt_adapter,
     reference_logprobs,
 )
+from trainer.lora_policy import check_prompt_ids
 
 pytestmark = pytest.mark.unit
 

@@ -313,3 +313,29 @@ def test_records_of_versions_never_champion_are_not_trained_on(
     assert out.status == "success" and out.window is not None
     assert out.window.records == (120 if train_on == "champions" else 200)
     assert out.window.offsets == 200, "excluded records are consumed all the same"
+
+
+def test_an_engine_serving_another_model_fails_the_gate_with_the_mismatch(
+        champion: TinyTransformer, tmp_path: Path) -> None:
+    """Behaviour log-probabilities from a model other than the parent: measured before the first
+    step, recorded, and the candidate is blocked."""
+    registry, log, runs = setup(champion, tmp_path)
+    torch.manual_seed(9)
+    other = TinyTransformer(SMALL)
+    for i, v in enumerate(served(other, 100, seed=8)):
+        log.append(i % 2, v)
+    out = run_increment(config(), log, registry, LocalTrainJob(), runs, PendingWindow(tmp_path / "p.json"),
+                        tmp_path / "w")
+    assert out.status == "success" and out.version is not None
+    assert out.stats["mismatch_tokens"] > 0 and out.stats["mismatch_mean_abs"] > 0.1
+    assert runs.runs[out.run_id or ""]["metrics"]["mismatch_mean_abs"] == out.stats["mismatch_mean_abs"]
+    reasons = json.loads(registry.get_tags(out.version)[Tag.GATE_REASONS])["reasons"]
+    assert any("train-inference mismatch" in r for r in reasons)
+    assert registry.alias_version(CANDIDATE) is None
+    # the parent's own samples: no mismatch
+    registry2, log2, runs2 = setup(champion, tmp_path / "own")
+    for i, v in enumerate(served(champion, 100, seed=8)):
+        log2.append(i % 2, v)
+    own = run_increment(config(), log2, registry2, LocalTrainJob(), runs2,
+                        PendingWindow(tmp_path / "p2.json"), tmp_path / "w2")
+    assert own.stats["mismatch_mean_abs"] < 1e-4 and own.stats["mismatch_tokens"] > 0

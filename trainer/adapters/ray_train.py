@@ -28,7 +28,8 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from trainer.loop import load_training_state, rl_train, save_training_state
+from trainer.loop import load_training_state, make_optimizer, rl_train, save_training_state
+from trainer.lora_policy import BASE_DIR_ENV
 from trainer.policy import TrainablePolicy, load_policy
 from trainer.train_job import TrainRequest, TrainResult
 
@@ -40,6 +41,8 @@ RAY_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
 HISTORY_FILE = "history.json"
+FORWARDED_ENV = (BASE_DIR_ENV,)
+"""Settings the workers need that a remote cluster's processes do not inherit."""
 
 
 def ensure_ray(address: str | None, num_cpus: int = 2, object_store_mb: int = 200) -> None:
@@ -48,8 +51,10 @@ def ensure_ray(address: str | None, num_cpus: int = 2, object_store_mb: int = 20
         os.environ.setdefault(key, value)
     if ray.is_initialized():
         return
-    if address:
-        ray.init(address=address, log_to_driver=True)
+    if address:  # workers on other machines see this process's base model location too
+        forwarded = {k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}
+        ray.init(address=address, log_to_driver=True,
+                 runtime_env={"env_vars": forwarded} if forwarded else None)
     else:
         ray.init(
             num_cpus=num_cpus,
@@ -106,7 +111,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         final_step = start + len(history)
         if rank == 0:
-            opt = optimizer_holder.get("opt") or torch.optim.Adam(policy.module.parameters())
+            opt = optimizer_holder.get("opt") or make_optimizer(policy, request.loop.lr)
             save_training_state(Path(tmp), policy, opt, final_step)
             body = {"history": history, "resumed_from_step": start}
             (Path(tmp) / HISTORY_FILE).write_text(json.dumps(body))
