@@ -62,6 +62,7 @@ VALUES_SETS: dict[str, list[str]] = {
         "--set", "trainer.resources.limits.nvidia\\.com/gpu=1",
         "--set", "ray.cluster.workers.resources.limits.nvidia\\.com/gpu=1",
         "--set", "ray.cluster.workers.runtimeClassName=nvidia",
+        "--set", "ray.numWorkers=2", "--set", "ray.cpusPerWorker=2", "--set", "ray.useGpu=true",
         "--set", "mlflow.envFromSecret=rtrl-mlflow",
         "--set", "imagePullSecrets[0].name=regcred",
         "--set", "deployer.notifications.urls[0]=https://hooks.example/s3cret-hook",

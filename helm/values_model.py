@@ -163,6 +163,12 @@ class Ray(_Values):
     cluster.enabled false runs Ray inside the trainer pod."""
     cluster: RayCluster = RayCluster()
     """Optional KubeRay RayCluster for the trainer."""
+    num_workers: Annotated[int, Field(ge=1)] = 1
+    """Ray Train workers per increment (data parallel: gloo on CPU, NCCL on GPU)."""
+    cpus_per_worker: Annotated[int, Field(ge=1)] = 1
+    """CPUs each Ray Train worker reserves (and torch threads it runs)."""
+    use_gpu: bool = False
+    """Give each Ray Train worker a GPU (the Ray pods then need nvidia.com/gpu limits)."""
 
 
 class Auth(_Values):

@@ -103,7 +103,8 @@ def ray_job(settings: Settings) -> TrainJob:
 
     r = settings.ray
     return RayTrainJob(ray_storage(settings), num_workers=r.num_workers, use_gpu=r.use_gpu,
-                       address=r.address, num_cpus=r.num_cpus, object_store_mb=r.object_store_mb)
+                       cpus_per_worker=r.cpus_per_worker, address=r.address, num_cpus=r.num_cpus,
+                       object_store_mb=r.object_store_mb)
 
 
 class BusyError(RuntimeError):

@@ -115,7 +115,7 @@ def rl_train(
         with torch.no_grad():
             parent_logp, _ = parent.batch_logprobs(prompts, completions)
         behavior = padded([s.behavior_logprobs for s in batch], mask)
-        adv = torch.tensor([s.advantage for s in batch])
+        adv = torch.tensor([s.advantage for s in batch], device=logp.device)
         loss, stats = grpo_loss(logp, parent_logp, behavior, mask, adv, cfg.objective)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated

@@ -149,8 +149,11 @@ class RaySettings(Section):
     """CPUs of the local Ray started when ``address`` is none."""
     object_store_mb: int = 200
     """Object store of the local Ray, in MiB."""
-    num_workers: int = 1
-    """Ray Train workers per increment."""
+    num_workers: Annotated[int, Field(ge=1)] = 1
+    """Ray Train workers per increment: data parallel, gradients averaged at every step (gloo on
+    CPU, NCCL on GPU); each worker trains on its shard of every batch."""
+    cpus_per_worker: Annotated[int, Field(ge=1)] = 1
+    """CPUs each Ray Train worker reserves (and the torch threads it runs)."""
     use_gpu: bool = False
     """Give each Ray Train worker a GPU."""
 

@@ -246,6 +246,8 @@ def test_services_parse_the_rendered_settings(rendered, name: str, component: st
         assert settings.gateway.port == 8080
     if component == "trainer":
         assert str(settings.trainer.data_dir) == "/var/lib/rtrl/trainer"
+        want = (2, 2, True) if name == "everything" else (1, 1, False)
+        assert (settings.ray.num_workers, settings.ray.cpus_per_worker, settings.ray.use_gpu) == want
     if component == "deployer" and name == "everything":
         assert settings.notify.format == "slack" and settings.notify.secret is not None
         assert settings.notify.mlflow_ui_url == "https://mlflow.example.com"

@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 import ray.train
+import ray.train.torch
 import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
@@ -86,6 +87,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     else:
         policy, opt_state, start = load_policy(request.parent_dir), None, 0
     parent = load_policy(request.parent_dir)
+    if config.get("use_gpu"):  # this worker's GPU (Ray sets CUDA_VISIBLE_DEVICES per worker)
+        device = ray.train.torch.get_device()
+        policy.module.to(device)
+        parent.module.to(device)
     every = request.loop.checkpoint_every
     t_last = time.monotonic()
     optimizer_holder: dict[str, torch.optim.Optimizer] = {}
@@ -146,7 +151,8 @@ class RayTrainJob:
             Path(self.storage).mkdir(parents=True, exist_ok=True)
         trainer = TorchTrainer(
             train_loop_per_worker,
-            train_loop_config={"request": request, "threads": self.cpus_per_worker},
+            train_loop_config={"request": request, "threads": self.cpus_per_worker,
+                               "use_gpu": self.use_gpu},
             scaling_config=ScalingConfig(
                 num_workers=self.num_workers, use_gpu=self.use_gpu,
                 resources_per_worker={"CPU": self.cpus_per_worker},

@@ -109,6 +109,12 @@ spec:
             - name: RTRL_RAY__ADDRESS
               value: {{ . | quote }}
             {{- end }}
+            - name: RTRL_RAY__NUM_WORKERS
+              value: {{ $v.ray.numWorkers | quote }}
+            - name: RTRL_RAY__CPUS_PER_WORKER
+              value: {{ $v.ray.cpusPerWorker | quote }}
+            - name: RTRL_RAY__USE_GPU
+              value: {{ $v.ray.useGpu | quote }}
             {{- end }}
             {{- if $operatorKeys }}
             - name: RTRL_OPERATORS__KEYS_FILE
