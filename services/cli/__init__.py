@@ -45,6 +45,7 @@ SERVE: dict[str, tuple[str, str]] = {
 BENCH: dict[str, tuple[str, str]] = {
     "pipeline": ("bench.pipeline", "ingest and reward throughput vs a do-nothing pipe"),
     "trainer": ("bench.trainer", "RL step in Ray vs plain loop; increment overhead"),
+    "trl": ("bench.trl_compare", "the policy-update step vs TRL's GRPO loss step (needs trl)"),
     "gateway": ("bench.gateway", "latency added by the gateway"),
     "judge": ("bench.judge", "false rollbacks and detection vs Kayenta/Flagger-style judges"),
     "loop-offline": ("bench.loop_offline", "the demo's users, rewards and increments in one process"),

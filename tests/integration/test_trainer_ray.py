@@ -219,7 +219,7 @@ def test_two_workers_train_what_one_process_trains(ray_local: None, tmp_path: Pa
     from services.local.tiny_llm import build_tiny_llm
     from trainer.adapters.ray_train import RayTrainJob
     from trainer.loop import LoopConfig, Sample
-    from trainer.lora_policy import LoraSpec, LoRAPolicy
+    from trainer.lora_policy import LoRAPolicy, LoraSpec
     from trainer.train_job import LocalTrainJob, TrainRequest
 
     base = build_tiny_llm(tmp_path / "base")

@@ -19,10 +19,10 @@ DOMAINS = ("ingest", "trainer", "deployer", "rollback")
 MAX_LINES = 400
 HEAVY = frozenset({"torch", "ray", "mlflow", "transformers", "peft", "matplotlib", "scipy"})
 """Third-party packages slow enough to import that a function may import them lazily."""
-OPTIONAL = frozenset({"uvicorn", "starlette", "tokenizers"})
+OPTIONAL = frozenset({"uvicorn", "starlette", "tokenizers", "trl", "datasets"})
 """Not core dependencies of rtrl: imported only where they are used (uvicorn and starlette by
-the benchmark that compares against them; tokenizers, with the ``hf`` extra, by the tiny model
-builder)."""
+the benchmark that compares against them, trl and datasets by the one that compares against
+TRL; tokenizers, with the ``hf`` extra, by the tiny model builder)."""
 
 
 def _modules() -> dict[str, Path]:
