@@ -46,7 +46,7 @@ from services.local.sim_users import (
 )
 from services.runtime.settings import Settings
 from trainer.gate import GateConfig, GateResult, evaluate
-from trainer.increment import build_samples, score_heldout
+from trainer.increment import build_samples, score_heldout, to_samples
 from trainer.loop import LoopConfig, rl_train, sft_train, summarize
 from trainer.objective import ObjectiveConfig
 from trainer.policy import TinyConfig, TinyTransformer, load_policy
@@ -183,6 +183,9 @@ def parser() -> argparse.ArgumentParser:
                     "(default: the trainer's RTRL_TRAINER__BAND__*, %(default)s)")
     ap.add_argument("--warmup", type=int, default=base.warmup_steps, help="learning-rate warm-up steps")
     ap.add_argument("--probe-every", type=int, default=band.probe_every)
+    ap.add_argument("--probe", choices=("heldout", "train"), default="heldout",
+                    help="where the band measures the KL: the gate's held-out records (as the trainer "
+                         "does) or samples split off the training window")
     ap.add_argument("--max-epochs", type=int, default=band.max_epochs)
     ap.add_argument("--gate-max-kl", type=float, default=GateConfig().max_kl)
     ap.add_argument("--cache", default=None, metavar="DIR",
@@ -288,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         heldout, window = window[-HELDOUT:], window[:-HELDOUT]
         samples = build_samples(cast(list[RewardRecord], window), args.group_size, args.normalize_std)
         child = parent.clone()
-        history = rl_train(child, parent, samples, replace(loop, seed=args.seed + k))
+        held = cast(list[RewardRecord], heldout)
+        probe = to_samples(held, [0.0] * len(held)) if args.probe == "heldout" else []
+        history = rl_train(child, parent, samples, replace(loop, seed=args.seed + k), probe=probe)
         gate = evaluate(score_heldout(child, parent, cast(list[RewardRecord], heldout)),
                         [h["loss"] for h in history], gate_cfg)
         served = figures(serve(child, args.eval_requests, world, users, spec, args, 10_000 + k))

@@ -49,7 +49,7 @@ from trainer.registration import (
     registered_window_version,
 )
 from trainer.train_job import TrainJob, TrainRequest, TrainResult
-from trainer.trust_region import KLBand, stop_name
+from trainer.trust_region import band_params, stop_name
 from trainer.window import (
     ParsedWindow,
     PendingWindow,
@@ -130,6 +130,8 @@ class TrainingRun:
     """``increment-<window id>``: the same window always gets the same name, so a retry resumes."""
     parent_dir: Path
     samples: list[Sample]
+    probe: list[Sample]
+    """The held-out records as samples: where the KL band measures the step (the gate's set)."""
     lineage: dict[str, str]
     """The registry tags that tie the version to its parent, window and reward spec."""
     reward_stats: dict[str, float]
@@ -303,19 +305,18 @@ def start_run(cfg: IncrementConfig, plan: Plan, registry: Registry, runs: RunTra
     }
     found = measure_parent(load_policy(parent_dir), train_records, plan.parent,
                            cfg.loop.objective.truncate_is)
-    log.info("train-inference mismatch of version %s on %d served tokens: mean %.4f, p99 %.4f nats, "
-             "%.1f%% of weights truncated", plan.parent, found.tokens, found.mean_abs, found.p99_abs,
-             100 * found.truncated_share)
     name = f"increment-{plan.window.id}"
     run_id = runs.start(name, _params(cfg, len(samples)), {**lineage, "rtrl.retry": str(plan.retry)})
-    return TrainingRun(run_id, name, parent_dir, samples, lineage, {**rstats, **found.figures()}, found)
+    probe = to_samples(plan.records.heldout, [0.0] * len(plan.records.heldout))
+    return TrainingRun(run_id, name, parent_dir, samples, probe, lineage, {**rstats, **found.figures()},
+                       found)
 
 
 def train(job: TrainJob, run: TrainingRun, loop: LoopConfig, workdir: Path, runs: RunTracker,
           retrying: Retrying) -> Trained:
     """Run the training job and log its steps on the run."""
     t_train = time.monotonic()
-    result = job.run(TrainRequest(run.name, run.parent_dir, run.samples, loop, workdir))
+    result = job.run(TrainRequest(run.name, run.parent_dir, run.samples, loop, workdir, run.probe))
     train_s = time.monotonic() - t_train
     retrying("log the training steps", lambda: runs.log_steps(run.run_id, result.history))
     return Trained(result, train_s, {**summarize(result.history), **run.reward_stats})
@@ -352,11 +353,12 @@ def commit_window(rewards: RewardLog, pending: PendingWindow, window: Window) ->
 def build_samples(records: Sequence[RewardRecord], group_size: int, normalize_std: bool) -> list[Sample]:
     """Samples with group-relative advantages (same-prompt groups first)."""
     groups = assign_groups([tuple(r.prompt_tokens) for r in records], group_size)
-    adv = group_advantages([r.reward for r in records], groups, normalize_std)
-    return [
-        Sample(list(r.prompt_tokens), list(r.completion_tokens), list(r.behavior_logprobs), a)
-        for r, a in zip(records, adv, strict=True)
-    ]
+    return to_samples(records, group_advantages([r.reward for r in records], groups, normalize_std))
+
+
+def to_samples(records: Sequence[RewardRecord], advantages: Sequence[float]) -> list[Sample]:
+    return [Sample(list(r.prompt_tokens), list(r.completion_tokens), list(r.behavior_logprobs), a)
+            for r, a in zip(records, advantages, strict=True)]
 
 
 @torch.no_grad()
@@ -389,11 +391,3 @@ def _params(cfg: IncrementConfig, n: int) -> dict[str, str]:
         **band_params(cfg.loop.band),
     }.items()}
 
-
-def band_params(band: KLBand | None) -> dict[str, object]:
-    """The KL band as run parameters (``band: off`` without one)."""
-    if band is None:
-        return {"band": "off"}
-    return {"band_low": band.low, "band_high": band.high, "band_probe_every": band.probe_every,
-            "band_probe_size": band.probe_size, "band_max_epochs": band.max_epochs,
-            "band_max_backoffs": band.max_backoffs}

@@ -86,11 +86,15 @@ def rl_train(
     on_step: StepCallback | None = None,
     shard: tuple[int, int] = (0, 1),
     after_backward: Callable[[TrainablePolicy], None] | None = None,
+    probe: Sequence[Sample] = (),
 ) -> list[dict[str, float]]:
     """Train ``policy`` on ``samples`` against the frozen ``parent``; return per-step stats.
 
     With several data-parallel workers, worker ``rank`` of ``world`` (``shard``) trains on
-    ``batch[rank::world]`` of every batch and ``after_backward`` averages the gradients."""
+    ``batch[rank::world]`` of every batch and ``after_backward`` averages the gradients.
+    With a KL band, ``probe`` is the set its KL is measured on (the offline gate's held-out
+    records, so the band aims at the KL the gate will measure); without one, a probe set is
+    split off ``samples`` by the seed."""
     torch.manual_seed(cfg.seed + start_step)
     optimizer = make_optimizer(policy, cfg.lr)
     if optimizer_state is not None:
@@ -100,9 +104,11 @@ def rl_train(
     history: list[dict[str, float]] = []
     steady = None
     if cfg.band is not None and samples:
-        train_idx, probe_idx = split_probe(len(samples), cfg.band.probe_size, cfg.seed)
-        steady = Steady(cfg.band, parent, [samples[i] for i in probe_idx], cfg.objective.truncate_is)
-        samples = [samples[i] for i in train_idx]
+        if not probe:
+            train_idx, probe_idx = split_probe(len(samples), cfg.band.probe_size, cfg.seed)
+            probe = [samples[i] for i in probe_idx]
+            samples = [samples[i] for i in train_idx]
+        steady = Steady(cfg.band, parent, list(probe)[: cfg.band.probe_size], cfg.objective.truncate_is)
         if not steady.start(start_step, policy, optimizer):
             return history  # a resumed run that had already reached its target
     batches = plan_batches(len(samples), cfg.batch_size, cfg.passes, cfg.seed)

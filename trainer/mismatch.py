@@ -11,6 +11,7 @@ served, before its first step; the gate blocks the candidate when the mean excee
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import torch
 
 from ingest.events import RewardRecord
 from trainer.policy import TrainablePolicy
+
+log = logging.getLogger("trainer.increment")  # the increment's logger: one place to read it
 
 
 @dataclass(frozen=True)
@@ -68,4 +71,8 @@ def measure_parent(parent: TrainablePolicy, records: Sequence[RewardRecord], ver
         chunk = mine[i : i + batch]
         lp, _ = parent.batch_logprobs([r.prompt_tokens for r in chunk], [r.completion_tokens for r in chunk])
         trainer.extend(lp[j, : len(r.completion_tokens)].tolist() for j, r in enumerate(chunk))
-    return mismatch(trainer, [list(r.behavior_logprobs) for r in mine], truncate)
+    found = mismatch(trainer, [list(r.behavior_logprobs) for r in mine], truncate)
+    log.info("train-inference mismatch of version %s on %d served tokens: mean %.4g, p99 %.4g nats, "
+             "%.1f%% of weights truncated", version, found.tokens, found.mean_abs, found.p99_abs,
+             100 * found.truncated_share)
+    return found

@@ -9,7 +9,7 @@ and resume from there, so a retried window continues where the killed attempt st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -27,6 +27,9 @@ class TrainRequest:
     samples: list[Sample]
     loop: LoopConfig
     workdir: Path
+    probe: list[Sample] = field(default_factory=list)
+    """Where a KL band measures the KL to the parent: the gate's held-out records (empty: a
+    probe set is split off the samples)."""
 
 
 @dataclass
@@ -60,7 +63,8 @@ class LocalTrainJob:
             if step % request.loop.checkpoint_every == 0:
                 save_training_state(ckpt, pol, opt, step)
 
-        history = rl_train(policy, parent, request.samples, request.loop, start, opt_state, on_step)
+        history = rl_train(policy, parent, request.samples, request.loop, start, opt_state, on_step,
+                           probe=request.probe)
         out = request.workdir / request.name / "final"
         policy.save(out)
         return TrainResult(out, history, start)

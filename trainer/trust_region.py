@@ -5,10 +5,12 @@ single increments from one bootstrap ranged from 1.2 to 4.7 nats), so some candi
 too little to matter and others so far that the canary's reward-hacking detectors or the
 offline gate threw them out. The band turns the step size into a setting:
 
-- every ``probe_every`` steps the policy is scored on a probe set of the window's samples
-  (chosen by the seed and kept out of training), and KL(parent || policy) per completion is
-  estimated there the way the offline gate estimates it on held-out records (k3 per token,
-  weighted by the truncated parent/behaviour ratio, summed over the completion);
+- every ``probe_every`` steps the policy is scored on a probe set, and KL(parent || policy)
+  per completion is estimated there the way the offline gate estimates it (k3 per token,
+  weighted by the truncated parent/behaviour ratio, summed over the completion). The increment
+  probes the gate's own held-out records (up to ``probe_size``), so the band aims at the KL
+  the gate will measure; without them a probe set is split off the window's samples by the
+  seed and kept out of training;
 - at or above the band's **target** (its midpoint) the increment stops;
 - above the band's **high** edge the last step was too big: the policy and optimiser go back
   to the last probe inside the band, the learning rate is halved and training goes on (at most
@@ -47,7 +49,8 @@ class KLBand:
     probe_every: int = 4
     """Steps between probes."""
     probe_size: int = 256
-    """Training samples in the probe set (chosen by the seed)."""
+    """Most records in the probe set (the gate's held-out records, or samples split off the
+    window by the seed)."""
     max_epochs: int = 3
     """Most passes over the window while the KL is below the target."""
     max_backoffs: int = 3
@@ -63,6 +66,15 @@ class KLBand:
     @property
     def target(self) -> float:
         return (self.low + self.high) / 2
+
+
+def band_params(band: KLBand | None) -> dict[str, object]:
+    """The KL band as run parameters (``band: off`` without one)."""
+    if band is None:
+        return {"band": "off"}
+    return {"band_low": band.low, "band_high": band.high, "band_probe_every": band.probe_every,
+            "band_probe_size": band.probe_size, "band_max_epochs": band.max_epochs,
+            "band_max_backoffs": band.max_backoffs}
 
 
 Action = Literal["continue", "stop", "back_off"]

@@ -139,6 +139,20 @@ def test_the_band_stops_training_at_its_target_and_lands_inside() -> None:
     assert all("lr" in h for h in history)
 
 
+def test_a_given_probe_set_is_where_the_band_measures_and_every_sample_trains() -> None:
+    """The increment passes the gate's held-out records: the band lands inside on them (the
+    gate's own KL), and no training sample is split off."""
+    champion, samples = _world()
+    probe_set, train = samples[:64], samples[64:]
+    policy = champion.clone()
+    cfg = LoopConfig(batch_size=16, epochs=1, lr=3e-3, seed=1, band=BAND)
+    history = rl_train(policy, champion.clone(), train, cfg, probe=probe_set)
+    kl = Probe(champion, probe_set, 2.0).kl(policy)
+    assert BAND.low <= kl <= BAND.high and history[-1]["probe_kl_kept"] == pytest.approx(kl, rel=1e-6)
+    steps_per_pass = -(-len(train) // 16)
+    assert history[-1]["total_steps"] == BAND.max_epochs * steps_per_pass  # all of train, none split off
+
+
 def test_an_overshoot_backs_off_and_halves_the_learning_rate() -> None:
     champion, samples = _world()
     band = KLBand(0.05, 0.3, probe_every=3, probe_size=64, max_epochs=4, max_backoffs=3)

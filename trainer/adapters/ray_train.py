@@ -112,7 +112,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     after = _average_gradients if world > 1 else None
     history = rl_train(policy, parent, request.samples, request.loop, start, opt_state, on_step,
-                       shard=(rank, world), after_backward=after)
+                       shard=(rank, world), after_backward=after, probe=request.probe)
     with tempfile.TemporaryDirectory() as tmp:
         final_step = start + len(history)
         if rank == 0:
