@@ -40,6 +40,18 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """One local Ray (2 CPUs, loopback) per test module, shut down at its end."""
+    from trainer.adapters.ray_train import ensure_ray
+
+    ensure_ray(None, num_cpus=2, object_store_mb=200)
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One sqlite MLflow store per test module (creating its tables takes seconds); tests give
     themselves their own registered model and deployments experiment (deployer_settings)."""

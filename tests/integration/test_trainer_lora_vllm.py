@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -37,17 +36,6 @@ pytestmark = pytest.mark.timeout(900)
 ENGINE_TOLERANCE = 1e-3
 """Largest |log p_vLLM − log p_trainer| per token allowed. Float32 on both sides: measured at
 most 4.8e-7 on this model (mismatch mean 1.4e-7), recorded in docs/benchmarks.md."""
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    from trainer.adapters.ray_train import ensure_ray
-
-    ensure_ray(None, num_cpus=2, object_store_mb=200)
-    yield
-    import ray
-
-    ray.shutdown()
 
 
 @pytest.fixture

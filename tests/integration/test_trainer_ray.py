@@ -13,7 +13,6 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,17 +33,6 @@ from trainer.window import PendingWindow
 
 pytestmark = pytest.mark.timeout(600)
 SNAPSHOT = "checkpoint_manager_snapshot.json"
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    from trainer.adapters.ray_train import ensure_ray
-
-    ensure_ray(None, num_cpus=2, object_store_mb=200)
-    yield
-    import ray
-
-    ray.shutdown()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_helpers import killed_and_resumed
 
 from deployer.adapters.memory import InMemoryRegistry
 from deployer.registry import CANDIDATE, CHAMPION, Tag
@@ -22,10 +23,8 @@ from trainer.increment import IncrementConfig, build_samples, run_increment
 from trainer.loop import (
     LoopConfig,
     Sample,
-    load_training_state,
     plan_batches,
     rl_train,
-    save_training_state,
     summarize,
 )
 from trainer.policy import TinyConfig, TinyTransformer, load_policy
@@ -122,23 +121,9 @@ def test_resumed_training_equals_uninterrupted(champion: TinyTransformer, tmp_pa
     samples = [Sample([BOS, 4], [GOOD, EOS], [-4.0, -4.0], 1.0),
                Sample([BOS, 5], [9, EOS], [-4.0, -4.0], -1.0)] * 8
     cfg = LoopConfig(batch_size=4, epochs=2, lr=1e-2)
-    full = champion.clone()
-    rl_train(full, champion.clone(), samples, cfg)
-
-    part = champion.clone()
-
-    def stop_at_3(step: int, _s: dict[str, float], pol: object, opt: torch.optim.Optimizer) -> None:
-        if step == 3:
-            save_training_state(tmp_path / "ck", part, opt, step)
-            raise KeyboardInterrupt  # "killed"
-
-    with pytest.raises(KeyboardInterrupt):
-        rl_train(part, champion.clone(), samples, cfg, on_step=stop_at_3)
-    resumed, opt_state, step = load_training_state(tmp_path / "ck")
-    assert step == 3
-    history = rl_train(resumed, champion.clone(), samples, cfg, start_step=step, optimizer_state=opt_state)
+    full, resumed, history = killed_and_resumed(champion, samples, cfg, 3, tmp_path / "ck")
     assert history[0]["step"] == 4 and len(history) == 5
-    for a, b in zip(full.state_dict().values(), resumed.module.state_dict().values(), strict=True):
+    for a, b in zip(full.module.state_dict().values(), resumed.module.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=1e-6)
 
 
