@@ -48,7 +48,7 @@ class KLBand:
     high: float
     probe_every: int = 4
     """Steps between probes."""
-    probe_size: int = 256
+    probe_size: int = 512
     """Most records in the probe set (the gate's held-out records, or samples split off the
     window by the seed)."""
     max_epochs: int = 3

@@ -132,8 +132,9 @@ class BandSettings(Section):
     """Upper edge; keep it at or below ``gate.max_kl`` so a candidate inside the band passes the gate."""
     probe_every: Annotated[int, Field(ge=1)] = 4
     """Optimiser steps between KL probes."""
-    probe_size: Annotated[int, Field(ge=1)] = 256
-    """Training samples the KL is probed on (a fixed subset per increment)."""
+    probe_size: Annotated[int, Field(ge=1)] = 512
+    """Most records the KL is probed on: the gate's held-out records (a window with none held
+    out: samples split off its training samples by the seed, at most a fifth of them)."""
     max_epochs: Annotated[int, Field(ge=1)] = 3
     """Most passes over the window while the KL is below the band's midpoint."""
     max_backoffs: Annotated[int, Field(ge=0)] = 3
