@@ -117,7 +117,7 @@ class ObjectiveConfig:
     truncate_is: float = 2.0
     """Truncation of the importance weight pi_0 / mu (behavior -> parent)."""
     kl_coef: float = 0.02
-    """Weight of the k1 KL term to the parent."""
+    """Weight of the k3 KL term to the parent (:func:`k3_tokens`)."""
 
 
 def importance_weights(parent_logp: Tensor, behavior_logp: Tensor, truncate: float) -> Tensor:
