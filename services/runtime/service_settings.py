@@ -217,7 +217,7 @@ class TrainerSettings(Section):
     truncate_is: Annotated[float, Field(gt=0.0)] = 2.0
     """Truncation of the parent/behavior importance weights (staleness correction)."""
     kl_coef: Annotated[float, Field(ge=0.0)] = 0.02
-    """Weight of the k1 KL term to the parent checkpoint."""
+    """Weight of the k3 KL term to the parent checkpoint (docs/trainer.md, the objective)."""
     checkpoint_every: Annotated[int, Field(ge=1)] = 50
     """Steps between Ray Train checkpoints (a killed increment resumes from the last one).
     A Ray checkpoint is persisted synchronously (~0.5 s for the default policy), so a short
