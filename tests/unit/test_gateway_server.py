@@ -204,8 +204,23 @@ def test_connections_beyond_max_connections_get_503_json() -> None:
         srv.stop(drain_s=1.0)
 
 
+def listen_overflows() -> int | None:
+    """The kernel's count of connections dropped because a listen queue was full
+    (``TcpExt: ListenOverflows + ListenDrops``; None where /proc/net/netstat is absent)."""
+    try:
+        lines = open("/proc/net/netstat").read().splitlines()
+    except OSError:
+        return None
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            row = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            return int(row.get("ListenOverflows", 0)) + int(row.get("ListenDrops", 0))
+    return None
+
+
 def test_200_concurrent_keep_alive_clients_are_all_answered() -> None:
     srv = start(idle_timeout_s=10.0)
+    overflows_before = listen_overflows()
     n, rounds = 200, 3
     answered: list[float] = []
     failures: list[BaseException] = []
@@ -231,7 +246,11 @@ def test_200_concurrent_keep_alive_clients_are_all_answered() -> None:
             t.join(timeout=20)
         assert not failures, failures[:3]
         assert len(answered) == n
-        # no client waits for a SYN retransmit (1 s and more) because the backlog overflowed
-        assert max(answered) < 0.9, sorted(answered)[-5:]
+        # the burst fits the listen backlog: the kernel dropped no connection (a dropped one
+        # would be retried after a SYN retransmit, 1 s and more). This is the property, not the
+        # clients' wall time, which on a loaded machine is the scheduler's
+        if overflows_before is not None:
+            assert listen_overflows() == overflows_before, sorted(answered)[-5:]
+        assert max(answered) < 10.0, sorted(answered)[-5:]
     finally:
         srv.stop(drain_s=1.0)
