@@ -42,7 +42,14 @@ from services.runtime.settings import KafkaSettings, MlflowSettings, Settings, T
 from trainer.corpus import write_corpus
 from trainer.loop import LoopConfig, Sample, plan_batches
 from trainer.lora_policy import LoraSpec
-from trainer.policy import TinyConfig, TinyTransformer, TrainablePolicy, load_policy
+from trainer.policy import (
+    TinyConfig,
+    TinyTransformer,
+    TrainablePolicy,
+    load_policy,
+    n_parameters,
+    n_trainable,
+)
 from trainer.tokens import BOS
 from trainer.train_job import LocalTrainJob, TrainRequest
 
@@ -196,8 +203,7 @@ def bench_policy(kind: str, work: Path) -> tuple[TrainablePolicy, Path | None, i
 
 
 def describe(policy: TrainablePolicy) -> str:
-    total = sum(p.numel() for p in policy.module.parameters())
-    trainable = sum(p.numel() for p in policy.module.parameters() if p.requires_grad)
+    total, trainable = n_parameters(policy.module), n_trainable(policy.module)
     return f"{getattr(policy, 'kind', '?')}, {trainable:,} of {total:,} parameters trained"
 
 

@@ -35,7 +35,7 @@ from trainer.gate import GateConfig
 from trainer.increment import IncrementConfig, Outcome, run_increment
 from trainer.loop import LoopConfig, sft_train
 from trainer.objective import ObjectiveConfig
-from trainer.policy import TinyConfig, TinyTransformer, TrainablePolicy, n_parameters
+from trainer.policy import TinyConfig, TinyTransformer, TrainablePolicy, n_parameters, n_trainable
 from trainer.registration import manifest_tags
 from trainer.train_job import TrainJob
 from trainer.trust_region import KLBand
@@ -222,8 +222,7 @@ def bootstrap(
     params = {"corpus": str(corpus), "corpus_sha256": digest, "records": str(len(pairs)),
               "epochs": str(epochs), "lr": str(lr), "batch_size": str(batch_size),
               "parameters": str(n_parameters(policy.module)),
-              "trainable_parameters": str(sum(p.numel() for p in policy.module.parameters()
-                                              if p.requires_grad)),
+              "trainable_parameters": str(n_trainable(policy.module)),
               **({"lora": json.dumps(asdict(lora)), "base_model": str(hf_model)} if lora else {})}
     run_id = runs.start("bootstrap", params, {Tag.KIND: "bootstrap"})
     t0 = time.monotonic()

@@ -30,15 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from deployer.registry import CHAMPION, Registry, Tag
 from ingest.events import RewardRecord
 from trainer.gate import GateConfig, GateResult, HeldoutScore, evaluate
 from trainer.loop import LoopConfig, Sample, summarize
 from trainer.mismatch import Mismatch, measure_parent
 from trainer.objective import assign_groups, group_advantages, reward_stats
-from trainer.policy import TrainablePolicy, load_policy
+from trainer.policy import TrainablePolicy, load_policy, score_records
 from trainer.registration import (
     Retrying,
     RunTracker,
@@ -361,23 +359,15 @@ def to_samples(records: Sequence[RewardRecord], advantages: Sequence[float]) -> 
             for r, a in zip(records, advantages, strict=True)]
 
 
-@torch.no_grad()
 def score_heldout(
     candidate: TrainablePolicy, parent: TrainablePolicy, records: Sequence[RewardRecord], batch: int = 64
 ) -> list[HeldoutScore]:
-    candidate.module.eval()
-    parent.module.eval()
-    out: list[HeldoutScore] = []
-    for i in range(0, len(records), batch):
-        chunk = records[i : i + batch]
-        prompts = [r.prompt_tokens for r in chunk]
-        completions = [r.completion_tokens for r in chunk]
-        cand, _ = candidate.batch_logprobs(prompts, completions)
-        par, _ = parent.batch_logprobs(prompts, completions)
-        for j, r in enumerate(chunk):
-            n = len(r.completion_tokens)
-            out.append(HeldoutScore(r.reward, r.behavior_logprobs, cand[j, :n].tolist(), par[j, :n].tolist()))
-    return out
+    prompts = [r.prompt_tokens for r in records]
+    completions = [r.completion_tokens for r in records]
+    cand = score_records(candidate, prompts, completions, batch)
+    par = score_records(parent, prompts, completions, batch)
+    return [HeldoutScore(r.reward, r.behavior_logprobs, c, p)
+            for r, c, p in zip(records, cand, par, strict=True)]
 
 
 def _params(cfg: IncrementConfig, n: int) -> dict[str, str]:

@@ -146,9 +146,6 @@ class LoRAPolicy(HFPolicy):
         """Whether the adapter changes nothing: every ``lora_B`` weight is zero."""
         return all(not bool(p.detach().any()) for n, p in self.model.named_parameters() if "lora_B" in n)
 
-    def trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
     def save(self, directory: str | Path) -> Path:
         directory = Path(directory)
         config = {"base": str(self.base_dir), "base_sha256": self.base_sha256, "lora": asdict(self.spec)}

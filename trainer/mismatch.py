@@ -16,10 +16,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ingest.events import RewardRecord
-from trainer.policy import TrainablePolicy
+from trainer.policy import TrainablePolicy, score_records
 
 log = logging.getLogger("trainer.increment")  # the increment's logger: one place to read it
 
@@ -59,18 +57,13 @@ def mismatch(trainer: Sequence[Sequence[float]], engine: Sequence[Sequence[float
                     sum(d > log_cap for d in diffs) / len(diffs))
 
 
-@torch.no_grad()
 def measure_parent(parent: TrainablePolicy, records: Sequence[RewardRecord], version: str,
                    truncate: float, limit: int = 256, batch: int = 32) -> Mismatch:
     """The parent's mismatch on (at most ``limit`` of) the records it served itself: those
     served by other versions were sampled from other weights and say nothing about the engine."""
     mine = [r for r in records if r.model.version == version and r.completion_tokens][:limit]
-    parent.module.eval()
-    trainer: list[list[float]] = []
-    for i in range(0, len(mine), batch):
-        chunk = mine[i : i + batch]
-        lp, _ = parent.batch_logprobs([r.prompt_tokens for r in chunk], [r.completion_tokens for r in chunk])
-        trainer.extend(lp[j, : len(r.completion_tokens)].tolist() for j, r in enumerate(chunk))
+    prompts, completions = [r.prompt_tokens for r in mine], [r.completion_tokens for r in mine]
+    trainer = score_records(parent, prompts, completions, batch)
     found = mismatch(trainer, [list(r.behavior_logprobs) for r in mine], truncate)
     log.info("train-inference mismatch of version %s on %d served tokens: mean %.4g, p99 %.4g nats, "
              "%.1f%% of weights truncated", version, found.tokens, found.mean_abs, found.p99_abs,

@@ -355,6 +355,25 @@ def n_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def n_trainable(module: nn.Module) -> int:
+    """Parameters the optimiser updates (a LoRA policy: the adapter's only)."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+@torch.no_grad()
+def score_records(policy: TrainablePolicy, prompts: Sequence[Sequence[int]],
+                  completions: Sequence[Sequence[int]], batch: int = 64) -> list[list[float]]:
+    """Each completion's per-token log-probabilities under ``policy`` (in eval mode), scored in
+    batches of ``batch``."""
+    policy.module.eval()
+    out: list[list[float]] = []
+    for i in range(0, len(completions), batch):
+        chunk = completions[i : i + batch]
+        lp, _ = policy.batch_logprobs(prompts[i : i + batch], chunk)
+        out.extend(lp[j, : len(c)].tolist() for j, c in enumerate(chunk))
+    return out
+
+
 def sequence_logprob(logprobs: Sequence[float]) -> float:
     """Sum of per-token log-probabilities (the completion's log-probability)."""
     return math.fsum(logprobs)

@@ -31,7 +31,7 @@ from trainer.lora_policy import (
     check_prompt_ids,
     content_hash,
 )
-from trainer.policy import load_policy
+from trainer.policy import load_policy, n_trainable
 from trainer.registration import manifest_tags
 
 pytestmark = pytest.mark.unit
@@ -78,7 +78,7 @@ def test_an_increment_trains_only_the_adapter_and_saves_it_small(base: Path, tmp
     frozen = base_weights(policy)
     optimizer = make_optimizer(policy, 1e-3)
     n_opt = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
-    assert n_opt == policy.trainable_parameters() < sum(p.numel() for p in frozen.values()) / 10
+    assert n_opt == n_trainable(policy.module) < sum(p.numel() for p in frozen.values()) / 10
     before = policy.score(PROMPT, GOOD)
     rl_train(policy, policy.clone(), samples(policy), LoopConfig(batch_size=8, epochs=3, lr=1e-2))
     assert sum(policy.score(PROMPT, GOOD)) > sum(before)
@@ -96,7 +96,7 @@ def test_an_increment_trains_only_the_adapter_and_saves_it_small(base: Path, tmp
     loaded = load_policy(saved)
     assert isinstance(loaded, LoRAPolicy) and loaded.spec == LoraSpec(rank=4, alpha=8)
     assert loaded.score(PROMPT, GOOD) == pytest.approx(policy.score(PROMPT, GOOD), abs=1e-5)
-    assert loaded.trainable_parameters() == policy.trainable_parameters()
+    assert n_trainable(loaded.module) == n_trainable(policy.module)
 
 
 def test_increments_chain_from_the_parents_adapter(base: Path, tmp_path: Path) -> None:
