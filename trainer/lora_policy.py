@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deployer.engine import ADAPTER_DIR, CHECK_TEXT, write_check
+from deployer.engine import ADAPTER_DIR, CHECK_TEXT, CHECK_TOKENS, Greedy, write_check
 from trainer.hf_policy import HFPolicy, transformers_lib
 from trainer.policy import write_manifest
 
@@ -152,7 +152,7 @@ class LoRAPolicy(HFPolicy):
         write_manifest(directory, self.kind, config, **({"engine": "base"} if self.is_identity() else {}))
         self.model.save_pretrained(str(directory / ADAPTER_DIR))  # type: ignore[operator]
         ids = check_prompt_ids(self.base_dir, int(getattr(self.model.config, "vocab_size", 0) or 0))
-        write_check(directory, ids, self.prompt_logprobs(ids))
+        write_check(directory, ids, self.prompt_logprobs(ids), greedy_continuation(self.model, ids))
         return directory
 
     @torch.inference_mode()
@@ -165,6 +165,27 @@ class LoRAPolicy(HFPolicy):
         self.model.train(was_training)
         logps = torch.log_softmax(logits, dim=-1)
         return [None] + [float(logps[i - 1, ids[i]]) for i in range(1, len(ids))]
+
+
+@torch.inference_mode()
+def greedy_continuation(model: nn.Module, ids: list[int], n: int = CHECK_TOKENS) -> Greedy:
+    """``model``'s greedy continuation of ``ids`` for ``n`` tokens (end of text ignored), each
+    token's log-probability and its margin over the runner-up: what the engine must reproduce
+    (deployer/engine.py)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    seq, tokens, logprobs, margins = list(ids), [], [], []
+    for _ in range(n):
+        logits = model(input_ids=torch.tensor([seq], device=device)).logits[0, -1].float()
+        top = torch.topk(torch.log_softmax(logits, dim=-1), 2)
+        token = int(top.indices[0])
+        tokens.append(token)
+        logprobs.append(float(top.values[0]))
+        margins.append(float(top.values[0] - top.values[1]))
+        seq.append(token)
+    model.train(was_training)
+    return Greedy(tokens, logprobs, margins)
 
 
 def _base_model(base_dir: Path) -> nn.Module:

@@ -1,6 +1,6 @@
 """The deployer's :class:`deployer.engine.EnginePort` for vLLM (or any server with vLLM's
 runtime LoRA API): ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``, ``/v1/models``
-and ``prompt_logprobs`` on ``/v1/completions``.
+and a greedy check request on ``/v1/completions`` (deployer/engine.py).
 
 Redis keys (``p`` = key prefix)::
 
@@ -23,12 +23,12 @@ from deployer.engine import (
     READY,
     EngineCheckError,
     EngineState,
-    check_problem,
+    check_request,
     engine_model_name,
-    engine_prompt_logprobs,
     find_adapter,
     is_base,
     read_check,
+    served_problem,
 )
 from deployer.routing import engine_model_key
 
@@ -144,14 +144,12 @@ class VllmEngine:
         return name
 
     def _check(self, model: str, root: Path) -> None:
-        """A warm-up request that also checks the engine's log-probabilities of the fixed prompt."""
-        ids, reference = read_check(root)
-        status, data = self._call("POST", "/v1/completions", {
-            "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
-        })
+        """A warm-up request that also checks the engine's greedy answer to the fixed prompt."""
+        check = read_check(root)
+        status, data = self._call("POST", "/v1/completions", check_request(model, check))
         if status != 200:
             raise EngineCheckError(f"the warm-up request failed ({status}): {_message(data)}")
-        problem = check_problem(reference, engine_prompt_logprobs(ids, data), self.tolerance)
+        problem = served_problem(check, data, self.tolerance)
         if problem is not None:
             raise EngineCheckError(problem)
 

@@ -9,9 +9,10 @@ inference engine (vLLM's CPU build) on a machine without GPUs or network.
 * :func:`build_lora_adapter` saves a PEFT LoRA adapter (q_proj, v_proj) with non-zero
   weights, so it changes the model's outputs.
 * :func:`corrupt_adapter` copies an adapter with a truncated weights file.
-* :func:`reference_logprobs` computes a prompt's per-token log-probabilities with HF (+PEFT):
-  what the deployer compares the engine's ``prompt_logprobs`` with before a candidate serves
-  (deployer/engine.py); :func:`write_engine_check` writes them as ``engine_check.json``.
+* :func:`reference_logprobs` and :func:`reference_greedy` compute a prompt's per-token
+  log-probabilities and its greedy continuation with HF (+PEFT): what the deployer compares
+  the engine's answer with before a candidate serves (deployer/engine.py);
+  :func:`write_engine_check` writes them as ``engine_check.json``.
 
 transformers, tokenizers, peft and torch are imported inside the functions (heavy).
 """
@@ -23,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from deployer.engine import write_check
+from deployer.engine import Greedy, write_check
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -53,7 +54,10 @@ def corpus(n: int = 600, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(dst: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> Any:
+def build_tokenizer(dst: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE,
+                    texts: list[str] | None = None) -> Any:
+    """A byte-level BPE tokenizer trained on ``texts`` (default: :func:`corpus`), with the chat
+    template and special tokens, saved under ``dst``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -62,7 +66,7 @@ def build_tokenizer(dst: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> A
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    tok.train_from_iterator(corpus(seed=seed) if texts is None else texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL[0], eos_token=SPECIAL[2],
                                    pad_token=SPECIAL[3], unk_token=None)
     fast.chat_template = CHAT_TEMPLATE
@@ -70,13 +74,15 @@ def build_tokenizer(dst: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> A
     return fast
 
 
-def build_tiny_llm(dst: Path, seed: int = 0) -> Path:
-    """Tokenizer and a seeded tiny ``LlamaForCausalLM`` saved under ``dst``; returns ``dst``."""
+def build_tiny_llm(dst: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE,
+                   texts: list[str] | None = None) -> Path:
+    """Tokenizer (see :func:`build_tokenizer`) and a seeded tiny ``LlamaForCausalLM`` saved
+    under ``dst``; returns ``dst``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dst.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(dst, seed)
+    tokenizer = build_tokenizer(dst, seed, vocab_size, texts)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
@@ -111,15 +117,18 @@ def build_lora_adapter(base_dir: Path, dst: Path, seed: int = 1, rank: int = 8, 
 def corrupt_adapter(src: Path, dst: Path) -> Path:
     """A copy of the adapter in ``src`` whose weights file is cut to a few bytes."""
     shutil.copytree(src, dst, dirs_exist_ok=True)
-    for weights in dst.glob("adapter_model.*"):
+    return truncate_weights(dst)
+
+
+def truncate_weights(adapter_dir: Path) -> Path:
+    """Cut the adapter's weights file(s) in ``adapter_dir`` to 16 bytes (a broken upload)."""
+    for weights in adapter_dir.glob("adapter_model.*"):
         weights.write_bytes(weights.read_bytes()[:16])
-    return dst
+    return adapter_dir
 
 
-def reference_logprobs(model_dir: Path, adapter_dir: Path | None,
-                       prompt_ids: list[int]) -> list[float | None]:
-    """Log-probability of each prompt token given the ones before it (None for the first),
-    computed by HF transformers (with the PEFT adapter when given)."""
+def _reference_model(model_dir: Path, adapter_dir: Path | None) -> Any:
+    """The model in ``model_dir`` by HF transformers alone (with the PEFT adapter when given)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -129,14 +138,33 @@ def reference_logprobs(model_dir: Path, adapter_dir: Path | None,
 
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     model.eval()
+    return model
+
+
+def reference_logprobs(model_dir: Path, adapter_dir: Path | None,
+                       prompt_ids: list[int]) -> list[float | None]:
+    """Log-probability of each prompt token given the ones before it (None for the first),
+    computed by HF transformers (with the PEFT adapter when given)."""
+    import torch
+
+    model = _reference_model(model_dir, adapter_dir)
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids])).logits[0]
     logps = torch.log_softmax(logits.float(), dim=-1)
     return [None] + [float(logps[i - 1, prompt_ids[i]]) for i in range(1, len(prompt_ids))]
 
 
+def reference_greedy(model_dir: Path, adapter_dir: Path | None, prompt_ids: list[int]) -> Greedy:
+    """The greedy continuation of the prompt by HF transformers (with the PEFT adapter)."""
+    from trainer.lora_policy import greedy_continuation
+
+    return greedy_continuation(_reference_model(model_dir, adapter_dir), prompt_ids)
+
+
 def write_engine_check(version_dir: Path, model_dir: Path, adapter_dir: Path | None,
                        prompt_ids: list[int]) -> Path:
-    """``engine_check.json`` for a version: the fixed prompt and its reference log-probabilities."""
-    return write_check(version_dir, prompt_ids, reference_logprobs(model_dir, adapter_dir, prompt_ids))
+    """``engine_check.json`` for a version: the fixed prompt, its reference log-probabilities
+    and greedy continuation."""
+    return write_check(version_dir, prompt_ids, reference_logprobs(model_dir, adapter_dir, prompt_ids),
+                       reference_greedy(model_dir, adapter_dir, prompt_ids))
 

@@ -11,14 +11,20 @@ import pytest
 
 from deployer.adapters.memory import FakeEngine, FakeWorld
 from deployer.engine import (
+    Check,
     EngineCheckError,
     EngineState,
+    Greedy,
     check_problem,
+    check_request,
     engine_model_name,
     engine_prompt_logprobs,
     find_adapter,
+    greedy_problem,
     is_base,
     read_check,
+    served_problem,
+    write_check,
 )
 from deployer.ledger import TAG_OUTCOME, TAG_REASON
 from deployer.status import CanaryPolicy, Command
@@ -134,6 +140,44 @@ def test_vllm_prompt_logprobs_are_read_for_the_prompt_tokens() -> None:
             engine_prompt_logprobs([3, 7, 9], bad)
 
 
+REF = Greedy([4, 5, 6], [-0.5, -1.0, -0.2], [0.8, 0.01, 2.0])
+
+
+def test_the_greedy_check_compares_tokens_and_logprobs() -> None:
+    assert greedy_problem(REF, [4, 5, 6], [-0.51, -0.99, -0.2], 0.05) is None
+    worse = greedy_problem(REF, [4, 5, 6], [-0.5, -1.2, -0.2], 0.05)
+    assert worse is not None and "0.2000" in worse and "greedy token 2" in worse
+    other = greedy_problem(REF, [9, 5, 6], [-0.5, -1.0, -0.2], 0.05)
+    assert other is not None and "token 1 is 9" in other, "a different first token is another model"
+    # token 2 was a near tie (margin 0.01 <= tolerance): the answers may part there
+    assert greedy_problem(REF, [4, 7, 1], [-0.5, -1.0, -3.0], 0.05) is None
+    assert greedy_problem(REF, [4, 5, 8], [-0.5, -1.0, -0.2], 0.05) is not None, "token 3 was no tie"
+    assert "no finite" in str(greedy_problem(REF, [4, 5, 6], [-0.5, None, -0.2], 0.05))
+    assert "no finite" in str(greedy_problem(REF, [4, 5, 6], [-0.5, float("nan"), -0.2], 0.05))
+    assert "2 of 3" in str(greedy_problem(REF, [4, 5], [-0.5, -1.0], 0.05))
+    assert "no tokens" in str(greedy_problem(REF, [], [], 0.05))
+
+
+def test_the_check_request_and_answer_follow_the_checks_kind() -> None:
+    old = Check([1, 2, 3], [None, -1.0, -2.0], None)
+    body = check_request("m", old)
+    assert body["prompt_logprobs"] == 0 and body["max_tokens"] == 1
+    answer = {"choices": [{"prompt_logprobs": [None, {"2": {"logprob": -1.0}}, {"3": {"logprob": -2.0}}]}]}
+    assert served_problem(old, answer, 0.05) is None
+    new = Check([1, 2, 3], [None, -1.0, -2.0], REF)
+    body = check_request("m", new)
+    assert "prompt_logprobs" not in body, "vLLM's CPU engine dies on LoRA prompt_logprobs in a batch"
+    assert body["max_tokens"] == 3 and body["temperature"] == 0.0 and body["ignore_eos"] is True
+    assert body["return_token_ids"] is True and body["logprobs"] == 0
+    good = {"choices": [{"token_ids": [4, 5, 6], "logprobs": {"token_logprobs": [-0.5, -1.0, -0.2]}}]}
+    assert served_problem(new, good, 0.05) is None
+    for bad in ({}, {"choices": [{"token_ids": [4, 5, 6]}]},
+                {"choices": [{"token_ids": [4, 5], "logprobs": {"token_logprobs": [-0.5]}}]},
+                {"choices": [{"token_ids": ["x"], "logprobs": {"token_logprobs": [-0.5]}}]}):
+        with pytest.raises(EngineCheckError):
+            served_problem(new, bad, 0.05)
+
+
 def test_artifact_layout_helpers(tmp_path: Path) -> None:
     (tmp_path / "adapter").mkdir()
     assert find_adapter(tmp_path) is None
@@ -146,7 +190,16 @@ def test_artifact_layout_helpers(tmp_path: Path) -> None:
         read_check(tmp_path)
     (tmp_path / "engine_check.json").write_text(json.dumps({"prompt_token_ids": [1, 2],
                                                             "prompt_logprobs": [None, -0.5]}))
-    assert read_check(tmp_path) == ([1, 2], [None, -0.5])
+    assert read_check(tmp_path) == Check([1, 2], [None, -0.5], None)
+    write_check(tmp_path, [1, 2], [None, -0.5], Greedy([4, 5], [-0.1, -0.2], [1.0, 0.5]))
+    assert read_check(tmp_path) == Check([1, 2], [None, -0.5], Greedy([4, 5], [-0.1, -0.2], [1.0, 0.5]))
+    for greedy in ({"token_ids": [], "logprobs": [], "margins": []},
+                   {"token_ids": [4, 5], "logprobs": [-0.1], "margins": [1.0, 0.5]}, {"token_ids": [4]}, [4]):
+        (tmp_path / "engine_check.json").write_text(json.dumps({"prompt_token_ids": [1, 2],
+                                                                "prompt_logprobs": [None, -0.5],
+                                                                "greedy": greedy}))
+        with pytest.raises(EngineCheckError, match=r"greedy|unreadable"):
+            read_check(tmp_path)
     (tmp_path / "engine_check.json").write_text("{not json")
     with pytest.raises(EngineCheckError, match="unreadable"):
         read_check(tmp_path)

@@ -14,9 +14,9 @@ pytest.importorskip("peft")
 
 from training_helpers import killed_and_resumed
 
-from deployer.engine import find_adapter, is_base, read_check
+from deployer.engine import CHECK_TOKENS, find_adapter, is_base, read_check
 from deployer.registry import Tag
-from services.local.tiny_llm import build_tiny_llm, reference_logprobs
+from services.local.tiny_llm import build_tiny_llm, reference_greedy, reference_logprobs
 from trainer.hf_policy import HFPolicy
 from trainer.loop import (
     LoopConfig,
@@ -68,9 +68,12 @@ def test_a_new_adapter_is_the_base_model_and_is_saved_as_the_engines_base(base: 
     manifest = json.loads((saved / "policy.json").read_text())
     assert manifest["kind"] == "hf-lora" and manifest["engine"] == "base" and is_base(saved)
     assert manifest["config"]["base_sha256"] == content_hash(base)
-    ids, lps = read_check(saved)
+    check = read_check(saved)
+    ids = check.prompt_ids
     assert ids == check_prompt_ids(base) and len(ids) >= 2
-    assert lps == pytest.approx(reference_logprobs(base, None, ids), abs=1e-5)
+    assert check.prompt_logprobs == pytest.approx(reference_logprobs(base, None, ids), abs=1e-5)
+    assert check.greedy is not None and len(check.greedy.token_ids) == CHECK_TOKENS
+    assert check.greedy.token_ids == reference_greedy(base, None, ids).token_ids
 
 
 def test_an_increment_trains_only_the_adapter_and_saves_it_small(base: Path, tmp_path: Path) -> None:
@@ -91,8 +94,13 @@ def test_an_increment_trains_only_the_adapter_and_saves_it_small(base: Path, tmp
     weights = sum(f.stat().st_size for f in adapter.iterdir())
     assert weights < sum(f.stat().st_size for f in base.glob("*.safetensors")) / 10
     # its check is what HF + PEFT compute from the saved files alone
-    ids, lps = read_check(saved)
-    assert lps == pytest.approx(reference_logprobs(base, adapter, ids), abs=1e-4)
+    check = read_check(saved)
+    want_lps = reference_logprobs(base, adapter, check.prompt_ids)
+    assert check.prompt_logprobs == pytest.approx(want_lps, abs=1e-4)
+    want = reference_greedy(base, adapter, check.prompt_ids)
+    assert check.greedy is not None and check.greedy.token_ids == want.token_ids
+    assert check.greedy.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert all(m >= 0 for m in check.greedy.margins)
     loaded = load_policy(saved)
     assert isinstance(loaded, LoRAPolicy) and loaded.spec == LoraSpec(rank=4, alpha=8)
     assert loaded.score(PROMPT, GOOD) == pytest.approx(policy.score(PROMPT, GOOD), abs=1e-5)
