@@ -126,8 +126,9 @@ class OpenAIRoutes:
             GATEWAY_ERRORS.labels(call.arm, call.version, "upstream").inc()
             return oai_error(502, f"cannot log this completion: {problem}", "server_error", arm=call.arm,
                              version=call.version)
-        self._log(call, served)
-        extension = {"request_id": call.request_id, "arm": call.arm, "version": call.version}
+        latency_ms = self._log(call, served)
+        extension = {"request_id": call.request_id, "arm": call.arm, "version": call.version,
+                     "latency_ms": latency_ms}
         created = int(time.time())
         obj = api.answer(call.kind, call.request_id, self.gw.model_name, created, served, extension)
         return Response(200, json_response(200, obj).body, headers=self._headers(call))
@@ -204,21 +205,24 @@ class OpenAIRoutes:
         return (("X-Rtrl-Request-Id", call.request_id), ("X-Rtrl-Arm", call.arm),
                 ("X-Rtrl-Model-Version", call.version))
 
-    def _log(self, call: Call, served: Served) -> None:
+    def _log(self, call: Call, served: Served) -> float:
+        """Log the exposure event; the latency it records (ms)."""
         gen_s = time.perf_counter() - call.started
         sim_ms = self.gw.settings.simulated_ms_per_token * len(served.tokens)
+        latency_ms = round(gen_s * 1000.0 + sim_ms, 3)
         self.gw.count(call.version, call.arm, False)
         self.gw.log_exposure({
             "event_id": uuid.uuid4().hex, "request_id": call.request_id, "ts": datetime.now(UTC),
             "session_id": call.session_id, "user_key": call.user_key,
             "model": {"name": self.gw.model_name, "version": call.version}, "arm": call.arm,
             "prompt_tokens": served.prompt_tokens, "completion_tokens": served.tokens,
-            "logprobs": served.logprobs, "latency_ms": round(gen_s * 1000.0 + sim_ms, 3),
+            "logprobs": served.logprobs, "latency_ms": latency_ms,
             "tool_calls": 0, "invalid_tool_calls": 0,
             "completion_kind": "edit" if served.tokens else "empty",
         })
         GATEWAY_REQUESTS.labels(call.arm, call.version, "200").inc()
         GATEWAY_SECONDS.labels(call.arm).observe(gen_s)
+        return latency_ms
 
 
 def _chain(head: Piece, rest: Iterator[Piece]) -> Iterator[Piece]:

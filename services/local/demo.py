@@ -157,9 +157,20 @@ def run_phases(plan: DemoPlan, run: Run) -> int:
     say(f"configuration written: reward spec {config.spec_path.name} (time scale {plan.demo.time_scale:g}: "
         f"1 h of user time = {3600 * plan.demo.time_scale:.0f} s), corpus {config.corpus.name}, "
         f"logs in {plan.data / 'logs'}")
-    run.bootstrap_version = bootstrap(live, config.corpus, run.notes)
+    corpus = config.corpus
+    bootstrap_args: tuple[str, ...] = ("--epochs", "2")
+    if config.engine_port is not None:
+        from services.local import demo_engine
+
+        corpus = demo_engine.prepare(plan.data, plan.demo.seed, live.supervisor, config.engine_port)
+        bootstrap_args = tuple(demo_engine.bootstrap_args(plan.data))
+        run.notes.append("Served by vLLM's CPU build: a tiny Llama-architecture model built by the demo, "
+                         "chat users, LoRA increments loaded into the engine before their canaries.")
+    run.bootstrap_version = bootstrap(live, corpus, run.notes, bootstrap_args)
     if run.bootstrap_version is None:
         return 1
+    if config.engine_port is not None:
+        demo_engine.await_engine(live.supervisor, config.engine_port)
     if plan.demo.holdout_share > 0:
         pin_holdout(live, config, run.bootstrap_version, plan.demo.holdout_share)
     start_services(live.supervisor, config.gateway_port, run.notes)
@@ -288,6 +299,9 @@ def main(argv: list[str]) -> int:
                         help="leave the stack (and MLflow UI) running after the demo")
     parser.add_argument("--bad-candidate", choices=["reward-hacked", "corrupted", "none"],
                         default=base.bad_candidate, help="the bad candidate to inject (default %(default)s)")
+    parser.add_argument("--engine", choices=["builtin", "vllm"], default=base.engine,
+                        help="builtin: the built-in token-id policy (fast); vllm: a tiny Llama served by "
+                             "vLLM's CPU build, chat users, LoRA increments (default %(default)s)")
     parser.add_argument("--seed", type=int, default=base.seed)
     parser.add_argument("--chaos", action="store_true", default=base.chaos,
                         help="kill a random service (SIGKILL) every --chaos-every seconds and restart it; "
@@ -302,7 +316,7 @@ def main(argv: list[str]) -> int:
         "minutes": args.minutes, "increments": args.increments, "data_dir": args.data_dir,
         "until_promoted": args.until_promoted or base.until_promoted,
         "report_dir": args.report_dir, "bad_candidate": args.bad_candidate, "seed": args.seed,
-        "chaos": args.chaos, "chaos_every_s": args.chaos_every,
+        "chaos": args.chaos, "chaos_every_s": args.chaos_every, "engine": args.engine,
     })
     command = "rtrl demo " + " ".join(argv) if argv else "rtrl demo"
     plan = DemoPlan.create(demo, args.keep_stack, command.strip(), os.environ)

@@ -116,6 +116,8 @@ class DemoConfig:
     """The variables every service process gets on top of the demo's environment."""
     settings: Settings
     """The settings those variables make, read by this process (topics, Redis, MLflow)."""
+    engine_port: int | None = None
+    """The demo's vLLM engine's port (``--engine vllm``), else None."""
     operator_token: str = ""
     """The demo's operator token (its hash is the deployer's one key): the demo pins the
     holdout with it; with ``--keep-stack``, ``rtrl holdout end --token-file <data>/operator.token``."""
@@ -138,8 +140,14 @@ def configure(plan: DemoPlan, stack_env: Mapping[str, str]) -> DemoConfig:
     token_file.chmod(0o600)
     env = {**service_env(demo, data, dict(stack_env), gateway_port, keys, spec_path),
            "RTRL_OPERATORS__KEYS_FILE": str(data / "operator-keys")}
+    engine_port = None
+    if demo.engine == "vllm":
+        from services.local.demo_engine import engine_env
+
+        engine_port = free_port()
+        env.update(engine_env(data, engine_port))
     return DemoConfig(spec_path=spec_path, corpus=corpus, primary_horizon=primary_horizon,
-                      gateway_port=gateway_port, env=env,
+                      gateway_port=gateway_port, env=env, engine_port=engine_port,
                       settings=settings_from_env({**plan.environ, **env}), operator_token=token)
 
 

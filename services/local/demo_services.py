@@ -108,8 +108,10 @@ def connect(plan: DemoPlan, config: DemoConfig) -> Live:
                 registry=LazyRegistry(settings))
 
 
-def bootstrap(live: Live, corpus: Path, notes: list[str]) -> str | None:
-    """``rtrl bootstrap --corpus``: the first champion's version, or None (said and noted)."""
+def bootstrap(live: Live, corpus: Path, notes: list[str], args: tuple[str, ...] = ("--epochs", "2"),
+              ) -> str | None:
+    """``rtrl bootstrap --corpus`` with ``args``: the first champion's version, or None (said
+    and noted)."""
     if not module_available("services.trainer_job"):
         say("UNAVAILABLE: rtrl bootstrap (services/trainer_job.py missing): no first champion, "
             "the loop cannot run")
@@ -117,7 +119,7 @@ def bootstrap(live: Live, corpus: Path, notes: list[str]) -> str | None:
     say("bootstrapping the first champion (supervised run on the corpus) ...")
     t = time.monotonic()
     spec = ProcSpec("bootstrap", [sys.executable, "-m", "services.cli", "bootstrap",
-                                  "--corpus", str(corpus), "--epochs", "2"])
+                                  "--corpus", str(corpus), *args])
     rc = live.supervisor.run(spec, timeout_s=900)
     if rc != 0:
         say(f"bootstrap failed (exit {rc}):\n{live.supervisor.log_tail('bootstrap')}")

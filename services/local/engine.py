@@ -22,6 +22,7 @@ import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -59,6 +60,33 @@ class EngineError(RuntimeError):
     pass
 
 
+def engine_ready(base_url: str) -> bool:
+    """Whether the engine at ``base_url`` lists a model on ``/v1/models``."""
+    try:
+        with urllib.request.urlopen(base_url + "/v1/models", timeout=2) as resp:  # noqa: S310
+            return bool(resp.status == 200 and json.loads(resp.read()).get("data"))
+    except (OSError, ValueError):
+        return False
+
+
+def wait_engine(base_url: str, proc: subprocess.Popen[bytes] | None, log_tail: Callable[[], str],
+                timeout_s: float = 300.0, progress: Callable[[str], None] = log.info) -> float:
+    """Seconds until the engine at ``base_url`` is ready; :class:`EngineError` with the end of its
+    log if ``proc`` exits first or the timeout passes. Says where it waits every 10 s."""
+    started = last_say = time.monotonic()
+    while not engine_ready(base_url):
+        if proc is not None and proc.poll() is not None:
+            raise EngineError(f"vLLM exited with {proc.returncode} before it was ready:\n{log_tail()}")
+        now = time.monotonic()
+        if now - started > timeout_s:
+            raise EngineError(f"vLLM not ready after {timeout_s:.0f}s:\n{log_tail()}")
+        if now - last_say >= 10:
+            progress(f"waiting for vLLM on {base_url} ({now - started:.0f}s)")
+            last_say = now
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
 class LocalVllm:
     """``with LocalVllm(model_dir, "base", log_path) as engine: engine.base_url``"""
 
@@ -90,28 +118,11 @@ class LocalVllm:
             return ""
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/v1/models", timeout=2) as resp:  # noqa: S310
-                return bool(resp.status == 200 and json.loads(resp.read()).get("data"))
-        except (OSError, ValueError):
-            return False
+        return engine_ready(self.base_url)
 
     def wait_ready(self, timeout_s: float = 300.0) -> float:
         """Seconds until ``/v1/models`` answered; fails early (with the log) if the engine exits."""
-        started = time.monotonic()
-        last_say = started
-        while not self.ready():
-            if self.proc is not None and self.proc.poll() is not None:
-                raise EngineError(f"vLLM exited with {self.proc.returncode} before it was ready:\n"
-                                  f"{self.log_tail()}")
-            now = time.monotonic()
-            if now - started > timeout_s:
-                raise EngineError(f"vLLM not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
-            if now - last_say >= 10:
-                log.info("waiting for vLLM on %s (%.0fs)", self.base_url, now - started)
-                last_say = now
-            time.sleep(0.5)
-        return time.monotonic() - started
+        return wait_engine(self.base_url, self.proc, self.log_tail, timeout_s)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the API server (it stops its engine processes), then SIGKILL the group."""

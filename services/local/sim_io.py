@@ -24,17 +24,22 @@ from services.runtime.process import Stopper
 log = logging.getLogger("rtrl.simulator")
 
 
+COMPLETIONS = "/v1/completions"
+"""The token-id API (and the OpenAI text completions)."""
+CHAT = "/v1/chat/completions"
+
+
 class Gateway(Protocol):
     """What the simulator needs of the gateway (GATEWAY_API.md)."""
 
-    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """POST /v1/completions with ``body``; (HTTP status, parsed JSON answer). Raises OSError
-        or http.client.HTTPException when the gateway cannot be reached."""
+    def complete(self, body: dict[str, Any], path: str = COMPLETIONS) -> tuple[int, dict[str, Any]]:
+        """POST ``body`` to ``path``; (HTTP status, parsed JSON answer). Raises OSError or
+        http.client.HTTPException when the gateway cannot be reached."""
         ...
 
 
 class GatewayClient:
-    """POST /v1/completions with one keep-alive connection per thread."""
+    """POSTs to the gateway's API with one keep-alive connection per thread."""
 
     def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
         url = urllib.parse.urlsplit(base_url)
@@ -56,12 +61,12 @@ class GatewayClient:
             self._local.conn = conn
         return conn
 
-    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def complete(self, body: dict[str, Any], path: str = COMPLETIONS) -> tuple[int, dict[str, Any]]:
         payload = json.dumps(body).encode()
         for attempt in (0, 1):
             conn = self._conn()
             try:
-                conn.request("POST", "/v1/completions", payload, self._headers)
+                conn.request("POST", path, payload, self._headers)
                 resp = conn.getresponse()
                 data = resp.read()
                 try:

@@ -33,7 +33,16 @@ from pydantic import BaseModel
 
 from ingest.events import EditAccepted, EditPersistence, EditRejected, FollowupDissatisfied
 from ingest.reward.spec import load_spec
-from services.local.sim_io import EventScheduler, Gateway, GatewayClient, GatewayError, RateLimiter
+from services.local.chat_world import ChatVocab
+from services.local.sim_io import (
+    CHAT,
+    COMPLETIONS,
+    EventScheduler,
+    Gateway,
+    GatewayClient,
+    GatewayError,
+    RateLimiter,
+)
 from services.local.sim_users import (
     DEFAULT_USER_TYPES,
     Outcome,
@@ -107,6 +116,50 @@ def plan_events(
     return out
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What a simulated user takes from the gateway's answer."""
+
+    request_id: str
+    arm: str
+    version: str
+    tokens: list[int]
+    """The completion in the world's ids (as read, for a chat answer)."""
+    latency_ms: float
+
+
+def token_request(prompt: list[int], user_key: str, session: str, request_id: str,
+                  sim: SimulatorSettings) -> tuple[str, dict[str, Any]]:
+    """The token-id API's request (GATEWAY_API.md)."""
+    return COMPLETIONS, {"user_key": user_key, "session_id": session, "prompt_tokens": prompt,
+                         "max_tokens": sim.max_tokens, "request_id": request_id,
+                         "temperature": sim.temperature}
+
+
+def chat_request(prompt: list[int], user_key: str, session: str, request_id: str, sim: SimulatorSettings,
+                 vocab: ChatVocab) -> tuple[str, dict[str, Any]]:
+    """An OpenAI chat request: the prompt's words as the user's message; rtrl's session and
+    request ids as the extension fields the official client sends with ``extra_body``."""
+    return CHAT, {"messages": [{"role": "user", "content": vocab.message(prompt)}], "user": user_key,
+                  "session_id": session, "request_id": request_id, "max_tokens": sim.max_tokens,
+                  "temperature": sim.temperature}
+
+
+def token_answer(resp: dict[str, Any], request_id: str) -> Answer:
+    return Answer(str(resp.get("request_id", request_id)), str(resp.get("arm", "stable")),
+                  str(resp.get("model", {}).get("version", "?")), list(resp["completion_tokens"]),
+                  float(resp["latency_ms"]))
+
+
+def chat_answer(resp: dict[str, Any], request_id: str, vocab: ChatVocab) -> Answer:
+    """A chat answer as the user reads it (:meth:`ChatVocab.read`); the arm, version and the
+    latency the gateway logged come from its ``rtrl`` extension."""
+    ext = resp.get("rtrl") or {}
+    text = (resp["choices"][0].get("message") or {}).get("content") or ""
+    return Answer(str(ext.get("request_id", request_id)), str(ext.get("arm", "stable")),
+                  str(ext.get("version", "?")), vocab.read(text), float(ext["latency_ms"]))
+
+
 # --------------------------------------------------------------------------- the service
 
 
@@ -146,6 +199,7 @@ class Simulator:
         self.world: World = make_world(sim.seed, cfg, user_types_with_mix(sim.user_mix))
         self.users: list[SimUser] = make_population(self.world, sim.n_users, sim.seed)
         self.horizons = tuple(load_spec(settings.reward_spec).persistence.horizons_s)
+        self.vocab = ChatVocab(self.world)
         self.gateway: Gateway = gateway or GatewayClient(
             sim.gateway_url, sim.request_timeout_s,
             sim.api_key.get_secret_value() if sim.api_key is not None else None)
@@ -163,25 +217,31 @@ class Simulator:
         task: Task = draw_task(self.world, rng)
         prompt = make_prompt(task, self.world, rng)
         request_id = f"sim-{self.sim.seed}-{n}-{uuid.uuid4().hex[:8]}"
-        body = {
-            "user_key": user.key, "session_id": f"{user.key}-s{n // 50}", "prompt_tokens": prompt,
-            "max_tokens": self.sim.max_tokens, "request_id": request_id,
-            "temperature": self.sim.temperature,
-        }
+        session = f"{user.key}-s{n // 50}"
+        if self.sim.api == "chat":
+            path, body = chat_request(prompt, user.key, session, request_id, self.sim, self.vocab)
+        else:
+            path, body = token_request(prompt, user.key, session, request_id, self.sim)
         served_at = datetime.now(UTC)
-        status, resp = self.gateway.complete(body)
+        status, resp = self.gateway.complete(body, path)
         if status != 200:
             SIM_REQUESTS.labels(arm="none", code=str(status)).inc()
             with self.tally.lock:
                 self.tally.errors += 1
             raise GatewayError(status, str(resp.get("error", resp)))
-        arm = str(resp.get("arm", "stable"))
-        SIM_REQUESTS.labels(arm=arm, code="200").inc()
+        try:
+            answer = (chat_answer(resp, request_id, self.vocab) if self.sim.api == "chat"
+                      else token_answer(resp, request_id))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            with self.tally.lock:
+                self.tally.errors += 1
+            raise GatewayError(status, f"malformed answer ({type(exc).__name__}: {exc}): {resp!r:.200}") \
+                from None
+        SIM_REQUESTS.labels(arm=answer.arm, code="200").inc()
         self.last_ok = time.monotonic()
-        outcome = react(user, task, resp["completion_tokens"], float(resp["latency_ms"]),
-                        self.horizons, self.world, rng)
-        self.tally.add(str(resp.get("model", {}).get("version", "?")), outcome)
-        for at, event in plan_events(outcome, str(resp.get("request_id", request_id)), served_at, self.sim):
+        outcome = react(user, task, answer.tokens, answer.latency_ms, self.horizons, self.world, rng)
+        self.tally.add(answer.version, outcome)
+        for at, event in plan_events(outcome, answer.request_id, served_at, self.sim):
             self.scheduler.schedule(at, event)
 
     def worker(self, stopper: Stopper) -> None:

@@ -37,6 +37,9 @@ class ProcSpec:
     name: str
     argv: list[str]
     env: Mapping[str, str] = field(default_factory=dict)
+    unset: tuple[str, ...] = ()
+    """Variables of the demo's environment this process must not get (vLLM's own virtualenv
+    must not see rtrl's PYTHONPATH)."""
 
 
 def serve_argv(service: str) -> list[str]:
@@ -71,10 +74,11 @@ class Supervisor:
 
     def start(self, spec: ProcSpec) -> subprocess.Popen[bytes]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in {**os.environ, **self.base_env, **spec.env}.items() if k not in spec.unset}
         with open(self.log_dir / f"{spec.name}.log", "ab") as out:
             proc = subprocess.Popen(
                 spec.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env={**os.environ, **self.base_env, **spec.env},
+                start_new_session=True, env=env,
             )
         self.procs[spec.name] = proc
         self._record()

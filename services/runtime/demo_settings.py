@@ -21,6 +21,10 @@ class SimulatorSettings(Section):
     """Base URL of the gateway's HTTP API."""
     seed: int = 0
     """Seeds the world (tasks, preferences), the population and every reaction."""
+    api: Literal["tokens", "chat"] = "tokens"
+    """``tokens``: the token-id API with the built-in policy's vocabulary; ``chat``: OpenAI
+    chat completions, prompts and answers in words (services/local/chat_world.py), for a
+    gateway in front of a real LLM (``rtrl demo --engine vllm``)."""
     n_users: int = 200
     """Simulated users; each has a user_key, a type from the mix and hidden preferences."""
     user_mix: dict[str, float] = Field(default_factory=dict)
@@ -78,6 +82,10 @@ class DemoSettings(Section):
     simulated_ms_per_token: float = 40.0
     """Simulated generation cost per token added to latency_ms by the gateway (large enough
     that the real, load-dependent generation time on a busy 2-core machine is a small part)."""
+    engine: Literal["builtin", "vllm"] = "builtin"
+    """``builtin``: the built-in token-id policy in the gateway (fast); ``vllm``: a tiny Llama
+    built by the demo, served by vLLM's CPU build (``scripts/vllm-env``), chat users, LoRA
+    increments loaded into the engine through the canary (docs/demo.md)."""
     bad_candidate: Literal["reward-hacked", "corrupted", "none"] = "reward-hacked"
     """The deliberately bad candidate injected once: a policy that asks questions instead
     of editing, or the champion with corrupted weights."""

@@ -9,28 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from services.local.stack import EmbeddedStack
 from services.local.supervisor import stop_recorded
+from tests.e2e.demo_helpers import demo_env, leftovers, run_demo
 
-REPO = Path(__file__).resolve().parents[2]
 LEDGER_TAGS = ("rtrl.canary.id", "rtrl.candidate_version", "rtrl.stable_version", "rtrl.canary.outcome",
                "rtrl.decision", "rtrl.decision.reason", "rtrl.decided_by", "rtrl.decided_at")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # In CI on 2 cores: about 8-12 minutes (stack, bootstrap, the bad canary first, then increments
@@ -38,25 +26,15 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(1200)
 def test_closed_loop_promotes_and_rolls_back_by_itself(tmp_path: Path) -> None:
     data, reports = tmp_path / "demo", tmp_path / "reports"
-    env = {
-        **os.environ,
-        "RTRL_DEMO__TRAINER_CADENCE_S": os.environ.get("RTRL_E2E_CADENCE_S", "60"),
-        "RTRL_DEMO__PROGRESS_EVERY_S": "10",
-    }
-    for key in [k for k in env if k.startswith("RTRL_") and not k.startswith("RTRL_DEMO__")]:
-        env.pop(key)  # the demo configures its own stack; nothing from the caller's environment
+    env = demo_env({"RTRL_DEMO__TRAINER_CADENCE_S": os.environ.get("RTRL_E2E_CADENCE_S", "60"),
+                    "RTRL_DEMO__PROGRESS_EVERY_S": "10"})
     minutes = os.environ.get("RTRL_E2E_MINUTES", "15")
-    argv = [sys.executable, "-m", "services.cli", "demo", "--minutes", minutes, "--until-promoted",
-            "--increments", "1", "--data-dir", str(data), "--report-dir", str(reports), "--keep-stack"]
     stack = EmbeddedStack(data_dir=data / "stack")
     try:
-        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1140)
-        out = proc.stdout + proc.stderr
+        proc, out = run_demo(["--minutes", minutes, "--until-promoted", "--increments", "1"], data, reports,
+                             env, timeout_s=1140)
         assert proc.returncode == 0, out[-4000:]
-
-        # no service outlived the demo
-        pids = json.loads((data / "pids.json").read_text()) if (data / "pids.json").exists() else {}
-        assert not [n for n, pid in pids.items() if _alive(pid)], pids
+        assert not leftovers(data), "a service outlived the demo"
 
         summary_files = list(reports.glob("*/summary.json"))
         assert len(summary_files) == 1, out[-4000:]

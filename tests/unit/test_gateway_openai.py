@@ -154,10 +154,11 @@ def test_answer_has_openai_fields_and_rtrl_extras(path: str, body: dict[str, Any
     text = choice["message"]["content"] if obj == "chat.completion" else choice["text"]
     assert text == "hello" and choice["finish_reason"] == "stop" and choice["logprobs"] is None
     assert out["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
-    assert out["rtrl"] == {"request_id": "r-1", "arm": "stable", "version": "1"}
+    [fields] = logged
+    assert out["rtrl"] == {"request_id": "r-1", "arm": "stable", "version": "1",
+                           "latency_ms": fields["latency_ms"]}
     assert dict(resp.headers) == {"X-Rtrl-Request-Id": "r-1", "X-Rtrl-Arm": "stable",
                                   "X-Rtrl-Model-Version": "1"}
-    [fields] = logged
     event = CompletionServed(**fields)  # the contract accepts it
     assert event.prompt_tokens == [7, 8] and event.completion_tokens == [5, 6]
     assert event.logprobs == [-0.5, -0.25] and event.user_key == "u1" and event.session_id == "u1"

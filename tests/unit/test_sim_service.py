@@ -99,7 +99,7 @@ class FakeGateway:
     def __init__(self, tokens: list[int], status: int = 200) -> None:
         self.tokens, self.status, self.bodies = tokens, status, []  # type: ignore[var-annotated]
 
-    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def complete(self, body: dict[str, Any], path: str = "/v1/completions") -> tuple[int, dict[str, Any]]:
         self.bodies.append(body)
         if self.status != 200:
             return self.status, {"error": "no champion model is loaded"}
@@ -145,3 +145,71 @@ def test_gateway_errors_are_raised_with_status() -> None:
     with pytest.raises(GatewayError) as err:
         sim.one_request(0)
     assert err.value.status == 503 and sim.tally.errors == 1
+
+
+class ChatGateway:
+    """Answers ``/v1/chat/completions`` like the gateway's OpenAI API (docs/gateway.md)."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.calls = text, []  # type: ignore[var-annotated]
+
+    def complete(self, body: dict[str, Any], path: str = "/v1/completions") -> tuple[int, dict[str, Any]]:
+        self.calls.append((path, body))
+        return 200, {"id": body["request_id"], "object": "chat.completion",
+                     "choices": [{"index": 0, "message": {"role": "assistant", "content": self.text},
+                                  "finish_reason": "stop"}],
+                     "rtrl": {"request_id": body["request_id"], "arm": "canary", "version": "4",
+                              "latency_ms": 120.0}}
+
+
+def test_chat_users_write_words_and_read_the_answer() -> None:
+    from services.local.chat_world import ASK_WORD, ChatVocab
+
+    gw = ChatGateway("loop cache sort")
+    sim = Simulator(_settings(api="chat", max_tokens=9, temperature=0.7), send=lambda e: None, gateway=gw)
+    for n in range(20):
+        sim.one_request(n)
+    path, body = gw.calls[0]
+    assert path == "/v1/chat/completions"
+    assert set(body) == {"messages", "user", "session_id", "request_id", "max_tokens", "temperature"}
+    assert body["max_tokens"] == 9 and body["temperature"] == 0.7 and body["user"].startswith("sim-u")
+    [message] = body["messages"]
+    vocab = ChatVocab(sim.world)
+    assert message["role"] == "user" and sim.world.task_for_marker(vocab.read(message["content"])[0])
+    assert sim.tally.served == {"4": 20} and sim.scheduler.pending() >= 20
+    asks = ChatGateway(f"{ASK_WORD} file do you mean?")
+    sim = Simulator(_settings(api="chat"), send=lambda e: None, gateway=asks)
+    for n in range(10):
+        sim.one_request(n)
+    assert sim.tally.questions == {"4": 10}
+
+
+@pytest.mark.parametrize("resp", [
+    {"choices": [{"message": {"content": "loop"}}], "rtrl": {"arm": "stable", "version": "1"}},
+    {"choices": [], "rtrl": {"latency_ms": 1.0}},
+    {"choices": [{"message": {"content": "loop"}}], "rtrl": {"latency_ms": "slow"}},
+    {"error": "not an answer"},
+    ["not", "an", "object"],
+])
+def test_a_malformed_chat_answer_is_a_gateway_error_not_a_dead_user(resp: Any) -> None:
+    class Odd(ChatGateway):
+        def complete(self, body: dict[str, Any], path: str = "/v1/completions") -> tuple[int, Any]:
+            return 200, resp
+
+    sim = Simulator(_settings(api="chat"), send=lambda e: None, gateway=Odd(""))
+    with pytest.raises(GatewayError, match="malformed answer"):
+        sim.one_request(0)
+    assert sim.tally.errors == 1 and sim.scheduler.pending() == 0
+
+
+def test_a_chat_answer_is_read_from_the_message_and_the_rtrl_extension() -> None:
+    from services.local.chat_world import ChatVocab
+    from services.local.simulator import chat_answer
+
+    vocab = ChatVocab(Simulator(_settings(), send=lambda e: None, gateway=ChatGateway("")).world)
+    resp: dict[str, Any] = {"choices": [{"message": {"content": "loop"}}],
+                            "rtrl": {"arm": "stable", "version": "1"}}
+    resp["rtrl"]["latency_ms"] = 10.0
+    answer = chat_answer(resp, "r1", vocab)
+    assert (answer.request_id, answer.arm, answer.version, answer.latency_ms) == ("r1", "stable", "1", 10.0)
+    assert answer.tokens == vocab.read("loop")

@@ -1,0 +1,46 @@
+"""What the e2e tests of ``rtrl demo`` share: running it as a user would, and checking that
+nothing it started outlived it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def demo_env(demo: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment without any RTRL_* setting but the demo's own (the demo
+    configures its own stack), plus ``demo``'s RTRL_DEMO__* settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_") or k.startswith("RTRL_DEMO__")}
+    return {**env, **demo}
+
+
+def run_demo(args: list[str], data: Path, reports: Path, env: Mapping[str, str],
+             timeout_s: float) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``rtrl demo ARGS --data-dir --report-dir --keep-stack`` in a subprocess from the
+    repository; (the process, its stdout and stderr)."""
+    argv = [sys.executable, "-m", "services.cli", "demo", *args, "--data-dir", str(data),
+            "--report-dir", str(reports), "--keep-stack"]
+    proc = subprocess.run(argv, cwd=REPO, env=dict(env), capture_output=True, text=True, timeout=timeout_s)
+    return proc, proc.stdout + proc.stderr
+
+
+def leftovers(data: Path) -> dict[str, int]:
+    """Processes the demo recorded that are still running (none should be)."""
+    pids = json.loads((data / "pids.json").read_text()) if (data / "pids.json").exists() else {}
+    return {n: pid for n, pid in pids.items() if alive(pid)}

@@ -1,0 +1,95 @@
+"""``rtrl demo --engine vllm`` as a user runs it: the demo builds a tiny Llama, serves it with
+vLLM's CPU build behind the gateway's OpenAI API, its users speak chat, and its increments
+are LoRA adapters the deployer loads into the engine before their canaries.
+
+The bounded run (CI, about 8-10 minutes on 2 cores) injects a corrupted adapter, which the
+engine must refuse before it serves anyone, and waits for one increment to go through the
+engine's canary. The soak (``scripts/test -m soak``) runs the loop until it has promoted an
+increment by itself and rolled back the reward-hacked candidate, as docs/demo.md records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.local.stack import EmbeddedStack
+from services.local.supervisor import stop_recorded
+from tests.e2e.demo_helpers import demo_env, leftovers, run_demo
+
+ENGINE_REFUSED = "engine: the engine refused the adapter"
+
+
+def summary_of(reports: Path, out: str) -> dict[str, Any]:
+    files = list(reports.glob("*/summary.json"))
+    assert len(files) == 1, out[-4000:]
+    summary: dict[str, Any] = json.loads(files[0].read_text())
+    return summary
+
+
+def increments(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The trainer's increments the deployer decided (not the injected candidate)."""
+    return [d for d in summary["decisions"] if d["candidate"] != summary["bad_version"]
+            and d["decided_by"] == "controller"]
+
+
+def lora_versions(data: Path) -> dict[str, str]:
+    """Version -> its policy kind tag, from the demo's registry."""
+    from mlflow import MlflowClient
+
+    stack = EmbeddedStack(data_dir=data / "stack")
+    stack.load()
+    client = MlflowClient(tracking_uri=stack.mlflow_uri)
+    return {v.version: v.tags.get("rtrl.policy.kind", "")
+            for v in client.search_model_versions("name='rtrl-policy'")}
+
+
+def run(tmp_path: Path, args: list[str], demo: dict[str, str],
+        timeout_s: float) -> tuple[Path, dict[str, Any], str]:
+    data, reports = tmp_path / "demo", tmp_path / "reports"
+    try:
+        proc, out = run_demo(["--engine", "vllm", *args], data, reports, demo_env(demo), timeout_s)
+        assert proc.returncode == 0, out[-4000:]
+        assert not leftovers(data), "a process (the engine included) outlived the demo"
+        summary = summary_of(reports, out)
+        kinds = lora_versions(data)
+    finally:
+        EmbeddedStack(data_dir=data / "stack").down()
+        stop_recorded(data / "pids.json")
+    assert "vLLM serves the base model" in out, out[-4000:]
+    assert set(kinds.values()) == {"hf-lora"}, f"every version is a LoRA adapter: {kinds}"
+    return data, summary, out
+
+
+@pytest.mark.timeout(1500)
+def test_the_vllm_demo_loads_increments_into_the_engine_through_the_canary(tmp_path: Path) -> None:
+    minutes = os.environ.get("RTRL_E2E_VLLM_MINUTES", "14")
+    args = ["--minutes", minutes, "--increments", "1", "--bad-candidate", "corrupted"]
+    _, summary, out = run(tmp_path, args, {"RTRL_DEMO__TRAINER_CADENCE_S": "45",
+                                           "RTRL_DEMO__PROGRESS_EVERY_S": "10"}, timeout_s=1440)
+    bad = summary["bad_version"]
+    [refused] = [d for d in summary["decisions"] if d["candidate"] == bad]
+    assert refused["outcome"] == "rolled_back" and refused["reason"].startswith(ENGINE_REFUSED), refused
+    assert bad not in summary["cohorts"], "the corrupted adapter served someone"
+    decided = increments(summary)
+    assert decided, f"no increment went through the engine's canary: {summary['decisions']}\n{out[-3000:]}"
+    first = decided[0]
+    assert not first["reason"].startswith("engine:"), f"the engine could not serve the increment: {first}"
+    assert summary["cohorts"].get(first["candidate"], {}).get("n", 0) > 0, "the increment served nobody"
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(3000)
+def test_the_vllm_demo_promotes_an_increment_and_rolls_back_the_reward_hack(tmp_path: Path) -> None:
+    minutes = os.environ.get("RTRL_E2E_VLLM_MINUTES", "40")
+    _, summary, out = run(tmp_path, ["--minutes", minutes, "--until-promoted", "--increments", "1"],
+                          {"RTRL_DEMO__PROGRESS_EVERY_S": "10"}, timeout_s=2900)
+    bad = summary["bad_version"]
+    assert any(d["candidate"] == bad and d["outcome"] == "rolled_back" and d["decided_by"] == "controller"
+               for d in summary["decisions"]), summary["decisions"]
+    promoted = [d for d in increments(summary) if d["outcome"] == "promoted"]
+    assert promoted, f"no increment promoted by the controller: {summary['decisions']}\n{out[-3000:]}"
