@@ -15,6 +15,7 @@ against both.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -58,6 +59,22 @@ class Tag:
     """A LoRA version's base model directory, where it was trained."""
     BASE_SHA256 = "rtrl.base_sha256"
     """A LoRA version's base model and tokenizer, by content hash (trainer/lora_policy.py)."""
+
+
+POLICY_MANIFEST = "policy.json"
+"""The manifest every saved policy directory holds (trainer/policy.py writes it)."""
+
+
+def manifest_tags(directory: Path) -> dict[str, str]:
+    """Registry tags that say what a saved policy is: its kind and, for an adapter, its base
+    model (where it was trained, and by content hash)."""
+    manifest = json.loads((directory / POLICY_MANIFEST).read_text())
+    config = manifest.get("config", {})
+    tags = {Tag.POLICY_KIND: str(manifest.get("kind", ""))}
+    if "base_sha256" in config:
+        tags[Tag.BASE_MODEL] = str(config.get("base", ""))
+        tags[Tag.BASE_SHA256] = str(config["base_sha256"])
+    return tags
 
 
 def candidate_in_flight(registry: Registry) -> str | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deployer.adapters.redis_state import candidate_lock
-from deployer.registry import CHAMPION, PREVIOUS, Tag
+from deployer.registry import CHAMPION, PREVIOUS, Tag, manifest_tags
 from services.runtime import metrics
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.mlflow_http import bound_mlflow_http
@@ -36,7 +36,6 @@ from trainer.increment import IncrementConfig, Outcome, run_increment
 from trainer.loop import LoopConfig, sft_train
 from trainer.objective import ObjectiveConfig
 from trainer.policy import TinyConfig, TinyTransformer, TrainablePolicy, n_parameters, n_trainable
-from trainer.registration import manifest_tags
 from trainer.train_job import TrainJob
 from trainer.trust_region import KLBand
 from trainer.window import PendingWindow

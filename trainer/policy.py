@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the conventional torch alias)
 from torch import Tensor, nn
 
+from deployer.registry import POLICY_MANIFEST
 from trainer.tokens import BOS, EOS, VOCAB_SIZE
 
-MANIFEST = "policy.json"
+MANIFEST = POLICY_MANIFEST
 """The file inside a saved policy directory that names its kind and config."""
 
 KINDS: dict[str, str] = {

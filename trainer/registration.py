@@ -24,9 +24,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from deployer.registry import LockUnavailableError, Registry, Tag, offer_candidate
+from deployer.registry import LockUnavailableError, Registry, Tag, manifest_tags, offer_candidate
 from trainer.gate import GateResult
-from trainer.policy import MANIFEST
 from trainer.trust_region import stop_name
 
 log = logging.getLogger("trainer.increment")  # one logger for every step of the increment
@@ -121,18 +120,6 @@ def offer(registry: Registry, version: str, lock: AbstractContextManager[object]
     if held is not None:
         log.info("version %s passed the gate but v%s is still under canary: the candidate "
                  "alias stays; a later increment offers a fresher candidate", version, held)
-
-
-def manifest_tags(directory: Path) -> dict[str, str]:
-    """Registry tags that say what a saved policy is: its kind and, for an adapter, its base
-    model (where it was trained, and by content hash)."""
-    manifest = json.loads((directory / MANIFEST).read_text())
-    config = manifest.get("config", {})
-    tags = {Tag.POLICY_KIND: str(manifest.get("kind", ""))}
-    if "base_sha256" in config:
-        tags[Tag.BASE_MODEL] = str(config.get("base", ""))
-        tags[Tag.BASE_SHA256] = str(config["base_sha256"])
-    return tags
 
 
 def close_run(runs: RunTracker, retrying: Retrying, run_id: str, version: str, gate: GateResult,

@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from deployer.registry import LockUnavailableError, Registry, Tag, offer_candidate
+from deployer.registry import LockUnavailableError, Registry, Tag, manifest_tags, offer_candidate
 from services.local.demo_config import say
 from services.local.sim_users import World
 from services.runtime.demo_settings import DemoSettings
@@ -141,6 +141,7 @@ class BadCandidateInjector:
             Tag.GATE_RESULT: "pass",
             Tag.GATE_REASONS: json.dumps(["injected by rtrl demo: skips the offline gate so the live "
                                           "canary must catch it"]),
+            **manifest_tags(out),
         }))
         self.tries.append(version)
         say(f"bad candidate v{version} registered")

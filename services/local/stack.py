@@ -45,7 +45,8 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie child of this process counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -147,7 +148,7 @@ class EmbeddedStack:
 
     def _running(self, name: str) -> bool:
         pid = self.state.get(name, {}).get("pid")
-        return isinstance(pid, int) and _alive(pid)
+        return isinstance(pid, int) and pid_alive(pid)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         logs = self.data_dir / "logs"
@@ -259,7 +260,7 @@ class EmbeddedStack:
         stopped = []
         for name in ("mlflow", "redis", "kafka"):
             pid = self.state.get(name, {}).get("pid")
-            if isinstance(pid, int) and _alive(pid):
+            if isinstance(pid, int) and pid_alive(pid):
                 self._stop(name, pid, timeout_s)
                 stopped.append(name)
             self.state.pop(name, None)
@@ -288,7 +289,7 @@ class EmbeddedStack:
             raise ValueError(f"unknown service {name!r}: expected kafka, redis or mlflow")
         self.load()
         pid = self.state.get(name, {}).get("pid")
-        running = isinstance(pid, int) and _alive(pid)
+        running = isinstance(pid, int) and pid_alive(pid)
         if running:
             assert isinstance(pid, int)
             self._stop(name, pid, timeout_s)
@@ -328,7 +329,7 @@ class EmbeddedStack:
 
 def _group_alive(pgid: int) -> bool:
     """Whether any process of the group ``pgid`` still runs (its leader reaped if it is ours)."""
-    _alive(pgid)  # reaps the leader's zombie when it is our child, so it stops answering
+    pid_alive(pgid)  # reaps the leader's zombie when it is our child, so it stops answering
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

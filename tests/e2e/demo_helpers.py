@@ -10,17 +10,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from services.local.stack import pid_alive
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def demo_env(demo: Mapping[str, str]) -> dict[str, str]:
@@ -43,4 +35,4 @@ def run_demo(args: list[str], data: Path, reports: Path, env: Mapping[str, str],
 def leftovers(data: Path) -> dict[str, int]:
     """Processes the demo recorded that are still running (none should be)."""
     pids = json.loads((data / "pids.json").read_text()) if (data / "pids.json").exists() else {}
-    return {n: pid for n, pid in pids.items() if alive(pid)}
+    return {n: pid for n, pid in pids.items() if pid_alive(pid)}

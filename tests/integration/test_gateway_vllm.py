@@ -306,16 +306,22 @@ def test_a_lora_candidate_is_loaded_before_traffic_serves_the_canary_and_is_unlo
     assert r.get(engine_model_key(s.redis.key_prefix, "2")) is None
 
 
+def offered(served: Served, engine: Engine, tmp_path: Path,
+            adapter: Path) -> tuple[Settings, MlflowRegistry, Controller]:
+    """The base model as champion v1 and ``adapter`` (checked as adapter 1) as candidate v2."""
+    s = served.settings
+    reg = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
+    register(reg, tmp_path, engine, "v1", None, base=True)
+    reg.set_alias("champion", "1")
+    register(reg, tmp_path, engine, "v2", adapter)
+    reg.set_alias("candidate", "2")
+    return s, reg, Controller(s, build_ports(s), None)
+
+
 def test_an_adapter_unlike_the_candidates_own_fails_the_check(
         served: Served, vllm_engine: Engine, tmp_path: Path) -> None:
     """Adapter 2 under the check written for adapter 1: loadable, but not the candidate."""
-    s = served.settings
-    reg = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
-    register(reg, tmp_path, vllm_engine, "v1", None, base=True)
-    reg.set_alias("champion", "1")
-    register(reg, tmp_path, vllm_engine, "v2", vllm_engine.adapter(2))
-    reg.set_alias("candidate", "2")
-    controller = Controller(s, build_ports(s), None)
+    s, _, controller = offered(served, vllm_engine, tmp_path, vllm_engine.adapter(2))
     status = step_until(controller, {Phase.ROLLED_BACK, Phase.PROGRESSING})
     assert status.phase == Phase.ROLLED_BACK and status.weight == 0.0
     assert "the engine is not serving this model" in status.reason, status.reason
@@ -324,13 +330,7 @@ def test_an_adapter_unlike_the_candidates_own_fails_the_check(
 
 def test_a_corrupt_adapter_is_rolled_back_and_never_receives_traffic(
         served: Served, vllm_engine: Engine, tmp_path: Path) -> None:
-    s = served.settings
-    reg = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
-    register(reg, tmp_path, vllm_engine, "v1", None, base=True)
-    reg.set_alias("champion", "1")
-    register(reg, tmp_path, vllm_engine, "v2", vllm_engine.corrupt(1))
-    reg.set_alias("candidate", "2")
-    controller = Controller(s, build_ports(s), None)
+    s, reg, controller = offered(served, vllm_engine, tmp_path, vllm_engine.corrupt(1))
     weights = []
     deadline = time.monotonic() + 60
     while True:

@@ -26,7 +26,7 @@ QUIET = {"phase": "idle"}
 
 def _policy(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "policy.json").write_text("{}")
+    (path / "policy.json").write_text('{"kind": "tiny-transformer"}')
     return path
 
 
@@ -54,6 +54,7 @@ def test_bad_candidate_waits_for_a_quiet_loop_and_a_baseline(tmp_path: Path) -> 
     bad.step(QUIET, {"7": "promoted"}, BASELINE_REWARDS)
     assert bad.version == "2" and bad.offered and reg.alias_version(CANDIDATE) == "2"
     assert reg.get_tags("2")[Tag.KIND] == "reward-hacked" and reg.get_tags("2")[Tag.PARENT_VERSION] == "1"
+    assert reg.get_tags("2")[Tag.POLICY_KIND] == "tiny-transformer", "it says what it is, like any version"
     assert bad.kinds() == {"2": "reward-hacked"} and not bad.done({"7": "promoted"})
     assert bad.done({"7": "promoted", "2": "rolled_back"})
 
@@ -143,7 +144,7 @@ def test_the_end_follows_an_interrupted_run_and_stops_what_was_started(
     monkeypatch.setattr(demo, "new_stack", lambda data: _Stack())
     monkeypatch.setattr(demo, "start_stack", lambda stack: events.append("stack up"))
     monkeypatch.setattr(demo, "connect", lambda plan, config: live)
-    monkeypatch.setattr(demo, "bootstrap", lambda live, corpus, notes: "1")
+    monkeypatch.setattr(demo, "bootstrap", lambda live, corpus, notes, args: "1")
     monkeypatch.setattr(demo, "pin_holdout", lambda live, config, version, share: events.append(
         f"holdout v{version} {share:g}" + (" signed" if config.operator_token else "")))
     monkeypatch.setattr(demo, "start_services", lambda sup, port, notes: events.append("services"))

@@ -15,7 +15,7 @@ pytest.importorskip("peft")
 from training_helpers import killed_and_resumed
 
 from deployer.engine import CHECK_TOKENS, find_adapter, is_base, read_check
-from deployer.registry import Tag
+from deployer.registry import Tag, manifest_tags
 from services.local.tiny_llm import build_tiny_llm, reference_greedy, reference_logprobs
 from trainer.hf_policy import HFPolicy
 from trainer.loop import (
@@ -32,7 +32,6 @@ from trainer.lora_policy import (
     content_hash,
 )
 from trainer.policy import load_policy, n_trainable
-from trainer.registration import manifest_tags
 
 pytestmark = pytest.mark.unit
 
