@@ -2,7 +2,7 @@
 vLLM's CPU build behind the gateway's OpenAI API, its users speak chat, and its increments
 are LoRA adapters the deployer loads into the engine before their canaries.
 
-The bounded run (CI, about 8-10 minutes on 2 cores) injects a corrupted adapter, which the
+The bounded run (CI, about 10-14 minutes on 2 cores) injects a corrupted adapter, which the
 engine must refuse before it serves anyone, and waits for one increment to go through the
 engine's canary. The soak (``scripts/test -m soak``) runs the loop until it has promoted an
 increment by itself and rolled back the reward-hacked candidate, as docs/demo.md records.
@@ -65,12 +65,12 @@ def run(tmp_path: Path, args: list[str], demo: dict[str, str],
     return data, summary, out
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(1620)
 def test_the_vllm_demo_loads_increments_into_the_engine_through_the_canary(tmp_path: Path) -> None:
-    minutes = os.environ.get("RTRL_E2E_VLLM_MINUTES", "14")
+    minutes = os.environ.get("RTRL_E2E_VLLM_MINUTES", "16")
     args = ["--minutes", minutes, "--increments", "1", "--bad-candidate", "corrupted"]
     _, summary, out = run(tmp_path, args, {"RTRL_DEMO__TRAINER_CADENCE_S": "45",
-                                           "RTRL_DEMO__PROGRESS_EVERY_S": "10"}, timeout_s=1440)
+                                           "RTRL_DEMO__PROGRESS_EVERY_S": "10"}, timeout_s=1560)
     bad = summary["bad_version"]
     [refused] = [d for d in summary["decisions"] if d["candidate"] == bad]
     assert refused["outcome"] == "rolled_back" and refused["reason"].startswith(ENGINE_REFUSED), refused
