@@ -1,8 +1,9 @@
 """``rtrl serve simulator``: simulated users that use the product through the real gateway.
 
 Each worker thread picks a user and a task (services/local/sim_users.py), asks the gateway for a
-completion over HTTP (GATEWAY_API.md), lets the user react, and schedules the client
-events of the contract at compressed times:
+completion over HTTP (the token-id API of GATEWAY_API.md, or with ``simulator.api = chat``
+OpenAI chat completions in words, services/local/chat_world.py), lets the user react, and
+schedules the client events of the contract at compressed times:
 
     edit.accepted / edit.rejected   accept_delay_s after the completion
     edit.persistence                at each horizon of the reward spec after acceptance
