@@ -17,7 +17,6 @@ transformers, tokenizers and torch are imported inside the functions (heavy).
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -50,7 +49,7 @@ def tokenizer_texts(world: World, seed: int, n: int = 3000) -> list[str]:
     words = [*CONTENT_WORDS, ASK_WORD]
     for _ in range(40):
         rng.shuffle(words)
-        texts += [w for w in words] + [" ".join(words)]
+        texts += [*words, " ".join(words)]
     return texts
 
 
@@ -78,13 +77,6 @@ def with_questions(pairs: Sequence[tuple[list[int], list[int]]], share: float,
     """``pairs`` with about ``share`` of the answers replaced by a clarifying question (seeded)."""
     rng = random.Random(f"questions-{seed}")
     return [(p, question_completion() if rng.random() < share else c) for p, c in pairs]
-
-
-def write_pairs(path: Path, pairs: Iterable[tuple[list[int], list[int]]]) -> Path:
-    with open(path, "w") as out:
-        for prompt, completion in pairs:
-            out.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
-    return path
 
 
 def build_demo_model(dst: Path, seed: int = 0, epochs: int = PRETRAIN_EPOCHS,

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.local.sim_users import World
-from trainer.tokens import ASK, BOS, EOS, FIRST_CONTENT, VOCAB_SIZE
+from trainer.tokens import ASK, BOS, FIRST_CONTENT, VOCAB_SIZE, content
 
 CONTENT_WORDS: tuple[str, ...] = (
     "add", "arg", "bar", "buf", "call", "cast", "char", "copy", "data", "def", "dict", "diff",
@@ -69,12 +69,7 @@ class ChatVocab:
 
     def text(self, completion: Sequence[int]) -> str:
         """A completion written out (up to EOS), as a model should answer it."""
-        out = []
-        for t in completion:
-            if t == EOS:
-                break
-            out.append(self.word(t))
-        return " ".join(out)
+        return " ".join(self.word(t) for t in content(completion))
 
     def read(self, text: str) -> list[int]:
         """The world ids of an answer as a user reads it: one per whitespace-separated word,

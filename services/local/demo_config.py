@@ -33,6 +33,7 @@ from services.local.supervisor import stop_recorded
 from services.runtime.demo_settings import DemoSettings
 from services.runtime.service_settings import DeployerSettings
 from services.runtime.settings import Settings, settings_from_env
+from trainer import corpus as corpus_file
 
 MARKER = ".rtrl-demo"
 DEMO_OPERATOR = "rtrl-demo"
@@ -195,9 +196,7 @@ def write_corpus(path: Path, seed: int, n: int = 2500) -> Path:
     """A bootstrap corpus of mediocre completions in ``rtrl bootstrap``'s format: JSON lines
     ``{"prompt": [ids], "completion": [ids]}`` (ids of trainer/tokens.py), the pairs of
     :func:`services.local.sim_users.bootstrap_corpus`."""
-    with open(path, "w") as out:
-        for prompt, completion in bootstrap_corpus(n, seed):
-            out.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    corpus_file.write_corpus(path, bootstrap_corpus(n, seed))
     return path
 
 

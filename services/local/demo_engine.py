@@ -18,11 +18,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from services.local.chat_model import LORA_TARGETS, build_demo_model, chat_pairs, write_pairs
+from services.local.chat_model import LORA_TARGETS, build_demo_model, chat_pairs
 from services.local.demo_config import say
 from services.local.engine import EngineError, default_venv, server_argv, server_env, wait_engine
 from services.local.sim_users import bootstrap_corpus, make_world
 from services.local.supervisor import ProcSpec, Supervisor
+from trainer.corpus import write_corpus
 
 ENGINE = "engine"
 """The engine's process name (its log: ``<data>/logs/engine.log``)."""
@@ -81,8 +82,9 @@ def prepare(data: Path, seed: int, supervisor: Supervisor, port: int) -> Path:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    return write_pairs(data / "chat-corpus.jsonl",
-                       chat_pairs(tokenizer, make_world(seed), bootstrap_corpus(500, seed)))
+    corpus = data / "chat-corpus.jsonl"
+    write_corpus(corpus, chat_pairs(tokenizer, make_world(seed), bootstrap_corpus(500, seed)))
+    return corpus
 
 
 def bootstrap_args(data: Path) -> list[str]:

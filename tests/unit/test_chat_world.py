@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +77,20 @@ def test_a_user_reacts_to_the_words_as_to_the_ids() -> None:
         by_words = react(user, task, vocab.read(vocab.text(completion)), 300.0, (30, 600, 3600), world,
                          random.Random(i))
         assert by_words == by_ids
+
+
+def test_the_demo_tokenizer_makes_every_world_word_one_token(tmp_path: Path) -> None:
+    """Trained as ``rtrl demo --engine vllm`` trains it (services/local/chat_model.py)."""
+    from transformers import AutoTokenizer
+
+    from services.local.chat_model import VOCAB, tokenizer_texts, word_tokens
+    from services.local.tiny_llm import build_tokenizer
+
+    build_tokenizer(tmp_path, 0, VOCAB, tokenizer_texts(make_world(0), 0))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    split = word_tokens(tokenizer)
+    assert set(split) == {*CONTENT_WORDS, ASK_WORD}
+    assert {w: ids for w, ids in split.items() if len(ids) != 1} == {}, "after a space"
+    first = {w: tokenizer.encode(w, add_special_tokens=False) for w in split}
+    assert {w: ids for w, ids in first.items() if len(ids) != 1} == {}, "starting the message"
+    assert len({ids[0] for ids in split.values()}) == len(split), "distinct tokens"
