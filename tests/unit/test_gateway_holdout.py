@@ -21,10 +21,15 @@ from services.runtime.service_settings import GatewaySettings
 pytestmark = pytest.mark.unit
 
 KEY = "sk-holdout"
-NOW = time.time()
-HOLDOUT = Holdout(id="holdout-v0-x", version="0", share=0.3, salt="holdout-salt", started_at=NOW - 60,
-                  until=NOW + 3600)
 USERS = [f"user-{i}" for i in range(120)]
+
+
+@pytest.fixture
+def holdout() -> Holdout:
+    """A holdout running now (built per test: a suite can run for longer than its hour)."""
+    now = time.time()
+    return Holdout(id="holdout-v0-x", version="0", share=0.3, salt="holdout-salt", started_at=now - 60,
+                   until=now + 3600)
 
 
 class Tagged:
@@ -90,11 +95,11 @@ def expected(user: str, holdout: Holdout | None, now: float) -> tuple[str, str]:
     return arm, ("2" if arm == "canary" else "1")
 
 
-def test_held_out_users_get_the_pinned_version_on_both_apis_and_events_say_so() -> None:
-    gw, logged, _ = make(HOLDOUT)
+def test_held_out_users_get_the_pinned_version_on_both_apis_and_events_say_so(holdout: Holdout) -> None:
+    gw, logged, _ = make(holdout)
     seen = set()
     for user in USERS:
-        arm, version = expected(user, HOLDOUT, time.time())
+        arm, version = expected(user, holdout, time.time())
         out = tokens_api(gw, user)
         assert (out["arm"], out["model"]["version"]) == (arm, version)
         ext = chat(gw, user)["rtrl"]
@@ -108,26 +113,26 @@ def test_held_out_users_get_the_pinned_version_on_both_apis_and_events_say_so() 
     assert routing["holdout"]["active"] is True
 
 
-def test_until_the_pinned_version_is_loaded_its_users_get_stable_never_the_canary() -> None:
-    gw, _, _ = make(HOLDOUT, held_loaded=False)
-    held = [u for u in USERS if HOLDOUT.holds(u, time.time())]
+def test_until_the_pinned_version_is_loaded_its_users_get_stable_never_the_canary(holdout: Holdout) -> None:
+    gw, _, _ = make(holdout, held_loaded=False)
+    held = [u for u in USERS if holdout.holds(u, time.time())]
     assert held
     for user in held:
         out = tokens_api(gw, user)
         assert (out["arm"], out["model"]["version"]) == ("stable", "1")
 
 
-def test_a_failing_pinned_version_falls_back_to_stable_and_is_counted_against_the_holdout() -> None:
-    gw, logged, counts = make(HOLDOUT, held_fails=True)
-    user = next(u for u in USERS if HOLDOUT.holds(u, time.time()))
+def test_a_failing_pinned_version_falls_back_to_stable_and_is_counted_against_the_holdout(holdout: Holdout) -> None:
+    gw, logged, counts = make(holdout, held_fails=True)
+    user = next(u for u in USERS if holdout.holds(u, time.time()))
     assert tokens_api(gw, user)["arm"] == "stable"
     assert chat(gw, user)["rtrl"]["arm"] == "stable"
     assert counts.count(("0", "holdout", True, user)) == 2
     assert {e["arm"] for e in logged} == {"stable"}
 
 
-def test_an_expired_holdout_holds_nobody() -> None:
-    ended = Holdout(**{**HOLDOUT.__dict__, "until": time.time() - 1})
+def test_an_expired_holdout_holds_nobody(holdout: Holdout) -> None:
+    ended = Holdout(**{**holdout.__dict__, "until": time.time() - 1})
     gw, _, _ = make(ended)
     for user in USERS[:40]:
         arm, _ = expected(user, None, time.time())
