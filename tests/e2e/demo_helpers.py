@@ -36,3 +36,19 @@ def leftovers(data: Path) -> dict[str, int]:
     """Processes the demo recorded that are still running (none should be)."""
     pids = json.loads((data / "pids.json").read_text()) if (data / "pids.json").exists() else {}
     return {n: pid for n, pid in pids.items() if pid_alive(pid)}
+
+
+STORY = (" rtrl.trainer: increment: ", " rtrl.trainer: cadence: start", "trainer.increment: increment ",
+         " rtrl.deployer: canary ")
+
+
+def story(data: Path, width: int = 260) -> str:
+    """The loop's decisive log lines (increments started and finished, canary transitions), in
+    time order: what a failure message needs first."""
+    lines: list[str] = []
+    for name in ("trainer.log", "deployer.log"):
+        path = data / "logs" / name
+        if path.exists():
+            text = path.read_text(errors="replace").splitlines()
+            lines += [ln[:width] for ln in text if any(mark in ln for mark in STORY)]
+    return "the loop's story:\n" + "\n".join(sorted(lines))

@@ -15,7 +15,7 @@ import pytest
 
 from services.local.stack import EmbeddedStack
 from services.local.supervisor import stop_recorded
-from tests.e2e.demo_helpers import demo_env, leftovers, run_demo
+from tests.e2e.demo_helpers import demo_env, leftovers, run_demo, story
 
 LEDGER_TAGS = ("rtrl.canary.id", "rtrl.candidate_version", "rtrl.stable_version", "rtrl.canary.outcome",
                "rtrl.decision", "rtrl.decision.reason", "rtrl.decided_by", "rtrl.decided_at")
@@ -43,8 +43,9 @@ def test_closed_loop_promotes_and_rolls_back_by_itself(tmp_path: Path) -> None:
         bad = summary["bad_version"]
         promoted = [d for d in decisions if d["outcome"] == "promoted" and d["decided_by"] == "controller"]
         rolled = [d for d in decisions if d["outcome"] == "rolled_back" and d["decided_by"] == "controller"]
-        assert promoted, f"no automatic promotion: {decisions}\n{out[-3000:]}"
-        assert bad and any(d["candidate"] == bad for d in rolled), f"bad v{bad} not rolled back: {decisions}"
+        assert promoted, f"no automatic promotion: {decisions}\n{story(data)}\n{out[-3000:]}"
+        assert bad and any(d["candidate"] == bad for d in rolled), \
+            f"bad v{bad} not rolled back: {decisions}\n{story(data)}"
         assert (summary_files[0].parent / "report.md").read_text().count("rolled back automatically") == 1
 
         # the ledger in MLflow is complete for each decided canary

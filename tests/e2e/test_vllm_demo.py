@@ -19,7 +19,7 @@ import pytest
 
 from services.local.stack import EmbeddedStack
 from services.local.supervisor import stop_recorded
-from tests.e2e.demo_helpers import demo_env, leftovers, run_demo
+from tests.e2e.demo_helpers import demo_env, leftovers, run_demo, story
 
 ENGINE_REFUSED = "engine: the engine refused the adapter"
 
@@ -69,14 +69,15 @@ def run(tmp_path: Path, args: list[str], demo: dict[str, str],
 def test_the_vllm_demo_loads_increments_into_the_engine_through_the_canary(tmp_path: Path) -> None:
     minutes = os.environ.get("RTRL_E2E_VLLM_MINUTES", "16")
     args = ["--minutes", minutes, "--increments", "1", "--bad-candidate", "corrupted"]
-    _, summary, out = run(tmp_path, args, {"RTRL_DEMO__TRAINER_CADENCE_S": "45",
+    data, summary, out = run(tmp_path, args, {"RTRL_DEMO__TRAINER_CADENCE_S": "45",
                                            "RTRL_DEMO__PROGRESS_EVERY_S": "10"}, timeout_s=1560)
     bad = summary["bad_version"]
     [refused] = [d for d in summary["decisions"] if d["candidate"] == bad]
     assert refused["outcome"] == "rolled_back" and refused["reason"].startswith(ENGINE_REFUSED), refused
     assert bad not in summary["cohorts"], "the corrupted adapter served someone"
     decided = increments(summary)
-    assert decided, f"no increment went through the engine's canary: {summary['decisions']}\n{out[-3000:]}"
+    assert decided, \
+        f"no increment went through the engine's canary: {summary['decisions']}\n{story(data)}\n{out[-1500:]}"
     first = decided[0]
     assert not first["reason"].startswith("engine:"), f"the engine could not serve the increment: {first}"
     assert summary["cohorts"].get(first["candidate"], {}).get("n", 0) > 0, "the increment served nobody"
@@ -86,10 +87,11 @@ def test_the_vllm_demo_loads_increments_into_the_engine_through_the_canary(tmp_p
 @pytest.mark.timeout(3000)
 def test_the_vllm_demo_promotes_an_increment_and_rolls_back_the_reward_hack(tmp_path: Path) -> None:
     minutes = os.environ.get("RTRL_E2E_VLLM_MINUTES", "40")
-    _, summary, out = run(tmp_path, ["--minutes", minutes, "--until-promoted", "--increments", "1"],
+    data, summary, out = run(tmp_path, ["--minutes", minutes, "--until-promoted", "--increments", "1"],
                           {"RTRL_DEMO__PROGRESS_EVERY_S": "10"}, timeout_s=2900)
     bad = summary["bad_version"]
     assert any(d["candidate"] == bad and d["outcome"] == "rolled_back" and d["decided_by"] == "controller"
                for d in summary["decisions"]), summary["decisions"]
     promoted = [d for d in increments(summary) if d["outcome"] == "promoted"]
-    assert promoted, f"no increment promoted by the controller: {summary['decisions']}\n{out[-3000:]}"
+    assert promoted, \
+        f"no increment promoted by the controller: {summary['decisions']}\n{story(data)}\n{out[-1500:]}"
