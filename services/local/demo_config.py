@@ -146,7 +146,7 @@ def configure(plan: DemoPlan, stack_env: Mapping[str, str]) -> DemoConfig:
         from services.local.demo_engine import engine_env
 
         engine_port = free_port()
-        env.update(engine_env(data, engine_port))
+        env.update(engine_env(data, engine_port, demo.canary_max_s))
     return DemoConfig(spec_path=spec_path, corpus=corpus, primary_horizon=primary_horizon,
                       gateway_port=gateway_port, env=env, engine_port=engine_port,
                       settings=settings_from_env({**plan.environ, **env}), operator_token=token)
@@ -242,7 +242,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_DEPLOYER__TICK_S": "3",
         "RTRL_DEPLOYER__STEPS": "[0.1,0.25,0.5]",
         "RTRL_DEPLOYER__BAKE_S": "15",
-        "RTRL_DEPLOYER__MAX_DURATION_S": "210",
+        "RTRL_DEPLOYER__MAX_DURATION_S": f"{demo.canary_max_s or 210:g}",
         "RTRL_DEPLOYER__JUDGE_ALPHA": "0.05",
         "RTRL_DEPLOYER__LEASE_TTL_S": "10",
         "RTRL_DEPLOYER__JUDGE_MIN_USERS": "60",

@@ -47,8 +47,9 @@ def engine_url(port: int) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def engine_env(data: Path, port: int) -> dict[str, str]:
-    """The services' settings for a gateway in front of the demo's engine."""
+def engine_env(data: Path, port: int, canary_max_s: float | None = None) -> dict[str, str]:
+    """The services' settings for a gateway in front of the demo's engine (canaries get
+    ``canary_max_s``, by default :data:`CANARY_MAX_S`)."""
     return {
         "RTRL_ENGINE__KIND": "vllm",
         "RTRL_ENGINE__BASE_URL": engine_url(port),
@@ -57,7 +58,7 @@ def engine_env(data: Path, port: int) -> dict[str, str]:
         "RTRL_TRAINER__BASE_MODEL_DIR": str(model_dir(data)),
         "RTRL_TRAINER__LR": f"{LORA_LR:g}",
         "RTRL_SIMULATOR__API": "chat",
-        "RTRL_DEPLOYER__MAX_DURATION_S": f"{CANARY_MAX_S:g}",
+        "RTRL_DEPLOYER__MAX_DURATION_S": f"{canary_max_s or CANARY_MAX_S:g}",
     }
 
 

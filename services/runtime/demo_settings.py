@@ -86,6 +86,9 @@ class DemoSettings(Section):
     """``builtin``: the built-in token-id policy in the gateway (fast); ``vllm``: a tiny Llama
     built by the demo, served by vLLM's CPU build (``scripts/vllm-env``), chat users, LoRA
     increments loaded into the engine through the canary (docs/demo.md)."""
+    canary_max_s: Annotated[float, Field(gt=0.0)] | None = None
+    """A canary's longest run before the deployer aborts it as inconclusive (unset: 210 s on the
+    built-in policy, 360 s on vLLM, whose latency on a busy 2-core machine is noisier)."""
     bad_candidate: Literal["reward-hacked", "corrupted", "none"] = "reward-hacked"
     """The deliberately bad candidate injected once: a policy that asks questions instead
     of editing, or the champion with corrupted weights."""

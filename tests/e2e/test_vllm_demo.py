@@ -69,8 +69,10 @@ def run(tmp_path: Path, args: list[str], demo: dict[str, str],
 def test_the_vllm_demo_loads_increments_into_the_engine_through_the_canary(tmp_path: Path) -> None:
     minutes = os.environ.get("RTRL_E2E_VLLM_MINUTES", "16")
     args = ["--minutes", minutes, "--increments", "1", "--bad-candidate", "corrupted"]
-    data, summary, out = run(tmp_path, args, {"RTRL_DEMO__TRAINER_CADENCE_S": "45",
-                                           "RTRL_DEMO__PROGRESS_EVERY_S": "10"}, timeout_s=1560)
+    # any decision will do (an inconclusive abort too): the canary gets 120 s, not the demo's 360
+    demo = {"RTRL_DEMO__TRAINER_CADENCE_S": "45", "RTRL_DEMO__CANARY_MAX_S": "120",
+            "RTRL_DEMO__PROGRESS_EVERY_S": "10"}
+    data, summary, out = run(tmp_path, args, demo, timeout_s=1560)
     bad = summary["bad_version"]
     [refused] = [d for d in summary["decisions"] if d["candidate"] == bad]
     assert refused["outcome"] == "rolled_back" and refused["reason"].startswith(ENGINE_REFUSED), refused

@@ -71,6 +71,21 @@ def test_service_env_is_read_back_by_settings(tmp_path: Path, monkeypatch: pytes
     assert s.auth.keys["simulator"].get_secret_value() == "b"
     assert s.deployer.steps == (0.1, 0.25, 0.5)
     assert s.trainer.interval_s == DemoSettings().trainer_cadence_s
+    assert s.deployer.max_duration_s == 210
+
+
+@pytest.mark.parametrize(("engine", "canary_max_s", "expected"),
+                         [("builtin", None, 210.0), ("builtin", 90.0, 90.0), ("vllm", None, 360.0),
+                          ("vllm", 120.0, 120.0)])
+def test_a_canarys_longest_run_is_the_engines_default_or_the_setting(
+        tmp_path: Path, engine: str, canary_max_s: float | None, expected: float) -> None:
+    from services.local.demo_engine import engine_env
+
+    demo = DemoSettings(engine=engine, canary_max_s=canary_max_s)
+    env = service_env(demo, tmp_path, {}, 4321, {"gateway": "a", "simulator": "b"}, tmp_path / "spec.toml")
+    if engine == "vllm":
+        env.update(engine_env(tmp_path, 1234, demo.canary_max_s))
+    assert settings_from_env(env).deployer.max_duration_s == expected
 
 
 def test_settings_from_env_read_the_mapping_as_a_process_would_and_not_os_environ(
