@@ -177,8 +177,9 @@ def parser() -> argparse.ArgumentParser:
                     help="instead of a chain of increments, N single increments from the same bootstrap, "
                          "each on its own window: how much one increment's step varies")
     band = base.band
-    ap.add_argument("--kl-band", default=f"{band.low:g}:{band.high:g}" if band.enabled else "off",
-                    metavar="LOW:HIGH|off",
+    edges = f"{band.low:g}:{band.high:g}" + (f":{band.target:g}" if band.target is not None else "")
+    ap.add_argument("--kl-band", default=edges if band.enabled else "off",
+                    metavar="LOW:HIGH[:TARGET]|off",
                     help="aim each increment at a KL to its parent in [LOW, HIGH] nats "
                     "(default: the trainer's RTRL_TRAINER__BAND__*, %(default)s)")
     ap.add_argument("--warmup", type=int, default=base.warmup_steps, help="learning-rate warm-up steps")
@@ -187,6 +188,11 @@ def parser() -> argparse.ArgumentParser:
                     help="where the band measures the KL: the gate's held-out records (as the trainer "
                          "does) or samples split off the training window")
     ap.add_argument("--max-epochs", type=int, default=band.max_epochs)
+    guard = band.max_length_change
+    ap.add_argument("--length-guard", default=f"{guard:g}" if guard is not None else "off",
+                    metavar="FRACTION|off",
+                    help="a step that changes the mean sampled completion length by more than this "
+                         "fraction is an overshoot (default: the trainer's, %(default)s)")
     ap.add_argument("--gate-max-kl", type=float, default=GateConfig().max_kl)
     ap.add_argument("--cache", default=None, metavar="DIR",
                     help="keep the bootstrap policy here and reuse it on the next run with the same flags")
@@ -194,15 +200,21 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def band_arg(text: str, probe_every: int, max_epochs: int) -> KLBand | None:
-    """``--kl-band``: ``off`` or ``LOW:HIGH``."""
+def band_arg(text: str, probe_every: int, max_epochs: int, length_guard: str = "off") -> KLBand | None:
+    """``--kl-band``: ``off`` or ``LOW:HIGH[:TARGET]``; ``--length-guard``: ``off`` or a fraction."""
     if text == "off":
         return None
     try:
-        low, high = (float(x) for x in text.split(":"))
-        return KLBand(low, high, probe_every=probe_every, max_epochs=max_epochs)
+        edges = [float(x) for x in text.split(":")]
+        if len(edges) not in (2, 3):
+            raise ValueError("two or three numbers")
+        guard = None if length_guard == "off" else float(length_guard)
+        return KLBand(edges[0], edges[1], probe_every=probe_every, max_epochs=max_epochs,
+                      max_length_change=guard, target_kl=edges[2] if len(edges) == 3 else None)
     except ValueError as exc:
-        raise SystemExit(f"--kl-band {text!r}: expected off or LOW:HIGH, 0 <= LOW < HIGH ({exc})") from exc
+        raise SystemExit(f"--kl-band {text!r} / --length-guard {length_guard!r}: expected off or "
+                         f"LOW:HIGH[:TARGET] with 0 <= LOW <= TARGET <= HIGH, and off or a fraction "
+                         f"in (0, 1) ({exc})") from exc
 
 
 def window_row(first: Figures, f: Figures, gate: GateResult, st: dict[str, float],
@@ -216,11 +228,14 @@ def window_row(first: Figures, f: Figures, gate: GateResult, st: dict[str, float
     return {"persistence": dp, "latency": dl, "kl": f.kl, "steps": int(st.get("steps", 0)), "rejected": why,
             "band_stop": stop_name(st["band_stop"]) if banded else None,
             "probe_kl": st["band_probe_kl"] if banded else None,
+            "probe_length_change": st.get("band_length_change"),
             "met": dp >= 0.10 and dl <= -0.10 and not why}
 
 
 def row_text(r: dict[str, Any]) -> str:
     band = f" probe_kl={r['probe_kl']:.2f} stop={r['band_stop']}" if r["band_stop"] else ""
+    if r.get("probe_length_change") is not None:
+        band += f" probe_length={r['probe_length_change']:+.1%}"
     rejected = "  REJECTED: " + "; ".join(r["rejected"]) if r["rejected"] else ""
     return (f"persistence {r['persistence']:+.1%} latency {r['latency']:+.1%} steps={r['steps']}"
             f"{band}{rejected}")
@@ -262,7 +277,7 @@ def hash_spec(spec: RewardSpec) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    band = band_arg(args.kl_band, args.probe_every, args.max_epochs)
+    band = band_arg(args.kl_band, args.probe_every, args.max_epochs, args.length_guard)
     gate_cfg = GateConfig(max_kl=args.gate_max_kl)
     detectors = DetectorPolicy()
 

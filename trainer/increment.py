@@ -206,6 +206,8 @@ def run_increment(
     st = trained.stats
     band = (f"; KL band: {stop_name(st['band_stop'])} at {st['band_probe_kl']:.2f} nats "
             f"after {st['steps']:.0f} steps" if "band_stop" in st else "")
+    if "band_length_change" in st:
+        band += f", mean length {st['band_length_change']:+.1%}"
     log.info("increment %s -> version %s (gate %s%s%s) in %.1fs", plan.window.id, version, gate.result,
              "" if gate.passed else f": {'; '.join(gate.reasons)}", band, timings["total_s"])
     return Outcome("success", "" if gate.passed else "; ".join(gate.reasons), window=plan.window,

@@ -168,6 +168,8 @@ def summarize(history: Sequence[dict[str, float]]) -> dict[str, float]:
     if "band_stop" in last:  # the KL band's outcome (trainer/trust_region.py)
         out.update(band_probe_kl=last["probe_kl_kept"], band_backoffs=last["backoffs"],
                    band_stop=last["band_stop"], lr_final=last["lr"])
+        if "probe_length_change_kept" in last:
+            out["band_length_change"] = last["probe_length_change_kept"]
     return out
 
 

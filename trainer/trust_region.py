@@ -11,13 +11,19 @@ offline gate threw them out. The band turns the step size into a setting:
   probes the gate's own held-out records (up to ``probe_size``), so the band aims at the KL
   the gate will measure; without them a probe set is split off the window's samples by the
   seed and kept out of training;
-- at or above the band's **target** (its midpoint) the increment stops;
+- at or above the band's **target** (its midpoint unless set) the increment stops;
 - above the band's **high** edge the last step was too big: the policy and optimiser go back
   to the last probe inside the band, the learning rate is halved and training goes on (at most
   ``max_backoffs`` times; after that the increment stops at the restored state);
 - below the target, training goes on, over up to ``max_epochs`` passes of the window; a window
   exhausted below ``low`` ends the increment there (recorded, not an error: the gate and the
-  canary still decide).
+  canary still decide);
+- with a **length guard** (``max_length_change``), each probe also samples completions from the
+  policy for up to ``length_probe_size`` probe prompts (fixed seeds, the same for the parent, so
+  the two samples differ only by the policy) and a step that changed the mean completion length
+  by more than that fraction counts as an overshoot too. The KL alone cannot tell a step that
+  shortened answers by 30% (which the canary's length detector rolls back) from one that
+  shortened them by 10%: both land in the same band.
 
 :func:`decide` is the rule as a pure function; :class:`Probe` holds the probe set's parent
 log-probabilities (computed once) and scores the policy.
@@ -55,6 +61,13 @@ class KLBand:
     """Most passes over the window while the KL is below the target."""
     max_backoffs: int = 3
     """Most overshoots (each halves the learning rate) before the increment stops."""
+    max_length_change: float | None = None
+    """Largest relative change of the mean sampled completion length before a step counts as
+    an overshoot (None: no length guard)."""
+    length_probe_size: int = 128
+    """Probe prompts the length guard samples a completion for."""
+    target_kl: float | None = None
+    """Where training stops (None: the band's midpoint)."""
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.low < self.high and math.isfinite(self.high)):
@@ -62,29 +75,44 @@ class KLBand:
         if self.probe_every < 1 or self.probe_size < 1 or self.max_epochs < 1 or self.max_backoffs < 0:
             raise ValueError("KL band: probe_every, probe_size and max_epochs must be >= 1, "
                              "max_backoffs >= 0")
+        if self.max_length_change is not None and not 0.0 < self.max_length_change < 1.0:
+            raise ValueError(f"KL band: max_length_change must be in (0, 1), got {self.max_length_change}")
+        if self.length_probe_size < 1:
+            raise ValueError("KL band: length_probe_size must be >= 1")
+        if self.target_kl is not None and not self.low <= self.target_kl <= self.high:
+            raise ValueError(f"KL band: target {self.target_kl} is outside [{self.low}, {self.high}]")
 
     @property
     def target(self) -> float:
-        return (self.low + self.high) / 2
+        return self.target_kl if self.target_kl is not None else (self.low + self.high) / 2
 
 
 def band_params(band: KLBand | None) -> dict[str, object]:
     """The KL band as run parameters (``band: off`` without one)."""
     if band is None:
         return {"band": "off"}
-    return {"band_low": band.low, "band_high": band.high, "band_probe_every": band.probe_every,
+    return {"band_low": band.low, "band_high": band.high, "band_target": band.target,
+            "band_probe_every": band.probe_every,
             "band_probe_size": band.probe_size, "band_max_epochs": band.max_epochs,
-            "band_max_backoffs": band.max_backoffs}
+            "band_max_backoffs": band.max_backoffs,
+            "band_max_length_change": band.max_length_change if band.max_length_change is not None else "off"}
 
 
 Action = Literal["continue", "stop", "back_off"]
 
 
-def decide(kl: float, band: KLBand, backoffs: int) -> Action:
-    """What to do after a probe measured ``kl``: ``back_off`` above the band (``stop`` once
-    ``max_backoffs`` are used up), ``stop`` at or above the target, else ``continue``. A
-    non-finite KL is an overshoot."""
-    if not math.isfinite(kl) or kl > band.high:
+def overshot(kl: float, length_change: float, band: KLBand) -> bool:
+    """Whether a probe's figures are past the band: a KL above ``high`` (or not finite), or a
+    mean-length change beyond the length guard."""
+    too_long = band.max_length_change is not None and not abs(length_change) <= band.max_length_change
+    return not math.isfinite(kl) or kl > band.high or too_long
+
+
+def decide(kl: float, band: KLBand, backoffs: int, length_change: float = 0.0) -> Action:
+    """What to do after a probe measured ``kl`` (and ``length_change``, the relative change of
+    the mean sampled completion length): ``back_off`` on an overshoot (``stop`` once
+    ``max_backoffs`` are used up), ``stop`` at or above the target, else ``continue``."""
+    if overshot(kl, length_change, band):
         return "back_off" if backoffs < band.max_backoffs else "stop"
     return "stop" if kl >= band.target else "continue"
 
@@ -151,6 +179,46 @@ class Probe:
         return total / n if n else 0.0
 
 
+LENGTH_SEED = 104_729
+"""Seeds of the length guard's samples (``LENGTH_SEED + i`` for prompt ``i``), the same for the
+parent and every probe, so two samples differ only by the policy."""
+
+
+def length_change(mean: float, parent_mean: float) -> float:
+    """Relative change of a mean completion length against the parent's (0 when the parent's is 0)."""
+    return mean / parent_mean - 1.0 if parent_mean > 0 else 0.0
+
+
+class LengthProbe:
+    """The mean length of completions sampled for fixed probe prompts, against the parent's.
+
+    Completions are sampled at temperature 1 with at most the longest probe completion's
+    length, and at least one token when every probe completion has one (as served)."""
+
+    def __init__(self, parent: TrainablePolicy, picked: Sequence[Sample], size: int) -> None:
+        chosen = list(picked)[:size]
+        self.prompts = [list(s.prompt) for s in chosen]
+        lengths = [len(s.completion) for s in chosen]
+        self.max_new = max(lengths, default=1) or 1
+        self.min_new = 1 if lengths and min(lengths) > 0 else 0
+        self.parent_mean = self.mean_length(parent)
+
+    @torch.no_grad()
+    def mean_length(self, policy: TrainablePolicy) -> float:
+        was_training = policy.module.training
+        policy.module.eval()
+        total = 0
+        for i, prompt in enumerate(self.prompts):
+            tokens, _ = policy.sample(prompt, self.max_new, temperature=1.0, seed=LENGTH_SEED + i,
+                                      min_new_tokens=self.min_new)
+            total += len(tokens)
+        policy.module.train(was_training)
+        return total / len(self.prompts) if self.prompts else 0.0
+
+    def change(self, policy: TrainablePolicy) -> float:
+        return length_change(self.mean_length(policy), self.parent_mean)
+
+
 @dataclass
 class Snapshot:
     """The policy and optimiser at the last probe inside the band."""
@@ -160,11 +228,14 @@ class Snapshot:
     params: dict[str, torch.Tensor]
     """Trainable parameters only (for an adapter, the adapter)."""
     optimizer: dict[str, Any]
+    moved: float = 0.0
+    """The relative change of the mean sampled completion length there (0 without a length guard)."""
 
     @classmethod
-    def take(cls, step: int, kl: float, policy: TrainablePolicy, opt: torch.optim.Optimizer) -> Snapshot:
+    def take(cls, step: int, kl: float, policy: TrainablePolicy, opt: torch.optim.Optimizer,
+             moved: float = 0.0) -> Snapshot:
         params = {n: p.detach().clone() for n, p in policy.module.named_parameters() if p.requires_grad}
-        return cls(step, kl, params, copy.deepcopy(opt.state_dict()))
+        return cls(step, kl, params, copy.deepcopy(opt.state_dict()), moved)
 
     @torch.no_grad()
     def restore(self, policy: TrainablePolicy, opt: torch.optim.Optimizer) -> None:
@@ -204,6 +275,8 @@ class Steady:
                  truncate: float) -> None:
         self.band = band
         self.probe = Probe(parent, probe, truncate)
+        self.lengths = (LengthProbe(parent, probe, band.length_probe_size)
+                        if band.max_length_change is not None and probe else None)
         self.backoffs = 0
         self.snapshot: Snapshot | None = None
 
@@ -217,24 +290,30 @@ class Steady:
 
     def after_step(self, step: int, last: bool, policy: TrainablePolicy, opt: torch.optim.Optimizer,
                    stats: dict[str, float]) -> bool:
-        """Probe when due; adds ``probe_kl``, ``backoffs`` and ``band_stop`` to ``stats``.
+        """Probe when due; adds ``probe_kl``, ``backoffs``, ``band_stop`` (and with a length
+        guard ``probe_length_change``) to ``stats``, each also ``..._kept`` for the policy kept.
         Returns True when training should stop."""
         if step % self.band.probe_every and not last:
             return False
         assert self.snapshot is not None, "start() first"
         kl = self.probe.kl(policy)
-        action = decide(kl, self.band, self.backoffs)
+        moved = self.lengths.change(policy) if self.lengths is not None else 0.0
+        action = decide(kl, self.band, self.backoffs, moved)
         stats["probe_kl"] = kl
-        overshoot = not math.isfinite(kl) or kl > self.band.high
+        if self.lengths is not None:
+            stats["probe_length_change"] = moved
+        overshoot = overshot(kl, moved, self.band)
         if overshoot:
             self.snapshot.restore(policy, opt)
             if action == "back_off":
                 self.backoffs += 1
             opt.param_groups[0][BACKOFFS_KEY] = self.backoffs  # checkpointed with the optimiser
         elif action == "continue":
-            self.snapshot = Snapshot.take(step, kl, policy, opt)
+            self.snapshot = Snapshot.take(step, kl, policy, opt, moved)
         kept = self.snapshot.kl if overshoot else kl
         stats["backoffs"] = float(self.backoffs)
         stats["probe_kl_kept"] = kept
+        if self.lengths is not None:
+            stats["probe_length_change_kept"] = self.snapshot.moved if overshoot else moved
         stats["band_stop"] = STOP_CODES[stop_reason(kept, overshoot, action, last, self.band)]
         return action == "stop" or last

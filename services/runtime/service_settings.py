@@ -130,6 +130,8 @@ class BandSettings(Section):
     """Lower edge of the band (nats per completion)."""
     high: Annotated[float, Field(gt=0.0)] = 2.0
     """Upper edge; keep it at or below ``gate.max_kl`` so a candidate inside the band passes the gate."""
+    target: Annotated[float, Field(ge=0.0)] | None = None
+    """Where training stops, inside ``[low, high]`` (unset: the band's midpoint)."""
     probe_every: Annotated[int, Field(ge=1)] = 4
     """Optimiser steps between KL probes."""
     probe_size: Annotated[int, Field(ge=1)] = 512
@@ -139,11 +141,20 @@ class BandSettings(Section):
     """Most passes over the window while the KL is below the band's midpoint."""
     max_backoffs: Annotated[int, Field(ge=0)] = 3
     """Most overshoots before the increment stops at the last state inside the band."""
+    max_length_change: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
+    """Length guard: a step that changes the mean completion length sampled on the probe's
+    prompts by more than this fraction is an overshoot too (keep it below the deployer's
+    length detector's tolerance, 0.25). Unset: no guard."""
+    length_probe_size: Annotated[int, Field(ge=1)] = 128
+    """Probe prompts the length guard samples one completion for, at each probe."""
 
     @model_validator(mode="after")
     def _ordered(self) -> BandSettings:
         if self.low >= self.high:
             raise ValueError(f"trainer.band: low ({self.low}) must be below high ({self.high})")
+        if self.target is not None and not self.low <= self.target <= self.high:
+            raise ValueError(f"trainer.band: target ({self.target}) must be inside [low, high] "
+                             f"([{self.low}, {self.high}])")
         return self
 
 

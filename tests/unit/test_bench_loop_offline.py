@@ -48,9 +48,14 @@ def test_gate_reasons_and_disabled_detectors() -> None:
 def test_band_flag() -> None:
     assert band_arg("off", 4, 3) is None
     assert band_arg("1:2", 5, 2) == KLBand(1.0, 2.0, probe_every=5, max_epochs=2)
-    for bad in ("2:1", "1", "a:b"):
+    assert band_arg("0.4:2:1.5", 4, 3, "0.2") == KLBand(0.4, 2.0, probe_every=4, max_epochs=3,
+                                                         max_length_change=0.2, target_kl=1.5)
+    assert band_arg("0.4:2:1.5", 4, 3).target == 1.5 and band_arg("1:2", 4, 3).target == 1.5
+    for bad in ("2:1", "1", "a:b", "1:2:3", "1:2:1.5:1"):
         with pytest.raises(SystemExit, match="--kl-band"):
             band_arg(bad, 4, 3)
+    with pytest.raises(SystemExit, match="--length-guard"):
+        band_arg("1:2", 4, 3, "1.5")
 
 
 def test_spread_line_counts_what_met_the_targets_and_the_kl_inside_the_band() -> None:

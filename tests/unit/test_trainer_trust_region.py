@@ -19,12 +19,16 @@ from trainer.increment import build_samples
 from trainer.loop import LoopConfig, Sample, rl_train
 from trainer.policy import TinyConfig, TinyTransformer
 from trainer.trust_region import (
+    LENGTH_SEED,
     STOP_CODES,
     KLBand,
+    LengthProbe,
     Probe,
     Snapshot,
+    Steady,
     completion_kl,
     decide,
+    length_change,
     lr_at,
     split_probe,
     stop_reason,
@@ -50,6 +54,36 @@ BAND = KLBand(0.08, 0.2, probe_every=2, probe_size=64, max_epochs=4, max_backoff
 ])
 def test_decide_table(kl: float, backoffs: int, action: str) -> None:
     assert decide(kl, BAND, backoffs) == action
+
+
+GUARDED = KLBand(0.08, 0.2, probe_every=2, max_backoffs=2, max_length_change=0.2)
+
+
+@pytest.mark.parametrize(("kl", "moved", "backoffs", "action"), [
+    (0.1, 0.0, 0, "continue"),
+    (0.1, 0.2, 0, "continue"),       # at the guard: still inside
+    (0.1, -0.2, 0, "continue"),
+    (0.1, 0.21, 0, "back_off"),      # longer answers
+    (0.1, -0.21, 0, "back_off"),     # shorter answers
+    (0.15, -0.19, 0, "stop"),        # at the KL target, length inside
+    (0.15, -0.3, 2, "stop"),         # backoffs used up
+    (0.1, math.nan, 0, "back_off"),
+])
+def test_decide_table_with_a_length_guard(kl: float, moved: float, backoffs: int, action: str) -> None:
+    assert decide(kl, GUARDED, backoffs, moved) == action
+    assert decide(kl, BAND, backoffs, moved) == decide(kl, BAND, backoffs)  # no guard: length ignored
+
+
+def test_length_change_is_relative_to_the_parent() -> None:
+    assert length_change(9.0, 12.0) == pytest.approx(-0.25)
+    assert length_change(15.0, 12.0) == pytest.approx(0.25)
+    assert length_change(3.0, 0.0) == 0.0
+    with pytest.raises(ValueError, match="max_length_change"):
+        KLBand(0.1, 1.0, max_length_change=1.5)
+    with pytest.raises(ValueError, match="target"):
+        KLBand(0.1, 1.0, target_kl=1.5)
+    assert decide(0.5, KLBand(0.1, 1.0, target_kl=0.5), 0) == "stop"
+    assert decide(0.5, KLBand(0.1, 1.0, target_kl=0.6), 0) == "continue"
 
 
 @pytest.mark.parametrize(("kept", "overshoot", "action", "last", "reason"), [
@@ -168,6 +202,55 @@ def test_an_overshoot_backs_off_and_halves_the_learning_rate() -> None:
     assert history[-1]["probe_kl_kept"] == pytest.approx(kl, rel=1e-6)
 
 
+def test_the_length_probe_samples_as_served_with_fixed_seeds() -> None:
+    champion, samples = _world()
+    probe = LengthProbe(champion, samples, 40)
+    picked = samples[:40]
+    lengths = [len(s.completion) for s in picked]
+    assert probe.max_new == max(lengths) and probe.min_new == (1 if min(lengths) > 0 else 0)
+    want = sum(len(champion.sample(list(s.prompt), max(lengths), 1.0, seed=LENGTH_SEED + i,
+                                   min_new_tokens=probe.min_new)[0]) for i, s in enumerate(picked)) / 40
+    assert probe.parent_mean == pytest.approx(want)
+    assert probe.change(champion.clone()) == 0.0  # the parent's own samples, seed for seed
+
+
+def test_a_step_past_the_length_guard_is_undone_like_a_kl_overshoot() -> None:
+    """Steady's bookkeeping with scripted probe figures: a step that moved the mean length past
+    the guard goes back to the last state inside, counts a back-off and reports what was kept."""
+    champion, samples = _world()
+    band = KLBand(0.08, 0.2, probe_every=2, max_backoffs=2, max_length_change=0.2, length_probe_size=16)
+    steady = Steady(band, champion, samples[:32], 2.0)
+    assert steady.lengths is not None
+    script = iter([(0.05, -0.1), (0.1, -0.3), (0.15, 0.05)])
+    figures: tuple[float, float] = (0.0, 0.0)
+
+    def next_figures(_policy: object) -> float:
+        nonlocal figures
+        figures = next(script)
+        return figures[0]
+
+    steady.probe.kl = next_figures  # type: ignore[method-assign]
+    steady.lengths.change = lambda _policy: figures[1]  # type: ignore[method-assign]
+    policy = champion.clone()
+    opt = torch.optim.Adam(policy.module.parameters(), lr=1e-3)
+    assert steady.start(0, policy, opt)
+    stats: dict[str, float] = {}
+    assert not steady.after_step(2, False, policy, opt, stats)  # inside: snapshot here
+    assert stats["probe_length_change_kept"] == -0.1
+    kept = [p.detach().clone() for p in policy.module.parameters()]
+    with torch.no_grad():
+        for p in policy.module.parameters():
+            p.add_(0.5)
+    stats = {}
+    assert not steady.after_step(4, False, policy, opt, stats)  # -30%: past the guard
+    assert stats["backoffs"] == 1 and stats["probe_length_change"] == -0.3
+    assert stats["probe_length_change_kept"] == -0.1 and stats["probe_kl_kept"] == 0.05
+    assert all(torch.equal(a, b) for a, b in zip(kept, policy.module.parameters(), strict=True))
+    stats = {}
+    assert steady.after_step(6, False, policy, opt, stats)  # at the KL target, length inside: stop
+    assert stats["band_stop"] == STOP_CODES["target"] and stats["probe_length_change_kept"] == 0.05
+
+
 def test_a_window_too_small_ends_below_the_band_and_says_so() -> None:
     champion, samples = _world()
     band = KLBand(50.0, 60.0, probe_every=2, probe_size=32, max_epochs=1)
@@ -213,3 +296,18 @@ def test_a_resumed_run_keeps_its_backoffs_and_warms_up_by_the_global_step() -> N
     history = rl_train(policy, champion.clone(), samples, cfg, start_step=step, optimizer_state=opt_state)
     assert history and history[0]["step"] == step + 1
     assert history[0]["lr"] <= 1.5e-2 + 1e-12  # not back to the full rate
+
+
+def test_the_trainers_band_settings_make_its_band() -> None:
+    from pydantic import ValidationError
+
+    from services.runtime.service_settings import BandSettings
+    from services.trainer_job import band_from
+
+    band = band_from(BandSettings(low=0.4, high=2.0, target=1.5, max_length_change=0.2, length_probe_size=64))
+    assert band == KLBand(0.4, 2.0, max_length_change=0.2, length_probe_size=64, target_kl=1.5)
+    assert band_from(BandSettings()) == KLBand(1.0, 2.0)  # defaults: no guard, target the midpoint
+    assert band_from(BandSettings(enabled=False)) is None
+    for bad in ({"target": 2.5}, {"max_length_change": 1.0}, {"low": 2.0}):
+        with pytest.raises(ValidationError):
+            BandSettings(**bad)
