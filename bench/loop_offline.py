@@ -35,7 +35,7 @@ from ingest.reward.spec import RewardSpec, default_spec_text, parse_spec
 from rollback.detectors import DETECTORS, drift_check, tolerance
 from rollback.types import DetectorPolicy, JudgePolicy
 from services.local.cohorts import Row, cohort, relative_change
-from services.local.demo_config import DEMO_LR, demo_spec_text, toml_text
+from services.local.demo_config import demo_spec_text, demo_trainer_env, toml_text
 from services.local.sim_users import (
     bootstrap_corpus,
     draw_task,
@@ -44,7 +44,7 @@ from services.local.sim_users import (
     make_world,
     react,
 )
-from services.runtime.settings import Settings
+from services.runtime.settings import Settings, settings_from_env
 from trainer.gate import GateConfig, GateResult, evaluate
 from trainer.increment import build_samples, score_heldout, to_samples
 from trainer.loop import LoopConfig, rl_train, sft_train, summarize
@@ -151,7 +151,7 @@ def serve(policy: TinyTransformer, n: int, world: Any, users: list[Any], spec: R
 
 
 def parser() -> argparse.ArgumentParser:
-    base = Settings().trainer
+    base = settings_from_env(demo_trainer_env()).trainer  # the demo's trainer settings
     ap = argparse.ArgumentParser(prog="rtrl bench loop-offline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--increments", type=int, default=3)
@@ -167,7 +167,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--latency-cap", type=float, default=None, help="override the demo spec's")
     ap.add_argument("--no-edit-penalty", type=float, default=Settings().demo.no_edit_penalty,
                     help="the demo spec's penalty for a question or an empty answer (default %(default)s)")
-    ap.add_argument("--lr", type=float, default=DEMO_LR, help="default: the demo's (%(default)s)")
+    ap.add_argument("--lr", type=float, default=base.lr, help="default: the demo's (%(default)s)")
     ap.add_argument("--epochs", type=int, default=base.epochs)
     ap.add_argument("--batch-size", type=int, default=base.batch_size)
     ap.add_argument("--group-size", type=int, default=base.group_size)
@@ -180,9 +180,10 @@ def parser() -> argparse.ArgumentParser:
     edges = f"{band.low:g}:{band.high:g}" + (f":{band.target:g}" if band.target is not None else "")
     ap.add_argument("--kl-band", default=edges if band.enabled else "off",
                     metavar="LOW:HIGH[:TARGET]|off",
-                    help="aim each increment at a KL to its parent in [LOW, HIGH] nats "
-                    "(default: the trainer's RTRL_TRAINER__BAND__*, %(default)s)")
-    ap.add_argument("--warmup", type=int, default=base.warmup_steps, help="learning-rate warm-up steps")
+                    help="aim each increment at a KL to its parent in [LOW, HIGH] nats, stopping at "
+                    "TARGET (default: the demo's RTRL_TRAINER__BAND__*, %(default)s)")
+    ap.add_argument("--warmup", type=int, default=base.warmup_steps,
+                    help="learning-rate warm-up steps (default: the demo's, %(default)s)")
     ap.add_argument("--probe-every", type=int, default=band.probe_every)
     ap.add_argument("--probe", choices=("heldout", "train"), default="heldout",
                     help="where the band measures the KL: the gate's held-out records (as the trainer "
@@ -192,7 +193,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--length-guard", default=f"{guard:g}" if guard is not None else "off",
                     metavar="FRACTION|off",
                     help="a step that changes the mean sampled completion length by more than this "
-                         "fraction is an overshoot (default: the trainer's, %(default)s)")
+                         "fraction is an overshoot (default: the demo's, %(default)s)")
     ap.add_argument("--gate-max-kl", type=float, default=GateConfig().max_kl)
     ap.add_argument("--cache", default=None, metavar="DIR",
                     help="keep the bootstrap policy here and reuse it on the next run with the same flags")

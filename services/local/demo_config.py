@@ -42,6 +42,8 @@ DEMO_OPERATOR = "rtrl-demo"
 DEMO_LR = 2e-3
 """The trainer's learning rate in the demo: one increment of about 3,000 records then moves
 the policy by 1.35-2.64 nats of KL (offline, docs/benchmarks.md), enough to show in a canary."""
+DEMO_LATENCY_WEIGHT = 0.5
+"""The demo spec's latency weight."""
 STOP_RESERVE_S = 75.0
 """Time kept at the end of the budget for stopping the services, writing the report and
 stopping the stack (about 40-50 s measured on 2 cores), so the whole demo ends within it."""
@@ -152,24 +154,26 @@ def configure(plan: DemoPlan, stack_env: Mapping[str, str]) -> DemoConfig:
                       settings=settings_from_env({**plan.environ, **env}), operator_token=token)
 
 
-def demo_spec_text(base: str, no_edit_penalty: float = 0.5) -> str:
-    """The packaged reward spec with the demo's version, windows, latency SLO and no-edit
-    penalty.
+def demo_spec_text(base: str, no_edit_penalty: float = 0.5,
+                   latency_weight: float = DEMO_LATENCY_WEIGHT) -> str:
+    """The packaged reward spec with the demo's version, windows, latency SLO and weight, and
+    no-edit penalty.
 
     Horizons keep their meaning (30 s, 10 min, 1 h of user time); ``time_scale`` compresses
     them. Grace and follow-up windows are widened so that, compressed, they still leave
     the broker a few seconds; the SLO matches the simulated per-token cost. A clarifying
     question or an empty completion costs ``no_edit_penalty`` (the product penalty Cursor's
     fix amounts to): without it, proposing no edit pays on the simulator's ambiguous tasks and
-    the increments drift that way. The version names the penalty, so records say which
-    definition made them.
+    the increments drift that way. The version names the penalty (and a latency weight other
+    than the demo's), so records say which definition made them.
     """
     spec = tomllib.loads(base)
-    spec["version"] = f"demo-v2-n{no_edit_penalty:g}"
+    spec["version"] = f"demo-v2-n{no_edit_penalty:g}" + (
+        f"-l{latency_weight:g}" if latency_weight != DEMO_LATENCY_WEIGHT else "")
     spec["window"]["grace_s"] = 600.0
     spec["window"]["followup_s"] = 600.0
     spec["latency"]["slo_ms"] = 400.0
-    spec["latency"]["weight"] = 0.5
+    spec["latency"]["weight"] = float(latency_weight)
     spec["no_edit"] = {"question": float(no_edit_penalty), "empty": float(no_edit_penalty)}
     return toml_text(spec)
 
@@ -227,7 +231,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_TRAINER__MIN_RECORDS": "200",
         "RTRL_TRAINER__STOP_GRACE_S": "10",  # within the demo's 20 s stop grace: an increment
         # running at the end is left to resume from its checkpoint, and the trainer exits 0
-        "RTRL_TRAINER__LR": f"{DEMO_LR:g}",
+        **demo_trainer_env(),
         "RTRL_TRAINER__GATE__MAX_KL": "6",
         "RTRL_GATEWAY__PORT": str(gateway_port),
         # the simulated users are the gateway's one API client; their API key is derived
@@ -264,6 +268,12 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "PYTHONUNBUFFERED": "1",
     }
     return {**env, **judge_tolerance_env()}
+
+
+def demo_trainer_env() -> dict[str, str]:
+    """How the demo's increments learn, where it differs from the trainer's defaults (also the
+    defaults of ``rtrl bench loop-offline``)."""
+    return {"RTRL_TRAINER__LR": f"{DEMO_LR:g}"}
 
 
 def judge_tolerance_env() -> dict[str, str]:

@@ -122,7 +122,8 @@ def test_until_the_pinned_version_is_loaded_its_users_get_stable_never_the_canar
         assert (out["arm"], out["model"]["version"]) == ("stable", "1")
 
 
-def test_a_failing_pinned_version_falls_back_to_stable_and_is_counted_against_the_holdout(holdout: Holdout) -> None:
+def test_a_failing_pinned_version_falls_back_to_stable_and_is_counted_against_the_holdout(
+        holdout: Holdout) -> None:
     gw, logged, counts = make(holdout, held_fails=True)
     user = next(u for u in USERS if holdout.holds(u, time.time()))
     assert tokens_api(gw, user)["arm"] == "stable"

@@ -176,3 +176,18 @@ def test_a_missing_adapter_and_bad_specs_are_clear_errors(base: Path, tmp_path: 
 def test_check_prompt_without_a_tokenizer(tmp_path: Path) -> None:
     assert check_prompt_ids(tmp_path, vocab_size=100) == list(range(1, 17))
     assert check_prompt_ids(tmp_path) == [0, 1]
+
+
+def test_the_length_guard_samples_an_adapter_as_it_samples_the_base(base: Path) -> None:
+    """The band's length guard samples from a LoRA policy too, in train mode or not, and an
+    adapter that has not moved has not moved the length."""
+    from trainer.trust_region import KLBand, LengthProbe
+
+    policy = LoRAPolicy.create(base, LoraSpec(rank=4, alpha=8))
+    probe = LengthProbe(policy, samples(policy), 8)
+    assert probe.max_new == 3 and probe.min_new == 1 and 1 <= probe.parent_mean <= 3
+    assert probe.change(policy.clone()) == 0.0
+    policy.module.train()
+    band = KLBand(0.0, 50.0, probe_every=1, max_epochs=1, max_length_change=0.5, length_probe_size=8)
+    history = rl_train(policy, policy.clone(), samples(policy), LoopConfig(batch_size=8, lr=1e-2, band=band))
+    assert "probe_length_change" in history[-1] and policy.module.training
