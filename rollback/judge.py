@@ -28,6 +28,7 @@ from rollback.metrics import (
     compare_cells,
     error_cells,
     fmt_delta,
+    fmt_duration,
     fmt_value,
     index_arms,
 )
@@ -113,7 +114,7 @@ def judge(
                     f"{fmt_delta(e.metric, e.mde, sign=False)} of stable." for e in waiting]
     if out_of_users or out_of_time:
         budget = (f"the sample budget of {policy.max_users} users per arm" if out_of_users
-                  else f"the time budget of {policy.max_duration_s / 3600:.1f} h")
+                  else f"the time budget of {fmt_duration(policy.max_duration_s)}")
         reasons.insert(0, f"Inconclusive: {budget} is spent without a decision; "
                           "abort the canary rather than promote it.")
         return Verdict(Decision.INCONCLUSIVE, tuple(reasons), evidence, guards, detectors,

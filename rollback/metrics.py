@@ -60,6 +60,15 @@ def fmt_value(metric: str, x: float) -> str:
     return f"{x:.3g}"
 
 
+def fmt_duration(seconds: float) -> str:
+    """A time budget as people say it: ``90 s``, ``3.5 min``, ``6 h``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
+
+
 def fmt_delta(metric: str, x: float, sign: bool = True) -> str:
     """A difference: percentage points for rates, units otherwise."""
     if not math.isfinite(x):

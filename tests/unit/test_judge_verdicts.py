@@ -136,9 +136,21 @@ def test_time_budget_is_inconclusive() -> None:
     v = judge(_cohort("stable", 150, seed=1), _cohort("canary", 150, seed=2), policy,
               elapsed_s=policy.max_duration_s)
     assert v.decision == Decision.INCONCLUSIVE
-    assert "time budget of 6.0 h" in v.reasons[0]
+    assert "time budget of 6 h" in v.reasons[0]
     assert judge(_cohort("stable", 150, seed=1), _cohort("canary", 150, seed=2), policy,
                  elapsed_s=60.0).decision == Decision.CONTINUE
+    short = JudgePolicy(min_users=100, metrics=(MetricSpec("persistence", 0.001),), max_duration_s=120.0)
+    v = judge(_cohort("stable", 150, seed=1), _cohort("canary", 150, seed=2), short, elapsed_s=120.0)
+    assert "time budget of 2 min" in v.reasons[0]  # not "0.0 h"
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(0, "0 s"), (90, "90 s"), (119, "119 s"), (120, "2 min"),
+                                               (210, "3.5 min"), (3600, "60 min"), (7200, "2 h"),
+                                               (6 * 3600, "6 h"), (5.5 * 3600, "5.5 h")])
+def test_durations_read_as_people_say_them(seconds: float, text: str) -> None:
+    from rollback.metrics import fmt_duration
+
+    assert fmt_duration(seconds) == text
 
 
 def test_policy_rejects_nonsense_with_clear_errors() -> None:
