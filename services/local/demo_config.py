@@ -42,6 +42,9 @@ DEMO_OPERATOR = "rtrl-demo"
 DEMO_LR = 2e-3
 """The trainer's learning rate in the demo: one increment of about 3,000 records then moves
 the policy by 1.35-2.64 nats of KL (offline, docs/benchmarks.md), enough to show in a canary."""
+CANARY_MAX_S = 210.0
+"""A canary's longest run on the built-in policy (``RTRL_DEMO__CANARY_MAX_S`` overrides it;
+the vLLM demo has its own, services/local/demo_engine.py)."""
 DEMO_LATENCY_WEIGHT = 0.5
 """The demo spec's latency weight."""
 STOP_RESERVE_S = 75.0
@@ -246,7 +249,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_DEPLOYER__TICK_S": "3",
         "RTRL_DEPLOYER__STEPS": "[0.1,0.25,0.5]",
         "RTRL_DEPLOYER__BAKE_S": "15",
-        "RTRL_DEPLOYER__MAX_DURATION_S": f"{demo.canary_max_s or 210:g}",
+        "RTRL_DEPLOYER__MAX_DURATION_S": f"{demo.canary_max_s or CANARY_MAX_S:g}",
         "RTRL_DEPLOYER__JUDGE_ALPHA": "0.05",
         "RTRL_DEPLOYER__LEASE_TTL_S": "10",
         "RTRL_DEPLOYER__JUDGE_MIN_USERS": "60",
