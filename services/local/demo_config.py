@@ -45,8 +45,17 @@ the policy by 1.35-2.64 nats of KL (offline, docs/benchmarks.md), enough to show
 CANARY_MAX_S = 210.0
 """A canary's longest run on the built-in policy (``RTRL_DEMO__CANARY_MAX_S`` overrides it;
 the vLLM demo has its own, services/local/demo_engine.py)."""
-DEMO_LATENCY_WEIGHT = 0.5
-"""The demo spec's latency weight."""
+DEMO_LATENCY_WEIGHT = 2.0
+"""The demo spec's latency weight: at 2.0 a second-slower answer costs as much as an edit
+kept, so one increment moves latency as visibly as persistence (docs/benchmarks.md)."""
+DEMO_BAND = {"LOW": "0.3", "HIGH": "2", "TARGET": "1.5", "MAX_LENGTH_CHANGE": "0.2"}
+"""The demo's steady step (``RTRL_TRAINER__BAND__*``): each increment aims at 1.5 nats of KL
+to its parent, inside [0.3, 2] (below the gate's 6 and the canary's ability to tell a step
+under 0.3 from stable), and treats a step that moves the mean completion length by more than
+20% as an overshoot (under the length detector's 25%)."""
+DEMO_WARMUP_STEPS = 20
+"""Learning-rate warm-up of the demo's increments: the first steps at the full rate were the
+ones that overshot the band (docs/benchmarks.md)."""
 STOP_RESERVE_S = 75.0
 """Time kept at the end of the budget for stopping the services, writing the report and
 stopping the stack (about 40-50 s measured on 2 cores), so the whole demo ends within it."""
@@ -157,7 +166,7 @@ def configure(plan: DemoPlan, stack_env: Mapping[str, str]) -> DemoConfig:
                       settings=settings_from_env({**plan.environ, **env}), operator_token=token)
 
 
-def demo_spec_text(base: str, no_edit_penalty: float = 0.5,
+def demo_spec_text(base: str, no_edit_penalty: float | None = None,
                    latency_weight: float = DEMO_LATENCY_WEIGHT) -> str:
     """The packaged reward spec with the demo's version, windows, latency SLO and weight, and
     no-edit penalty.
@@ -167,11 +176,14 @@ def demo_spec_text(base: str, no_edit_penalty: float = 0.5,
     the broker a few seconds; the SLO matches the simulated per-token cost. A clarifying
     question or an empty completion costs ``no_edit_penalty`` (the product penalty Cursor's
     fix amounts to): without it, proposing no edit pays on the simulator's ambiguous tasks and
-    the increments drift that way. The version names the penalty (and a latency weight other
-    than the demo's), so records say which definition made them.
+    the increments drift that way (default: ``DemoSettings.no_edit_penalty``). The version
+    names the penalty (and a latency weight other than the demo's), so records say which
+    definition made them.
     """
+    if no_edit_penalty is None:
+        no_edit_penalty = float(DemoSettings.model_fields["no_edit_penalty"].default)
     spec = tomllib.loads(base)
-    spec["version"] = f"demo-v2-n{no_edit_penalty:g}" + (
+    spec["version"] = f"demo-v3-n{no_edit_penalty:g}" + (
         f"-l{latency_weight:g}" if latency_weight != DEMO_LATENCY_WEIGHT else "")
     spec["window"]["grace_s"] = 600.0
     spec["window"]["followup_s"] = 600.0
@@ -276,7 +288,9 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
 def demo_trainer_env() -> dict[str, str]:
     """How the demo's increments learn, where it differs from the trainer's defaults (also the
     defaults of ``rtrl bench loop-offline``)."""
-    return {"RTRL_TRAINER__LR": f"{DEMO_LR:g}"}
+    return {"RTRL_TRAINER__LR": f"{DEMO_LR:g}",
+            "RTRL_TRAINER__WARMUP_STEPS": str(DEMO_WARMUP_STEPS),
+            **{f"RTRL_TRAINER__BAND__{k}": v for k, v in DEMO_BAND.items()}}
 
 
 def judge_tolerance_env() -> dict[str, str]:

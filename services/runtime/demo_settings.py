@@ -115,7 +115,8 @@ class DemoSettings(Section):
     holdout_measure_s: Annotated[float, Field(ge=0.0)] = 60.0
     """With a holdout: once enough canaries are decided, keep serving this long (within the
     time budget) so the last champion is measured against the holdout."""
-    no_edit_penalty: Annotated[float, Field(ge=0.0)] = 0.5
+    no_edit_penalty: Annotated[float, Field(ge=0.0)] = 1.0
     """The demo reward spec's ``no_edit`` penalty for a question or an empty completion (0:
     the packaged spec's none; the increments then learn to answer ambiguous tasks with no
-    edit, which the edit-rate detector catches)."""
+    edit, which the edit-rate detector catches). With the demo's latency weight of 2, a
+    penalty of 0.5 leaves a question paying more than a rejected edit."""

@@ -29,6 +29,7 @@ from services.local.cohorts import (
 from services.local.demo_config import (
     MARKER,
     demo_spec_text,
+    demo_trainer_env,
     prepare_data_dir,
     service_env,
     write_corpus,
@@ -45,8 +46,8 @@ from trainer.tokens import EOS
 def test_demo_spec_is_a_valid_spec_with_its_own_version() -> None:
     spec = parse_spec(demo_spec_text(default_spec_text()), "demo")
     base = parse_spec(default_spec_text())
-    assert spec.version == "demo-v2-n0.5" and spec.version != base.version
-    assert spec.no_edit.question == spec.no_edit.empty == 0.5 and base.no_edit.question == 0.0
+    assert spec.version == "demo-v3-n1" and spec.version != base.version
+    assert spec.no_edit.question == spec.no_edit.empty == 1.0 and base.no_edit.question == 0.0
     assert spec.persistence == base.persistence and spec.acceptance == base.acceptance
     assert spec.window.followup_s == 600 and spec.latency.slo_ms == 400
 
@@ -72,6 +73,26 @@ def test_service_env_is_read_back_by_settings(tmp_path: Path, monkeypatch: pytes
     assert s.deployer.steps == (0.1, 0.25, 0.5)
     assert s.trainer.interval_s == DemoSettings().trainer_cadence_s
     assert s.deployer.max_duration_s == 210
+
+
+def test_the_demos_steady_step_fits_inside_the_gate_and_under_the_length_detector(tmp_path: Path) -> None:
+    """The demo's band is live in the services' settings and in the offline bench's defaults;
+    a step inside it passes the gate, and its length guard trips before the canary's length
+    detector would."""
+    from bench.loop_offline import parser
+    from rollback.types import DetectorPolicy
+
+    env = service_env(DemoSettings(), tmp_path, {}, 4321, {"gateway": "a", "simulator": "b"},
+                      tmp_path / "spec.toml")
+    trainer = settings_from_env(env).trainer
+    band = trainer.band
+    assert band.enabled and band.low < (band.target or 0) < band.high <= trainer.gate.max_kl
+    assert band.max_length_change is not None
+    assert band.max_length_change < DetectorPolicy().length_change
+    assert trainer.warmup_steps > 0 and trainer.lr == settings_from_env(demo_trainer_env()).trainer.lr
+    bench = parser().parse_args([])
+    assert bench.kl_band == f"{band.low:g}:{band.high:g}:{band.target:g}"
+    assert float(bench.length_guard) == band.max_length_change and bench.warmup == trainer.warmup_steps
 
 
 @pytest.mark.parametrize(("engine", "canary_max_s", "expected"),

@@ -211,7 +211,7 @@ def _empty(task: Task, user: SimUser, world: World, rng: random.Random) -> list[
 
 
 def test_the_demo_spec_no_edit_penalty_takes_the_profit_out_of_not_editing() -> None:
-    """Under the demo's spec (0.5 per question or empty completion) neither beats the
+    """Under the demo's spec (1.0 per question or empty completion) neither beats the
     bootstrap's kind of edit on ambiguous tasks, and both are far worse on clear ones; without
     the penalty both would beat it on ambiguous tasks."""
     from ingest.reward.spec import default_spec_text, parse_spec
