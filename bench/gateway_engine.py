@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from bench.fake_engine import FakeEngine
 from bench.gateway_common import bench_settings, percentile, start_gateway, stop_gateway
+from bench.processes import Apart, GatewayProcess, fake_engine, tcp_relay
 from deployer.ledger import TAG_GATE
 from services.gateway.engine_backend import engine_body
 from services.gateway.generation import GenRequest
@@ -83,13 +83,16 @@ def bodies(engine_model: str, public_model: str, n: int, max_tokens: int, stream
     return direct, gateway
 
 
-def alternate(n: int, warmup: int, direct: Callable[[int], object], gateway: Callable[[int], object],
-              ) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"direct": [], "gateway": []}
+def alternate(n: int, warmup: int, paths: dict[str, Callable[[int], object]]) -> dict[str, list[float]]:
+    """Request i on every path in turn, the order rotated every round, so every path sees the
+    same background load; the first ``warmup`` rounds are not kept."""
+    out: dict[str, list[float]] = {name: [] for name in paths}
+    names = list(paths)
     for i in range(warmup + n):
-        for which in (("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")):
+        shift = i % len(names)
+        for which in names[shift:] + names[:shift]:
             t0 = time.perf_counter()
-            (direct if which == "direct" else gateway)(i)
+            paths[which](i)
             if i >= warmup:
                 out[which].append((time.perf_counter() - t0) * 1000)
     return out
@@ -137,14 +140,14 @@ def engine_settings(base: Settings, url: str, model: str) -> Settings:
 
 
 def run_engine(root: Path, engine_url: str | None, engine_model: str,
-               fake_token_ms: float | None = None) -> tuple[LocalVllm | FakeEngine | None, str, str]:
+               fake_token_ms: float | None = None) -> tuple[LocalVllm | Apart | None, str, str]:
     """The engine to measure: the one at ``engine_url``, a stand-in that costs no CPU
-    (``fake_token_ms`` per token), or a local vLLM on the tiny model."""
+    (``fake_token_ms`` per token, in its own process), or a local vLLM on the tiny model."""
     if engine_url:
         return None, engine_url, engine_model
     if fake_token_ms is not None:
-        fake = FakeEngine(fake_token_ms).start()
-        return fake, fake.base_url, "base"
+        fake = Apart(fake_engine, fake_token_ms).start()
+        return fake, fake.url, "base"
     model_dir = build_tiny_llm(root / "tiny")
     engine = LocalVllm(model_dir, "tiny-base", root / "vllm.log").start()
     print(f"vLLM ready in {engine.wait_ready():.0f}s", flush=True)
@@ -154,38 +157,50 @@ def run_engine(root: Path, engine_url: str | None, engine_model: str,
 def bench_vllm(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens: int,
                concurrency: int | None, stream: bool, engine_url: str | None = None,
                engine_model: str = "base", fake_token_ms: float | None = None) -> dict[str, float]:
+    """The engine directly, through the baseline relay and through the gateway (each server in
+    its own process, bench/processes.py)."""
     engine, url, model = run_engine(root, engine_url, engine_model, fake_token_ms)
+    servers: list[Apart] = []
     try:
         settings = engine_settings(bench_settings(stack, root, f"v{int(time.time())}"), url, model)
-        _gw, server, parts = start_gateway(settings)
-        gateway_url = f"http://127.0.0.1:{server.port}"
+        servers.append(gateway := Apart(GatewayProcess, settings).start())
+        servers.append(relay := Apart(tcp_relay, url).start())
         auth = {"Authorization": f"Bearer {KEY}"}
         direct_b, gateway_b = bodies(model, settings.mlflow.registered_model, n + warmup, max_tokens, stream)
-        try:
-            if concurrency:
-                return measure_concurrent(url, gateway_url, direct_b, gateway_b, warmup, concurrency, auth)
-            d, g = Poster(url, "/v1/chat/completions"), Poster(gateway_url, "/v1/chat/completions", auth)
-            res = alternate(n, warmup, lambda i: d.post(direct_b[i]), lambda i: g.post(gateway_b[i]))
-            d.close()
-            g.close()
-        finally:
-            stop_gateway(server, parts)
+        paths = {"direct": (url, direct_b, None), "relay": (relay.url, direct_b, None),
+                 "gateway": (gateway.url, gateway_b, auth)}
+        if concurrency:
+            return measure_concurrent(paths, warmup, concurrency)
+        posters = {name: Poster(u, "/v1/chat/completions", h) for name, (u, _b, h) in paths.items()}
+
+        def send(name: str) -> Callable[[int], object]:
+            return lambda i: posters[name].post(paths[name][1][i])
+
+        res = alternate(n, warmup, {name: send(name) for name in paths})
+        for poster in posters.values():
+            poster.close()
     finally:
+        for server in reversed(servers):
+            server.stop()
         if engine is not None:
             engine.stop()
-    return summary(res["direct"], res["gateway"])
+    return summary(res["direct"], res["gateway"], res["relay"])
 
 
-def measure_concurrent(url: str, gateway_url: str, direct_b: list[bytes], gateway_b: list[bytes], warmup: int,
-                       clients: int, auth: dict[str, str]) -> dict[str, float]:
-    concurrent(url, "/v1/chat/completions", direct_b[:warmup], clients)
-    concurrent(gateway_url, "/v1/chat/completions", gateway_b[:warmup], clients, auth)
-    d = concurrent(url, "/v1/chat/completions", direct_b[warmup:], clients)
-    g = concurrent(gateway_url, "/v1/chat/completions", gateway_b[warmup:], clients, auth)
-    out = summary(d["round_trip"], g["round_trip"])
-    out.update(direct_first_max_ms=max(d["first"] or [float("nan")]),
-               gateway_first_max_ms=max(g["first"] or [float("nan")]),
-               errors=float(len(d["errors"]) + len(g["errors"])))
+Route = tuple[str, list[bytes], dict[str, str] | None]
+"""A path to the engine: its URL, the bodies it is sent, its headers."""
+
+
+def measure_concurrent(paths: dict[str, Route], warmup: int, clients: int) -> dict[str, float]:
+    """``clients`` at once on each path in turn (a warm-up round on each first)."""
+    for url, payloads, headers in paths.values():
+        concurrent(url, "/v1/chat/completions", payloads[:warmup], clients, headers)
+    res = {name: concurrent(url, "/v1/chat/completions", payloads[warmup:], clients, headers)
+           for name, (url, payloads, headers) in paths.items()}
+    out = summary(res["direct"]["round_trip"], res["gateway"]["round_trip"], res["relay"]["round_trip"])
+    out.update(direct_first_max_ms=max(res["direct"]["first"] or [float("nan")]),
+               gateway_first_max_ms=max(res["gateway"]["first"] or [float("nan")]),
+               errors=float(sum(len(r["errors"]) for r in res.values())))
     return out
 
 
@@ -193,25 +208,36 @@ def pct(values: list[float], q: float) -> float:
     return percentile(values, q) if values else float("nan")
 
 
-def summary(direct: list[float], gateway: list[float]) -> dict[str, float]:
+def summary(direct: list[float], gateway: list[float], relay: list[float] | None = None) -> dict[str, float]:
     d50, d99, g50, g99 = (pct(direct, 50), pct(direct, 99), pct(gateway, 50),
                           pct(gateway, 99))
-    return {"direct_p50_ms": d50, "direct_p99_ms": d99, "gateway_p50_ms": g50, "gateway_p99_ms": g99,
-            "added_p50_ms": g50 - d50, "added_p99_ms": g99 - d99, "ratio_p99": g99 / d99,
-            "requests": float(len(gateway))}
+    out = {"direct_p50_ms": d50, "direct_p99_ms": d99, "gateway_p50_ms": g50, "gateway_p99_ms": g99,
+           "added_p50_ms": g50 - d50, "added_p99_ms": g99 - d99, "ratio_p99": g99 / d99,
+           "requests": float(len(gateway))}
+    if relay:
+        r50, r99 = pct(relay, 50), pct(relay, 99)
+        out.update(relay_p50_ms=r50, relay_p99_ms=r99, relay_added_p50_ms=r50 - d50,
+                   relay_added_p99_ms=r99 - d99)
+    return out
 
 
 def report(results: dict[str, dict[str, Any]], header: str) -> None:
     print(f"\n{header}")
-    print(f"{'mode':22s} {'direct p50':>10s} {'p99':>8s} {'gateway p50':>12s} {'p99':>8s} {'added p50':>10s} "
-          f"{'p99':>8s} {'ratio p99':>9s} {'first answer max':>17s} {'errors':>6s}")
+    print(f"{'mode':22s} {'direct p50':>10s} {'p99':>8s} {'relay p50':>10s} {'p99':>8s} {'gateway p50':>12s} "
+          f"{'p99':>8s} {'added p50':>10s} {'p99':>8s} {'relay added p99':>16s} {'first answer max':>17s} "
+          f"{'errors':>6s}")
+    nan = float("nan")
     for mode, r in results.items():
-        first = r.get("gateway_first_max_ms", float("nan"))
-        print(f"{mode:22s} {r['direct_p50_ms']:10.1f} {r['direct_p99_ms']:8.1f} {r['gateway_p50_ms']:12.1f} "
-              f"{r['gateway_p99_ms']:8.1f} {r['added_p50_ms']:+10.2f} {r['added_p99_ms']:+8.2f} "
-              f"{r['ratio_p99']:9.3f} {first:17.0f} {r.get('errors', 0):6.0f}")
-    print("(ms; direct = the engine called with the body the gateway sends; added = gateway - direct "
-          "percentile; first answer max = the slowest client's first answer through the gateway)")
+        cols = [r.get(k, nan) for k in ("direct_p50_ms", "direct_p99_ms", "relay_p50_ms", "relay_p99_ms",
+                                         "gateway_p50_ms", "gateway_p99_ms")]
+        print(f"{mode:22s} {cols[0]:10.1f} {cols[1]:8.1f} {cols[2]:10.1f} {cols[3]:8.1f} {cols[4]:12.1f} "
+              f"{cols[5]:8.1f} {r['added_p50_ms']:+10.2f} {r['added_p99_ms']:+8.2f} "
+              f"{r.get('relay_added_p99_ms', nan):+16.2f} {r.get('gateway_first_max_ms', nan):17.0f} "
+              f"{r.get('errors', 0):6.0f}")
+    print("(ms; direct = the engine called with the body the gateway sends; relay = the same body through a "
+          "do-nothing TCP relay, the baseline; added = gateway - direct percentile; relay added = relay - "
+          "direct; first answer max = the slowest client's first answer through the gateway; engine, relay "
+          "and gateway each run in their own process)")
 
 
 # --------------------------------------------------------------------- candidate -> first request

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from bench.gateway import measure, percentile, summarise
@@ -61,3 +63,42 @@ def test_the_fake_engine_speaks_what_the_gateway_reads(kind: str, stream: bool) 
         backend.client.close()
     finally:
         fake.stop()
+
+
+def _boom(why: str) -> Any:
+    raise ValueError(why)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_baseline_relay_passes_the_engines_bytes_unchanged_from_its_own_process(stream: bool) -> None:
+    """The bench's baseline: a stand-in engine and a do-nothing relay, each in its own process;
+    the relayed answer is the engine's, byte for byte, on one keep-alive connection."""
+    import json
+    import re
+
+    from bench.gateway_engine import Poster
+    from bench.processes import Apart, fake_engine, tcp_relay
+
+    engine = Apart(fake_engine, 0.0).start()
+    relay = Apart(tcp_relay, engine.url).start()
+    try:
+        body = json.dumps({"model": "base", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 3, "seed": 4, "stream": stream}).encode()
+        path = "/v1/chat/completions"
+        direct, relayed = Poster(engine.url, path), Poster(relay.url, path)
+        for _ in range(3):
+            answers = [p.post(body) for p in (direct, relayed)]
+            same = [re.sub(rb'"created": \d+', b"", a) for a in answers]  # the clock's second may turn
+            assert same[0] == same[1] and b"token_ids" in answers[1]
+        direct.close()
+        relayed.close()
+    finally:
+        relay.stop()
+        engine.stop()
+
+
+def test_a_server_that_fails_to_start_in_its_process_says_why() -> None:
+    from bench.processes import Apart
+
+    with pytest.raises(RuntimeError, match="ValueError: no port for you"):
+        Apart(_boom, "no port for you").start()

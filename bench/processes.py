@@ -1,0 +1,150 @@
+"""The servers of ``rtrl bench gateway --mode vllm``, each in its own process as deployed.
+
+A gateway, an engine and their clients never share an interpreter in production. Measured in
+one process, the 64 client threads, the stand-in engine's threads and the gateway's workers
+queue for one GIL, and the figure is the benchmark's own contention. :class:`Apart` runs a
+server in a spawned process and hands back its URL; :class:`TcpRelay` is the baseline of
+the same run: bytes piped between client and engine with no parsing, the least any proxy
+in front of the engine can add on this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, Self
+
+
+class Server(Protocol):
+    @property
+    def url(self) -> str: ...
+
+    def stop(self) -> None: ...
+
+
+def _serve(factory: Callable[..., Server], args: tuple[Any, ...], conn: Any) -> None:
+    """The child: start the server, send its URL (or the error), serve until told to stop or
+    until the parent is gone."""
+    try:
+        server = factory(*args)
+    except Exception as exc:  # the parent reports it; a traceback in a child's stderr is easy to miss
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("url", server.url))
+    with contextlib.suppress(EOFError, OSError):
+        conn.recv()
+    server.stop()
+
+
+class Apart:
+    """``factory(*args)`` (an importable function returning a started :class:`Server`) in a
+    spawned process."""
+
+    def __init__(self, factory: Callable[..., Server], *args: Any) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(factory, args, child), daemon=True,
+                                 name=getattr(factory, "__name__", "server"))
+        self.url = ""
+
+    def start(self, timeout_s: float = 180.0) -> Self:
+        self._proc.start()
+        if not self._conn.poll(timeout_s):
+            self.stop()
+            raise RuntimeError(f"{self._proc.name} did not start within {timeout_s:.0f} s")
+        kind, value = self._conn.recv()
+        if kind == "error":
+            self.stop()
+            raise RuntimeError(f"{self._proc.name} failed to start: {value}")
+        self.url = value
+        return self
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send("stop")
+        self._proc.join(15)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5)
+        self._conn.close()
+
+
+class TcpRelay:
+    """A do-nothing proxy: each client connection gets its own connection to ``target_url``
+    and bytes are piped both ways on one event loop, unread."""
+
+    def __init__(self, target_url: str) -> None:
+        host, port = target_url.removeprefix("http://").split(":")
+        self._target = (host, int(port))
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tcp-relay", daemon=True)
+        self.url = ""
+
+    def start(self) -> Self:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the relay did not start")
+        return self
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(
+            asyncio.start_server(self._client, "127.0.0.1", 0, backlog=1024))
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+
+def fake_engine(token_ms: float) -> Server:
+    """The stand-in engine of ``--fake-engine`` (bench/fake_engine.py), started."""
+    from bench.fake_engine import FakeEngine
+
+    return FakeEngine(token_ms).start()
+
+
+def tcp_relay(target_url: str) -> Server:
+    return TcpRelay(target_url).start()
+
+
+class GatewayProcess:
+    """The gateway on a private stack, as ``rtrl serve gateway`` runs it (bench/gateway_common.py)."""
+
+    def __init__(self, settings: Any) -> None:
+        from bench.gateway_common import start_gateway
+        from services.runtime.process import setup_logging
+
+        setup_logging("WARNING", "bench-gateway")
+        _gateway, self._server, self._parts = start_gateway(settings)
+        self.url = f"http://127.0.0.1:{self._server.port}"
+
+    def stop(self) -> None:
+        from bench.gateway_common import stop_gateway
+
+        stop_gateway(self._server, self._parts)
