@@ -54,6 +54,16 @@ class LoopConfig:
     def passes(self) -> int:
         return self.band.max_epochs if self.band is not None else self.epochs
 
+    @property
+    def checkpoint_interval(self) -> int:
+        """Steps between checkpoints: ``checkpoint_every``, with a band rounded up to whole probe
+        intervals, so that a checkpoint always holds a state the band probed and kept (a resumed
+        increment never starts past the band's edge or its length guard)."""
+        if self.band is None:
+            return self.checkpoint_every
+        every = self.band.probe_every
+        return -(-self.checkpoint_every // every) * every
+
 
 StepCallback = Callable[[int, dict[str, float], TrainablePolicy, torch.optim.Optimizer], None]
 """Called after each step with (steps done so far, stats, policy, optimizer)."""

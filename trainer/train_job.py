@@ -60,7 +60,7 @@ class LocalTrainJob:
         parent = load_policy(request.parent_dir)
 
         def on_step(step: int, _s: dict[str, float], pol: TrainablePolicy, opt: Optimizer) -> None:
-            if step % request.loop.checkpoint_every == 0:
+            if step % request.loop.checkpoint_interval == 0:
                 save_training_state(ckpt, pol, opt, step)
 
         history = rl_train(policy, parent, request.samples, request.loop, start, opt_state, on_step,

@@ -281,12 +281,15 @@ class Steady:
         self.snapshot: Snapshot | None = None
 
     def start(self, step: int, policy: TrainablePolicy, opt: torch.optim.Optimizer) -> bool:
-        """Snapshot the starting point; False when a resumed policy is already at its target.
-        A resumed run keeps the back-offs its checkpointed optimiser recorded."""
+        """Snapshot the starting point; False when a resumed policy is already at its target
+        (or, from a checkpoint written mid-interval, past the band or the length guard: there
+        is no kept state before it to go back to). A resumed run keeps the back-offs its
+        checkpointed optimiser recorded."""
         self.backoffs = int(opt.param_groups[0].get(BACKOFFS_KEY, 0))
         kl = self.probe.kl(policy) if step else 0.0
-        self.snapshot = Snapshot.take(step, kl, policy, opt)
-        return decide(kl, self.band, self.backoffs) == "continue"
+        moved = self.lengths.change(policy) if step and self.lengths is not None else 0.0
+        self.snapshot = Snapshot.take(step, kl, policy, opt, moved)
+        return decide(kl, self.band, self.backoffs, moved) == "continue"
 
     def after_step(self, step: int, last: bool, policy: TrainablePolicy, opt: torch.optim.Optimizer,
                    stats: dict[str, float]) -> bool:

@@ -311,3 +311,32 @@ def test_the_trainers_band_settings_make_its_band() -> None:
     for bad in ({"target": 2.5}, {"max_length_change": 1.0}, {"low": 2.0}):
         with pytest.raises(ValidationError):
             BandSettings(**bad)
+
+
+@pytest.mark.parametrize(("every", "probe_every", "banded", "want"),
+                         [(50, 4, True, 52), (48, 4, True, 48), (1, 4, True, 4), (5, 1, True, 5),
+                          (50, 4, False, 50), (7, 3, False, 7)])
+def test_checkpoints_fall_on_probe_steps_with_a_band(every: int, probe_every: int, banded: bool,
+                                                     want: int) -> None:
+    """A checkpoint holds a state the band probed and kept, so a resumed increment never starts
+    between a probe and the overshoot the next one would have undone."""
+    band = KLBand(0.5, 2.0, probe_every=probe_every) if banded else None
+    assert LoopConfig(checkpoint_every=every, band=band).checkpoint_interval == want
+
+
+@pytest.mark.parametrize(("kl", "moved", "goes_on"), [(0.1, 0.05, True), (0.1, -0.3, False),
+                                                       (0.25, 0.0, False), (0.15, 0.0, False)])
+def test_a_resumed_start_counts_the_length_guard_as_well_as_the_kl(kl: float, moved: float,
+                                                                     goes_on: bool) -> None:
+    """Resuming from a checkpoint: past the length guard or the band's high edge, or at the
+    target, training does not go on; the snapshot records the length change it started at."""
+    champion, samples = _world()
+    band = KLBand(0.08, 0.2, probe_every=2, max_length_change=0.2, length_probe_size=16)
+    steady = Steady(band, champion, samples[:32], 2.0)
+    assert steady.lengths is not None
+    steady.probe.kl = lambda _policy: kl  # type: ignore[method-assign]
+    steady.lengths.change = lambda _policy: moved  # type: ignore[method-assign]
+    policy = champion.clone()
+    opt = torch.optim.Adam(policy.module.parameters(), lr=1e-3)
+    assert steady.start(6, policy, opt) is goes_on
+    assert steady.snapshot is not None and steady.snapshot.moved == moved and steady.snapshot.kl == kl

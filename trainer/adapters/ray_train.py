@@ -2,8 +2,8 @@
 
 Every worker runs :func:`trainer.loop.rl_train` on its shard of each batch (gradients are
 averaged with ``torch.distributed`` when there are several workers); rank 0 reports a
-checkpoint (policy + optimizer + step) every ``checkpoint_every`` steps. The run is named
-after the data window and stored under ``storage`` — so a retry of the same window (the
+checkpoint (policy + optimizer + step) every ``LoopConfig.checkpoint_interval`` steps. The run
+is named after the data window and stored under ``storage`` — so a retry of the same window (the
 process or a worker was killed) finds the run's checkpoints, and ``ray.train.get_checkpoint()``
 hands the worker the last one to resume from. A new window gets a new run.
 
@@ -91,7 +91,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         device = ray.train.torch.get_device()
         policy.module.to(device)
         parent.module.to(device)
-    every = request.loop.checkpoint_every
+    every = request.loop.checkpoint_interval
     t_last = time.monotonic()
     optimizer_holder: dict[str, torch.optim.Optimizer] = {}
 
