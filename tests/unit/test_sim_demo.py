@@ -81,6 +81,7 @@ def test_the_demos_steady_step_fits_inside_the_gate_and_under_the_length_detecto
     detector would."""
     from bench.loop_offline import parser
     from rollback.types import DetectorPolicy
+    from services.local.demo_engine import engine_env
 
     env = service_env(DemoSettings(), tmp_path, {}, 4321, {"gateway": "a", "simulator": "b"},
                       tmp_path / "spec.toml")
@@ -90,6 +91,10 @@ def test_the_demos_steady_step_fits_inside_the_gate_and_under_the_length_detecto
     assert band.max_length_change is not None
     assert band.max_length_change < DetectorPolicy().length_change
     assert trainer.warmup_steps > 0 and trainer.lr == settings_from_env(demo_trainer_env()).trainer.lr
+    env.update(engine_env(tmp_path, 1234))  # the LoRA demo learns at its own, measured pace
+    lora = settings_from_env(env).trainer
+    assert lora.warmup_steps == 0 and lora.band.max_length_change is None and lora.band.low == 1.0
+    assert lora.band.target == band.target and lora.lr > trainer.lr
     bench = parser().parse_args([])
     assert bench.kl_band == f"{band.low:g}:{band.high:g}:{band.target:g}"
     assert float(bench.length_guard) == band.max_length_change and bench.warmup == trainer.warmup_steps
