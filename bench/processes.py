@@ -17,6 +17,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, Self
 
+from bench.fake_engine import FakeEngine
+from bench.gateway_common import start_gateway, stop_gateway
+from services.runtime.process import setup_logging
+
 
 class Server(Protocol):
     @property
@@ -124,8 +128,6 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 def fake_engine(token_ms: float) -> Server:
     """The stand-in engine of ``--fake-engine`` (bench/fake_engine.py), started."""
-    from bench.fake_engine import FakeEngine
-
     return FakeEngine(token_ms).start()
 
 
@@ -137,14 +139,9 @@ class GatewayProcess:
     """The gateway on a private stack, as ``rtrl serve gateway`` runs it (bench/gateway_common.py)."""
 
     def __init__(self, settings: Any) -> None:
-        from bench.gateway_common import start_gateway
-        from services.runtime.process import setup_logging
-
         setup_logging("WARNING", "bench-gateway")
         _gateway, self._server, self._parts = start_gateway(settings)
         self.url = f"http://127.0.0.1:{self._server.port}"
 
     def stop(self) -> None:
-        from bench.gateway_common import stop_gateway
-
         stop_gateway(self._server, self._parts)
