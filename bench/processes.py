@@ -50,7 +50,8 @@ class Apart:
     def __init__(self, factory: Callable[..., Server], *args: Any) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(factory, args, child), daemon=True,
+        # not a daemon: the gateway starts its own exposure process, which a daemon may not
+        self._proc = ctx.Process(target=_serve, args=(factory, args, child),
                                  name=getattr(factory, "__name__", "server"))
         self.url = ""
 

@@ -69,6 +69,27 @@ def _boom(why: str) -> Any:
     raise ValueError(why)
 
 
+class _Parent:
+    """A server that starts a process of its own, as the gateway starts its exposure writer."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        self.child = multiprocessing.get_context("spawn").Process(target=_idle)
+        self.child.start()
+        self.url = f"pid:{self.child.pid}"
+
+    def stop(self) -> None:
+        self.child.terminate()
+        self.child.join(5)
+
+
+def _idle() -> None:
+    import time
+
+    time.sleep(60)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_baseline_relay_passes_the_engines_bytes_unchanged_from_its_own_process(stream: bool) -> None:
     """The bench's baseline: a stand-in engine and a do-nothing relay, each in its own process;
@@ -95,6 +116,14 @@ def test_the_baseline_relay_passes_the_engines_bytes_unchanged_from_its_own_proc
     finally:
         relay.stop()
         engine.stop()
+
+
+def test_a_server_in_its_own_process_may_start_processes_of_its_own() -> None:
+    from bench.processes import Apart
+
+    server = Apart(_Parent).start()
+    assert server.url.startswith("pid:")
+    server.stop()
 
 
 def test_a_server_that_fails_to_start_in_its_process_says_why() -> None:
