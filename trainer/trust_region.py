@@ -280,14 +280,19 @@ class Steady:
         self.backoffs = 0
         self.snapshot: Snapshot | None = None
 
+    def measure(self, policy: TrainablePolicy) -> tuple[float, float]:
+        """The probe's KL to the parent and, with a length guard, the relative change of the mean
+        sampled completion length (0 without one)."""
+        kl = self.probe.kl(policy)
+        return kl, self.lengths.change(policy) if self.lengths is not None else 0.0
+
     def start(self, step: int, policy: TrainablePolicy, opt: torch.optim.Optimizer) -> bool:
         """Snapshot the starting point; False when a resumed policy is already at its target
         (or, from a checkpoint written mid-interval, past the band or the length guard: there
         is no kept state before it to go back to). A resumed run keeps the back-offs its
         checkpointed optimiser recorded."""
         self.backoffs = int(opt.param_groups[0].get(BACKOFFS_KEY, 0))
-        kl = self.probe.kl(policy) if step else 0.0
-        moved = self.lengths.change(policy) if step and self.lengths is not None else 0.0
+        kl, moved = self.measure(policy) if step else (0.0, 0.0)
         self.snapshot = Snapshot.take(step, kl, policy, opt, moved)
         return decide(kl, self.band, self.backoffs, moved) == "continue"
 
@@ -299,8 +304,7 @@ class Steady:
         if step % self.band.probe_every and not last:
             return False
         assert self.snapshot is not None, "start() first"
-        kl = self.probe.kl(policy)
-        moved = self.lengths.change(policy) if self.lengths is not None else 0.0
+        kl, moved = self.measure(policy)
         action = decide(kl, self.band, self.backoffs, moved)
         stats["probe_kl"] = kl
         if self.lengths is not None:
