@@ -83,12 +83,16 @@ def bodies(engine_model: str, public_model: str, n: int, max_tokens: int, stream
     return direct, gateway
 
 
-def alternate(n: int, warmup: int, paths: dict[str, Callable[[int], object]]) -> dict[str, list[float]]:
+def alternate(n: int, warmup: int, paths: dict[str, Callable[[int], object]],
+              measuring: Callable[[], object] = lambda: None) -> dict[str, list[float]]:
     """Request i on every path in turn, the order rotated every round, so every path sees the
-    same background load; the first ``warmup`` rounds are not kept."""
+    same background load; the first ``warmup`` rounds are not kept (``measuring`` is called
+    when the kept ones begin)."""
     out: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
     for i in range(warmup + n):
+        if i == warmup:
+            measuring()
         shift = i % len(names)
         for which in names[shift:] + names[:shift]:
             t0 = time.perf_counter()
@@ -165,18 +169,20 @@ def bench_vllm(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens
         settings = engine_settings(bench_settings(stack, root, f"v{int(time.time())}"), url, model)
         servers.append(gateway := Apart(GatewayProcess, settings).start())
         servers.append(relay := Apart(tcp_relay, url).start())
+        cpu = CpuMeter({"gateway": gateway.cpu_s, "relay": relay.cpu_s})
         auth = {"Authorization": f"Bearer {KEY}"}
         direct_b, gateway_b = bodies(model, settings.mlflow.registered_model, n + warmup, max_tokens, stream)
         paths = {"direct": (url, direct_b, None), "relay": (relay.url, direct_b, None),
                  "gateway": (gateway.url, gateway_b, auth)}
         if concurrency:
-            return measure_concurrent(paths, warmup, concurrency)
+            return measure_concurrent(paths, warmup, concurrency, cpu)
         posters = {name: Poster(u, "/v1/chat/completions", h) for name, (u, _b, h) in paths.items()}
 
         def send(name: str) -> Callable[[int], object]:
             return lambda i: posters[name].post(paths[name][1][i])
 
-        res = alternate(n, warmup, {name: send(name) for name in paths})
+        res = alternate(n, warmup, {name: send(name) for name in paths}, cpu.start)
+        used = cpu.per_request_ms({name: len(times) for name, times in res.items()})
         for poster in posters.values():
             poster.close()
     finally:
@@ -184,20 +190,44 @@ def bench_vllm(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens
             server.stop()
         if engine is not None:
             engine.stop()
-    return summary(res["direct"], res["gateway"], res["relay"])
+    return {**summary(res["direct"], res["gateway"], res["relay"]), **used}
+
+
+class CpuMeter:
+    """CPU a server process spent per request it served, between :meth:`start` and
+    :meth:`per_request_ms`: the service time that queueing multiplies under concurrency."""
+
+    def __init__(self, meters: dict[str, Callable[[], float]]) -> None:
+        self.meters = meters
+        self.before: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.before = {name: read() for name, read in self.meters.items()}
+
+    def per_request_ms(self, served: dict[str, int]) -> dict[str, float]:
+        return {f"{name}_cpu_ms": cpu_ms_per_request(self.before[name], read(), served.get(name, 0))
+                for name, read in self.meters.items()}
+
+
+def cpu_ms_per_request(before_s: float, after_s: float, requests: int) -> float:
+    return (after_s - before_s) * 1000.0 / requests if requests else float("nan")
 
 
 Route = tuple[str, list[bytes], dict[str, str] | None]
 """A path to the engine: its URL, the bodies it is sent, its headers."""
 
 
-def measure_concurrent(paths: dict[str, Route], warmup: int, clients: int) -> dict[str, float]:
+def measure_concurrent(paths: dict[str, Route], warmup: int, clients: int,
+                       cpu: CpuMeter | None = None) -> dict[str, float]:
     """``clients`` at once on each path in turn (a warm-up round on each first)."""
     for url, payloads, headers in paths.values():
         concurrent(url, "/v1/chat/completions", payloads[:warmup], clients, headers)
+    cpu = cpu or CpuMeter({})
+    cpu.start()
     res = {name: concurrent(url, "/v1/chat/completions", payloads[warmup:], clients, headers)
            for name, (url, payloads, headers) in paths.items()}
     out = summary(res["direct"]["round_trip"], res["gateway"]["round_trip"], res["relay"]["round_trip"])
+    out.update(cpu.per_request_ms({name: len(r["round_trip"]) + len(r["errors"]) for name, r in res.items()}))
     out.update(direct_first_max_ms=max(res["direct"]["first"] or [float("nan")]),
                gateway_first_max_ms=max(res["gateway"]["first"] or [float("nan")]),
                errors=float(sum(len(r["errors"]) for r in res.values())))
@@ -238,6 +268,19 @@ def report(results: dict[str, dict[str, Any]], header: str) -> None:
           "do-nothing TCP relay, the baseline; added = gateway - direct percentile; relay added = relay - "
           "direct; first answer max = the slowest client's first answer through the gateway; engine, relay "
           "and gateway each run in their own process)")
+    for mode, r in results.items():
+        if "gateway_cpu_ms" in r:
+            print(cpu_line(mode, r["gateway_cpu_ms"], r.get("relay_cpu_ms", nan)))
+
+
+def cpu_line(mode: str, gateway_ms: float, relay_ms: float) -> str:
+    """The service times: what each request cost the gateway's processes and the relay's."""
+    nan = float("nan")
+    per_core = 1000.0 / gateway_ms if gateway_ms > 0 else nan
+    ratio = gateway_ms / relay_ms if relay_ms > 0 else nan
+    return (f"{mode}: CPU per request: gateway {gateway_ms:.2f} ms (its exposure writer included, the "
+            f"broker not), relay {relay_ms:.2f} ms ({ratio:.1f}x the relay); one core "
+            f"serves about {per_core:,.0f} requests/s through the gateway")
 
 
 # --------------------------------------------------------------------- candidate -> first request

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol, Self
@@ -67,6 +68,10 @@ class Apart:
         self.url = value
         return self
 
+    def cpu_s(self) -> float:
+        """CPU seconds the server's process (its children included) has used so far."""
+        return tree_cpu_s(self._proc.pid) if self._proc.pid is not None else float("nan")
+
     def stop(self) -> None:
         with contextlib.suppress(OSError):
             self._conn.send("stop")
@@ -75,6 +80,35 @@ class Apart:
             self._proc.terminate()
             self._proc.join(5)
         self._conn.close()
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process and its live descendants have used (Linux
+    ``/proc``; NaN where there is none): what serving cost a server, its helper processes
+    included (the gateway's exposure writer)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    cpu: dict[int, float] = {}
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return float("nan")
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone since the listing
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    if pid not in cpu:
+        return float("nan")
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += cpu[current]
+        todo.extend(children.get(current, ()))
+    return total
 
 
 class TcpRelay:

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import math
+import multiprocessing
+import os
+import time
 from typing import Any
 
 import pytest
@@ -73,8 +77,6 @@ class _Parent:
     """A server that starts a process of its own, as the gateway starts its exposure writer."""
 
     def __init__(self) -> None:
-        import multiprocessing
-
         self.child = multiprocessing.get_context("spawn").Process(target=_idle)
         self.child.start()
         self.url = f"pid:{self.child.pid}"
@@ -85,8 +87,6 @@ class _Parent:
 
 
 def _idle() -> None:
-    import time
-
     time.sleep(60)
 
 
@@ -131,3 +131,48 @@ def test_a_server_that_fails_to_start_in_its_process_says_why() -> None:
 
     with pytest.raises(RuntimeError, match="ValueError: no port for you"):
         Apart(_boom, "no port for you").start()
+
+
+def _spin(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    time.sleep(60)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+def test_a_servers_cpu_counts_the_processes_it_started() -> None:
+    """The bench's service time: a process's CPU includes its children's (the gateway's
+    exposure writer), and a process that does not exist reads NaN."""
+    from bench.processes import tree_cpu_s
+
+    before = tree_cpu_s(os.getpid())
+    child = multiprocessing.get_context("spawn").Process(target=_spin, args=(0.4,))
+    child.start()
+    try:
+        deadline = time.monotonic() + 30
+        while tree_cpu_s(child.pid or -1) < 0.4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tree_cpu_s(child.pid or -1) >= 0.4
+        assert tree_cpu_s(os.getpid()) - before >= 0.4  # the child's CPU is the parent's tree's
+    finally:
+        child.terminate()
+        child.join(5)
+    assert math.isnan(tree_cpu_s(2**22 + 12345))
+
+
+def test_cpu_per_request_and_its_report() -> None:
+    from bench.gateway_engine import CpuMeter, cpu_line, cpu_ms_per_request
+
+    assert cpu_ms_per_request(1.0, 1.5, 250) == pytest.approx(2.0)
+    assert math.isnan(cpu_ms_per_request(1.0, 1.5, 0))
+    clock = {"gateway": 10.0, "relay": 3.0}
+    meter = CpuMeter({name: (lambda name=name: clock[name]) for name in clock})
+    meter.start()
+    clock.update(gateway=10.8, relay=3.1)
+    used = meter.per_request_ms({"gateway": 1000, "relay": 1000, "direct": 1000})
+    assert used == pytest.approx({"gateway_cpu_ms": 0.8, "relay_cpu_ms": 0.1})
+    line = cpu_line("whole", used["gateway_cpu_ms"], used["relay_cpu_ms"])
+    assert "gateway 0.80 ms" in line and "relay 0.10 ms (8.0x the relay)" in line
+    assert "1,250 requests/s" in line
+    assert "nan" in cpu_line("whole", 0.8, 0.0)
