@@ -68,9 +68,9 @@ class Apart:
         self.url = value
         return self
 
-    def cpu_s(self) -> float:
-        """CPU seconds the server's process (its children included) has used so far."""
-        return tree_cpu_s(self._proc.pid) if self._proc.pid is not None else float("nan")
+    def cpu_s(self, children: bool = True) -> float:
+        """CPU seconds the server's process (and its children) has used so far."""
+        return tree_cpu_s(self._proc.pid, children) if self._proc.pid is not None else float("nan")
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):
@@ -82,13 +82,13 @@ class Apart:
         self._conn.close()
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process and its live descendants have used (Linux
-    ``/proc``; NaN where there is none): what serving cost a server, its helper processes
-    included (the gateway's exposure writer)."""
+def tree_cpu_s(pid: int, children: bool = True) -> float:
+    """CPU seconds (user + system) a process and (``children``) its live descendants have
+    used (Linux ``/proc``; NaN where there is none): what serving cost a server, its helper
+    processes included (the gateway's exposure writer)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     cpu: dict[int, float] = {}
-    children: dict[int, list[int]] = {}
+    kids: dict[int, list[int]] = {}
     try:
         entries = [e for e in os.listdir("/proc") if e.isdigit()]
     except OSError:
@@ -100,14 +100,16 @@ def tree_cpu_s(pid: int) -> float:
         except (OSError, IndexError):
             continue  # gone since the listing
         cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-        children.setdefault(int(fields[1]), []).append(int(entry))
+        kids.setdefault(int(fields[1]), []).append(int(entry))
     if pid not in cpu:
         return float("nan")
+    if not children:
+        return cpu[pid]
     total, todo = 0.0, [pid]
     while todo:
         current = todo.pop()
         total += cpu[current]
-        todo.extend(children.get(current, ()))
+        todo.extend(kids.get(current, ()))
     return total
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing
 import os
@@ -155,6 +156,7 @@ def test_a_servers_cpu_counts_the_processes_it_started() -> None:
             time.sleep(0.05)
         assert tree_cpu_s(child.pid or -1) >= 0.4
         assert tree_cpu_s(os.getpid()) - before >= 0.4  # the child's CPU is the parent's tree's
+        assert tree_cpu_s(os.getpid(), children=False) < tree_cpu_s(os.getpid()) - 0.3
     finally:
         child.terminate()
         child.join(5)
@@ -166,13 +168,13 @@ def test_cpu_per_request_and_its_report() -> None:
 
     assert cpu_ms_per_request(1.0, 1.5, 250) == pytest.approx(2.0)
     assert math.isnan(cpu_ms_per_request(1.0, 1.5, 0))
-    clock = {"gateway": 10.0, "relay": 3.0}
-    meter = CpuMeter({name: (lambda name=name: clock[name]) for name in clock})
+    clock = {"gateway": 10.0, "gateway_all": 12.0, "relay": 3.0}
+    meter = CpuMeter({name: functools.partial(clock.__getitem__, name) for name in clock})
     meter.start()
-    clock.update(gateway=10.8, relay=3.1)
-    used = meter.per_request_ms({"gateway": 1000, "relay": 1000, "direct": 1000})
-    assert used == pytest.approx({"gateway_cpu_ms": 0.8, "relay_cpu_ms": 0.1})
-    line = cpu_line("whole", used["gateway_cpu_ms"], used["relay_cpu_ms"])
-    assert "gateway 0.80 ms" in line and "relay 0.10 ms (8.0x the relay)" in line
-    assert "1,250 requests/s" in line
-    assert "nan" in cpu_line("whole", 0.8, 0.0)
+    clock.update(gateway=10.5, gateway_all=12.8, relay=3.2)
+    used = meter.per_request_ms({"gateway": 1000, "relay": 2000, "direct": 1000})
+    assert used == pytest.approx({"gateway_cpu_ms": 0.5, "gateway_all_cpu_ms": 0.8, "relay_cpu_ms": 0.1})
+    line = cpu_line("whole", used["gateway_cpu_ms"], used["gateway_all_cpu_ms"], used["relay_cpu_ms"])
+    assert "gateway 0.80 ms (0.50 in its own process, 0.30 in its exposure writer" in line
+    assert "relay 0.10 ms (8.0x the relay)" in line and "1,250 requests/s" in line
+    assert "nan" in cpu_line("whole", 0.5, 0.8, 0.0)
