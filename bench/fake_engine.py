@@ -25,6 +25,9 @@ PROMPT_IDS = [1, 5, 9, 14]
 class FakeEngine(LoopbackServer):
     def __init__(self, token_ms: float = 1.0) -> None:
         self.token_s = token_ms / 1000
+        self.connections = 0
+        self.posts = 0
+        """Connections opened to it and generation requests received (what a client costs it)."""
         super().__init__(self._handler(), "fake-engine")
 
     @property
@@ -49,11 +52,16 @@ class FakeEngine(LoopbackServer):
         fake = self
 
         class Handler(JsonHandler):
+            def setup(self) -> None:
+                super().setup()
+                fake.connections += 1
+
             def do_GET(self) -> None:  # noqa: N802 (http.server names its handlers so)
                 self.answer({"object": "list", "data": [{"id": "base", "object": "model"}]})
 
             def do_POST(self) -> None:  # noqa: N802 (http.server names its handlers so)
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                fake.posts += 1
                 chat = self.path.endswith("/chat/completions")
                 n = int(req.get("max_tokens") or 16)
                 ids = [3 + (int(req.get("seed") or 0) + i) % 60 for i in range(n)]

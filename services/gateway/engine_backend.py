@@ -145,6 +145,23 @@ class EngineClient:
         except ValueError:
             return status, raw[:300].decode("utf-8", "replace")
 
+    def finish(self, resp: http.client.HTTPResponse, drain_s: float = 2.0) -> None:
+        """Read what is left of a response (a stream's closing chunk after ``[DONE]``) so its
+        connection can carry the next request; one that cannot be drained within ``drain_s``
+        is closed. Left unread, the next request would go out on it, ``http.client`` would
+        refuse its answer (``ResponseNotReady``) and :meth:`open` would send it again on a new
+        connection: the engine would run every request twice."""
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        sock = conn.sock if conn is not None else None
+        try:
+            if sock is not None:
+                sock.settimeout(drain_s)
+            resp.read()
+            if sock is not None:
+                sock.settimeout(self.timeout_s)
+        except (TimeoutError, OSError, http.client.HTTPException):
+            self._drop()
+
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
@@ -214,7 +231,9 @@ class EngineBackend:
         except (TimeoutError, OSError, http.client.HTTPException, ValueError) as exc:
             raise UpstreamError(502, f"engine stream broke: {exc}") from None
         finally:
-            if not done:
+            if done:
+                self.client.finish(resp)
+            else:
                 self.client.close()  # a half-read stream cannot be reused
         if not done:
             raise UpstreamError(502, "engine stream ended without [DONE]")

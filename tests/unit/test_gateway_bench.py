@@ -58,7 +58,10 @@ def test_the_fake_engine_speaks_what_the_gateway_reads(kind: str, stream: bool) 
         backend = EngineBackend(EngineClient(fake.base_url), "base")
         req = (GenRequest("chat", 5, 1.0, messages=({"role": "user", "content": "hi"},), seed=2)
                if kind == "chat" else GenRequest("completion", 5, 1.0, prompt="hi", seed=2))
-        pieces = list(backend.stream(req, stream=stream))
+        for _ in range(3):
+            pieces = list(backend.stream(req, stream=stream))
+        # each request runs once, on one kept-alive connection
+        assert (fake.posts, fake.connections) == (3, 1)
         tokens = [t for p in pieces for t in p.tokens]
         assert tokens == [5, 6, 7, 8, 9]
         assert [lp for p in pieces for lp in p.logprobs] == [-0.5] * 5
