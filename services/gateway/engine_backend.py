@@ -145,19 +145,22 @@ class EngineClient:
         except ValueError:
             return status, raw[:300].decode("utf-8", "replace")
 
-    def finish(self, resp: http.client.HTTPResponse, drain_s: float = 2.0) -> None:
+    def finish(self, resp: http.client.HTTPResponse, drain_s: float = 2.0, limit: int = 65536) -> None:
         """Read what is left of a response (a stream's closing chunk after ``[DONE]``) so its
-        connection can carry the next request; one that cannot be drained within ``drain_s``
-        is closed. Left unread, the next request would go out on it, ``http.client`` would
-        refuse its answer (``ResponseNotReady``) and :meth:`open` would send it again on a new
-        connection: the engine would run every request twice."""
+        connection can carry the next request; one whose rest is not read within ``drain_s``
+        per read, or is longer than ``limit`` bytes, is closed instead. Left unread, the next
+        request would go out on it, ``http.client`` would refuse its answer
+        (``ResponseNotReady``) and :meth:`open` would send it again on a new connection: the
+        engine would run every request twice."""
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         sock = conn.sock if conn is not None else None
         try:
             if sock is not None:
                 sock.settimeout(drain_s)
-            resp.read()
-            if sock is not None:
+            resp.read(limit)
+            if not resp.isclosed():  # more than ``limit`` after the end: not an engine we know
+                self._drop()
+            elif sock is not None:
                 sock.settimeout(self.timeout_s)
         except (TimeoutError, OSError, http.client.HTTPException):
             self._drop()

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -13,7 +16,13 @@ import pytest
 from pydantic import SecretStr
 
 from services.gateway.auth import ApiKeys, UnauthorizedError
-from services.gateway.engine_backend import engine_body, engine_error, parse_choice
+from services.gateway.engine_backend import (
+    EngineBackend,
+    EngineClient,
+    engine_body,
+    engine_error,
+    parse_choice,
+)
 from services.gateway.generation import LOGPROB_FLOOR, BadRequestError, GenRequest, Served, UpstreamError
 from services.gateway.local_text import pieces, prompt_ids, strip_stop, token_texts
 from services.gateway.request_ids import RequestIds
@@ -195,3 +204,87 @@ def test_sse_over_http_is_chunked_and_the_connection_is_reused() -> None:
     finally:
         srv.stop()
     assert [f["request_id"] for f in logged] == ["s0", "s1"]
+
+
+# ------------------------------------------------------------------ an engine's stream, read to its end
+
+
+class _RawEngine:
+    """An engine speaking raw HTTP/1.1 on a loopback socket: each request is answered with one
+    streamed chat event and ``[DONE]``, then ``after_done`` bytes of further chunks (0: the
+    closing chunk at once; -1: chunks for ever). Counts connections and requests."""
+
+    def __init__(self, after_done: int) -> None:
+        self.after_done = after_done
+        self.connections = self.requests = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as rfile:
+            try:
+                while rfile.readline():
+                    length = 0
+                    while (header := rfile.readline()) not in (b"\r\n", b""):
+                        if header.lower().startswith(b"content-length:"):
+                            length = int(header.split(b":")[1])
+                    rfile.read(length)
+                    self.requests += 1
+                    self._answer(conn)
+            except OSError:
+                return
+
+    def _answer(self, conn: socket.socket) -> None:
+        def chunk(data: bytes) -> bytes:
+            return b"%x\r\n%s\r\n" % (len(data), data)
+
+        event = {"choices": [{"delta": {"content": "hi"}, "token_ids": [7], "prompt_token_ids": [1],
+                              "logprobs": {"content": [{"logprob": -0.5}]}, "finish_reason": "stop"}]}
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        data = chunk(b"data: " + json.dumps(event).encode() + b"\n\n") + chunk(b"data: [DONE]\n\n")
+        conn.sendall(head + data)
+        sent = 0
+        while self.after_done < 0 or sent < self.after_done:
+            if self._stop.wait(0.001):
+                return
+            conn.sendall(chunk(b": " + b"x" * 1022 + b"\n"))
+            sent += 1024
+        conn.sendall(b"0\r\n\r\n")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._listener.close()
+
+
+@pytest.mark.parametrize("after_done", [0, 4096, -1], ids=["closing-chunk", "short-tail", "endless-tail"])
+def test_an_engines_stream_is_read_to_its_end_and_each_request_sent_once(after_done: int) -> None:
+    """After ``[DONE]`` the rest of the stream is read, so the next request goes out once on the
+    same connection; an engine that keeps sending after ``[DONE]`` costs a fresh connection,
+    never a request sent twice or a stream read for ever."""
+
+    engine = _RawEngine(after_done)
+    client = EngineClient(engine.url, timeout_s=5)
+    backend = EngineBackend(client, "base")
+    req = GenRequest("chat", 4, 1.0, messages=({"role": "user", "content": "hi"},))
+    try:
+        for _ in range(3):
+            t0 = time.monotonic()
+            pieces = list(backend.stream(req, stream=True))
+            assert [t for p in pieces for t in p.tokens] == [7]
+            assert time.monotonic() - t0 < 3.0
+        assert engine.requests == 3
+        assert engine.connections == (3 if after_done < 0 else 1)
+    finally:
+        client.close()
+        engine.stop()
