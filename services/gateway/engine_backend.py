@@ -151,7 +151,7 @@ class EngineClient:
         per read, or is longer than ``limit`` bytes, is closed instead. Left unread, the next
         request would go out on it, ``http.client`` would refuse its answer
         (``ResponseNotReady``) and :meth:`open` would send it again on a new connection: the
-        engine would run every request twice."""
+        engine would run that request twice."""
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         sock = conn.sock if conn is not None else None
         try:
