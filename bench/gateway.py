@@ -45,9 +45,9 @@ from typing import Any
 from bench.fake_upstream import FakeCompletionsServer
 from bench.gateway_common import bench_settings, percentile, start_gateway, stop_gateway
 from bench.gateway_engine import main_engine
-from deployer.routing import routing_keys
+from ingest.contracts.keys import routing_keys
+from ingest.contracts.prometheus import GATEWAY_EXPOSURES
 from services.local.stack import EmbeddedStack, free_port
-from services.runtime.metrics import GATEWAY_EXPOSURES
 from services.runtime.process import setup_logging
 from services.runtime.redis_io import make_redis
 from services.runtime.service_settings import UpstreamSettings

@@ -42,7 +42,7 @@ from services.local.tiny_llm import build_lora_adapter, build_tiny_llm, write_en
 from services.runtime.engine_settings import EngineSettings
 from services.runtime.service_settings import DeployerSettings
 from services.runtime.settings import Settings
-from services.serve_deployer import Controller, build_ports
+from services.wiring.deployer import build_controller, build_ports
 from trainer.lora_policy import check_prompt_ids
 
 MESSAGES = ({"role": "user", "content": "Please fix the loop."},)
@@ -319,7 +319,7 @@ def bench_first_canary(stack: EmbeddedStack, root: Path, tick_s: float) -> dict[
         model_dir = engine.model_dir
         reg.set_alias("champion", register_version(reg, root, "v1", model_dir, None))
         adapter = build_lora_adapter(model_dir, root / "lora", seed=1)
-        controller = Controller(settings, build_ports(settings), None)
+        controller = build_controller(settings, build_ports(settings), None)
         controller.step()  # the champion is loaded and checked before the gateway starts
         _gw, server, parts = start_gateway(settings)
         stop = threading.Event()

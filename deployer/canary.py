@@ -1,7 +1,7 @@
 """The canary state machine: one pure transition over an explicit phase enum.
 
 ``next_state(status, observations, policy) -> (status, actions)`` is all the controller
-decides; services/serve_deployer.py reads the observations, applies the actions through
+decides; deployer/controller.py reads the observations, applies the actions through
 adapters and persists the status after every tick, so a restarted controller resumes in
 the phase it left. Each phase has its own small function below.
 

@@ -20,8 +20,8 @@ served the pinned version and never see a canary.
 Anything that needs to know a user's arm (the gateway, a simulator, an analysis notebook)
 can recompute it from these two functions and the salt in Redis.
 
-The table lives in Redis under ``{prefix}routing:*`` (see ``routing_keys``); the deployer
-writes it, the gateway reads it. ``parse_table`` turns the raw Redis values into a
+The table lives in Redis under ``{prefix}routing:*`` (``ingest.contracts.keys.routing_keys``);
+the deployer writes it, the gateway reads it. ``parse_table`` turns the raw Redis values into a
 :class:`RoutingTable` without trusting them: a missing, unparsable or out-of-range weight
 routes nobody to the canary rather than everybody.
 """
@@ -40,22 +40,8 @@ Arm = Literal["stable", "canary", "holdout"]
 BUCKETS = 10_000
 """Resolution of the split: weights are effective in steps of 1/10_000 (0.01%)."""
 
-ROUTING_FIELDS = ("canary_weight", "salt", "stable_version", "canary_version", "holdout")
 MAX_HOLDOUT_SHARE = 0.5
 """At most half the users are held out: the champion keeps the larger arm."""
-
-
-def routing_keys(prefix: str) -> dict[str, str]:
-    """Redis key for each routing field, e.g. ``rtrl:routing:canary_weight``."""
-    return {name: f"{prefix}routing:{name}" for name in ROUTING_FIELDS}
-
-
-def engine_model_key(prefix: str, version: str) -> str:
-    """``{prefix}engine:model:{version}``: the model name under which the inference engine
-    serves ``version``, written by the deployer once the version is loaded into the engine and
-    checked, deleted when it is unloaded. The gateway (engine kind ``vllm``) serves a version
-    only while this key names it, so no request reaches a version before it is loaded."""
-    return f"{prefix}engine:model:{version}"
 
 
 def bucket(user_key: str, salt: str) -> int:

@@ -2,7 +2,7 @@
 easy to read and to check. ``python helm/generate.py`` writes it to
 helm/rtrl/files/dashboards/rtrl.json; tests/unit/test_chart_rules.py runs every
 expression through ``promtool check rules`` and tests/unit/test_metric_names.py checks
-every metric name against services/runtime/metrics.py.
+every metric name against ingest/contracts/prometheus.py.
 
 Every series is scoped to the ``namespace`` and ``release`` variables (the target labels
 the chart's ServiceMonitor adds), so one Grafana can watch several installs apart; the

@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from deployer.routing import Arm, RoutingTable, engine_model_key
-from services.gateway.counts import ServedCounts
+from deployer.adapters.served_counts import ServedCounts
+from deployer.routing import Arm, RoutingTable
+from ingest.contracts.keys import engine_model_key
+from ingest.contracts.prometheus import BUILD_INFO, registry_for
 from services.gateway.engine_backend import EngineBackend, EngineClient
 from services.gateway.exposure import ExposureLogger, ExposureProcess, make_event_producer
 from services.gateway.models import Backend, ModelSlots, policy_loader
@@ -22,7 +24,6 @@ from services.gateway.server import Gateway, GatewayServer
 from services.gateway.upstream import UpstreamBackend
 from services.runtime.engine_settings import EngineSettings
 from services.runtime.health import Health
-from services.runtime.metrics import BUILD_INFO, registry_for
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.redis_io import make_redis
 from services.runtime.service_settings import GatewaySettings
@@ -33,7 +34,7 @@ log = logging.getLogger("services.gateway")
 
 def engine_loader(settings: Any, redis_client: Any) -> Callable[[Arm, str], Backend]:
     """Engine kind ``vllm``: a version is served as the model name the deployer recorded for
-    it once it was loaded into the engine (deployer/routing.py ``engine_model_key``); the base
+    it once it was loaded into the engine (``ingest.contracts.keys.engine_model_key``); the base
     version is the engine's base model."""
     eng: EngineSettings = settings.engine
     key = eng.api_key.get_secret_value() if eng.api_key is not None else None

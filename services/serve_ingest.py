@@ -32,9 +32,10 @@ from kafka.structs import TopicPartition
 
 from ingest.adapters.redis_dedup import RedisDedupStore
 from ingest.auth import AuthPolicy
+from ingest.contracts import prometheus as m
+from ingest.contracts.keys import ingest_txn_generation_key
 from ingest.dedup import SOURCE_HEADER, DedupStore, is_duplicate, position_marker
 from ingest.validate import Accepted, Limits, Rejected, validate
-from services.runtime import metrics as m
 from services.runtime.exactly_once import Batch, ExactlyOnceLoop, FencedError, Output
 from services.runtime.flags import deprecated_alias
 from services.runtime.health import Health, HttpEndpoints
@@ -192,7 +193,7 @@ def _count(result: IngestCounts) -> None:
 
 def transactional_ids(client: Any, key_prefix: str, group_id: str, instance_id: str) -> TransactionalIds:
     """``rtrl-ingest.<group>.<instance>.<generation>``, the generation counted in Redis."""
-    return TransactionalIds(client, f"{key_prefix}ingest:txn-generation:{group_id}:{instance_id}",
+    return TransactionalIds(client, ingest_txn_generation_key(key_prefix, group_id, instance_id),
                             f"rtrl-ingest.{group_id}.{instance_id}")
 
 

@@ -43,10 +43,11 @@ from kafka import KafkaConsumer, TopicPartition
 from pydantic import ValidationError
 
 from ingest.adapters.redis_join import RedisJoinState
+from ingest.contracts import prometheus as m
+from ingest.contracts.keys import reward_txn_generation_key
 from ingest.events import Event, parse_event
 from ingest.reward.join import Window, apply_batch, close, close_at
 from ingest.reward.spec import RewardSpec, load_spec
-from services.runtime import metrics as m
 from services.runtime.exactly_once import Batch, ExactlyOnceLoop, FencedError, Output
 from services.runtime.flags import deprecated_alias
 from services.runtime.health import Health, HttpEndpoints
@@ -305,7 +306,7 @@ class RewardWorker:
 
 def transactional_ids(client: Any, key_prefix: str, base: str) -> TransactionalIds:
     """``<base>-<generation>``, the generation counted in Redis under ``reward:txgen:<base>``."""
-    return TransactionalIds(client, f"{key_prefix}reward:txgen:{base}", base, sep="-")
+    return TransactionalIds(client, reward_txn_generation_key(key_prefix, base), base, sep="-")
 
 
 def _check_partitions(consumer: KafkaConsumer, s: Settings) -> None:

@@ -20,7 +20,6 @@ run resumes it from the last Ray Train checkpoint.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -36,16 +35,17 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from deployer.registry import CHAMPION, candidate_in_flight
-from services.runtime import metrics
+from ingest.contracts import prometheus as metrics
 from services.runtime.flags import deprecated_alias
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.mlflow_http import retry_later
 from services.runtime.process import Stopper, setup_logging
-from services.runtime.redis_io import cadence_key, make_redis
+from services.runtime.redis_io import make_redis
 from services.runtime.settings import Settings, get_settings
 from services.trainer_job import BusyError, describe, registry_from, run_once, shutdown_ray
 from trainer.adapters.kafka_rewards import KafkaRewardLog
+from trainer.adapters.redis_cadence import write_cadence
 from trainer.cadence import Decision, Readiness, RecordTally, Trigger, decide
 from trainer.increment import served_as_champion
 
@@ -138,7 +138,7 @@ def check() -> None:
     try:
         try:
             readiness = watch.observe()
-        except Exception as exc:  # the same rule as a deployer tick (serve_deployer.run_tick)
+        except Exception as exc:  # the same rule as a deployer tick (services/serve_deployer.run_tick)
             retry_later("trainer", "cadence check", exc, log)
             watch.close()
             return
@@ -165,7 +165,7 @@ def publish(settings: Settings, watch: Watch, r: Readiness, d: Decision) -> None
             "min_records": watch.trigger.min_records, "min_ess": watch.trigger.min_ess, "at": time.time()}
     try:
         ttl = max(60, int(10 * settings.trainer.check_every_s))  # gone soon after the trainer
-        watch.redis().set(cadence_key(settings.redis.key_prefix), json.dumps(body), ex=ttl)
+        write_cadence(watch.redis(), settings.redis.key_prefix, body, ttl)
     except Exception as exc:  # status for operators only: the cadence does not depend on it
         log.debug("could not write the cadence status to Redis: %s", exc)
 

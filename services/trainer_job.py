@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from deployer.adapters.redis_state import candidate_lock
 from deployer.registry import CHAMPION, PREVIOUS, Tag, manifest_tags
-from services.runtime import metrics
+from ingest.contracts import prometheus as metrics
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.mlflow_http import bound_mlflow_http
 from services.runtime.redis_io import make_redis

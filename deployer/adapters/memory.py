@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ingest.contracts.keys import ROUTING_FIELDS
+
 from deployer.actions import (
     Action,
     LedgerClose,
@@ -24,7 +26,7 @@ from deployer.actions import (
 from deployer.controller import tick
 from deployer.engine import FAILED, READY, EngineState
 from deployer.ledger import TAG_GATE
-from deployer.routing import ROUTING_FIELDS, Holdout, parse_holdout
+from deployer.routing import Holdout, parse_holdout
 from deployer.status import CanaryPolicy, CanaryStatus, Command, Judgement, Observations, Refusal
 
 

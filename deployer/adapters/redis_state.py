@@ -19,9 +19,11 @@ import uuid
 from typing import Any, cast
 
 import redis
+from ingest.contracts import keys
+from ingest.contracts.keys import routing_keys
 
 from deployer.registry import LockUnavailableError
-from deployer.routing import Holdout, routing_keys
+from deployer.routing import Holdout
 from deployer.status import CanaryStatus, Command
 
 log = logging.getLogger(__name__)
@@ -85,10 +87,10 @@ class ControllerState:
 
     def __init__(self, client: redis.Redis, prefix: str, owner: str | None = None) -> None:
         self.r = client
-        self.status_key = f"{prefix}deployer:status"
-        self.lease_key = f"{prefix}deployer:lease"
-        self.commands_key = f"{prefix}deployer:commands"
-        self.executed_key = f"{prefix}deployer:executed:"
+        self.status_key = keys.deployer_status_key(prefix)
+        self.lease_key = keys.deployer_lease_key(prefix)
+        self.commands_key = keys.deployer_commands_key(prefix)
+        self.executed_key = keys.deployer_executed_key(prefix)
         self.owner = owner or f"controller-{uuid.uuid4().hex[:12]}"
         self.ttl_ms = 60_000
 
@@ -198,4 +200,4 @@ class RedisLock:
 
 def candidate_lock(client: redis.Redis, prefix: str) -> RedisLock:
     """The lock every writer of the ``candidate`` alias holds while it checks and moves it."""
-    return RedisLock(client, f"{prefix}registry:candidate-lock")
+    return RedisLock(client, keys.candidate_lock_key(prefix))

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from ingest.contracts.keys import engine_model_key, engine_state_key
+
 from deployer.engine import (
     FAILED,
     READY,
@@ -30,7 +32,6 @@ from deployer.engine import (
     read_check,
     served_problem,
 )
-from deployer.routing import engine_model_key
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +87,12 @@ class VllmEngine:
         return {str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)}
 
     # ----------------------------------------------------------------- state in Redis
-    def _key(self, kind: str, version: str) -> str:
-        return f"{self._prefix}engine:{kind}:{version}"
-
     def state(self, version: str) -> EngineState | None:
-        return EngineState.from_text(self._redis.get(self._key("state", version)))
+        return EngineState.from_text(self._redis.get(engine_state_key(self._prefix, version)))
 
     def states(self) -> dict[str, EngineState]:
         out = {}
-        for key in self._redis.scan_iter(match=self._key("state", "*"), count=100):
+        for key in self._redis.scan_iter(match=engine_state_key(self._prefix, "*"), count=100):
             version = (key.decode() if isinstance(key, bytes) else str(key)).rsplit(":", 1)[-1]
             st = self.state(version)
             if st is not None:
@@ -103,7 +101,7 @@ class VllmEngine:
 
     def _record(self, version: str, st: EngineState) -> EngineState:
         pipe = self._redis.pipeline(transaction=True)
-        pipe.set(self._key("state", version), st.to_text())
+        pipe.set(engine_state_key(self._prefix, version), st.to_text())
         if st.state == READY:
             pipe.set(engine_model_key(self._prefix, version), st.model)
         else:
@@ -155,7 +153,7 @@ class VllmEngine:
 
     def unload(self, version: str) -> None:
         known = self.state(version)
-        self._redis.delete(engine_model_key(self._prefix, version), self._key("state", version))
+        self._redis.delete(engine_model_key(self._prefix, version), engine_state_key(self._prefix, version))
         if known is not None and known.model and known.model != self.base_model:
             self._unload_adapter(known.model)
         shutil.rmtree(self._dir / f"v{version}", ignore_errors=True)

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import redis
 
+from ingest.contracts.keys import dedup_prefix
+
 # For each key: SET NX EX; reply "" when this call stored its marker, else the marker that
 # holds the key. "" is never a marker (markers are "topic:partition:offset"), and unlike
 # Lua's false it cannot truncate the reply array.
@@ -37,7 +39,7 @@ class RedisDedupStore:
         if ttl_s <= 0:
             raise ValueError(f"dedup TTL must be positive, got {ttl_s}")
         self._r = client
-        self._prefix = f"{key_prefix}ingest:dedup:"
+        self._prefix = dedup_prefix(key_prefix)
         self.ttl_s = ttl_s
         self._script = client.register_script(_CLAIM_SCRIPT)
         self._scripted = True

@@ -19,13 +19,14 @@ from typing import Any
 
 import redis
 
+from ingest.contracts.keys import reward_join_prefix
 from ingest.reward.join import Window
 
 
 class RedisJoinState:
     def __init__(self, client: redis.Redis, prefix: str, emitted_ttl_s: int) -> None:
         self.r = client
-        self.p = prefix + "reward:"
+        self.p = reward_join_prefix(prefix)
         self.emitted_ttl_s = emitted_ttl_s
 
     def _w(self, rid: str) -> str:

@@ -23,12 +23,13 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from deployer.routing import parse_holdout, routing_keys
+from deployer.adapters.reward_tail import read_holdout_report
+from deployer.routing import parse_holdout
 from deployer.status import Command
+from ingest.contracts.keys import routing_key
 from services.cli import exit_codes
 from services.cli.backends import backend_failure, bound_mlflow_env, bounded_settings, message
 from services.cli.operator import _ago, _operator, _redis, _signed, add_signing_args, send
-from services.runtime.redis_io import read_holdout_report
 from services.runtime.settings import Settings, get_settings
 
 SUBCOMMANDS = ("status", "pin", "rotate", "end")
@@ -76,7 +77,7 @@ def render(holdout: Mapping[str, Any] | None, report: Mapping[str, Any] | None, 
 def _status(settings: Settings, as_json: bool) -> int:
     client = _redis(settings)
     prefix = settings.redis.key_prefix
-    holdout, problem = parse_holdout(client.get(routing_keys(prefix)["holdout"]))
+    holdout, problem = parse_holdout(client.get(routing_key(prefix, "holdout")))
     if problem:
         print(f"warning: {problem}", file=sys.stderr)
     doc = holdout.__dict__ if holdout is not None else None

@@ -41,8 +41,9 @@ from deployer.routing import Holdout, parse_holdout
 from deployer.status import CanaryStatus, Command
 from services.cli import exit_codes
 from services.cli.backends import backend_failure, bound_mlflow_env, bounded_settings, message, probe_mlflow
-from services.runtime.redis_io import make_redis, read_cadence
+from services.runtime.redis_io import make_redis
 from services.runtime.settings import Settings, get_settings
+from trainer.adapters.redis_cadence import read_cadence
 
 COHORT_ROWS = ("n", "users", "reward_mean", "acceptance", "persistence", "latency_mean_ms",
                "latency_p95_ms", "dissatisfied_rate", "edit_rate", "invalid_tool_rate", "error_rate")
@@ -117,7 +118,7 @@ def render_history(rows: list[dict[str, Any]]) -> str:
 
 
 def _status(settings: Settings, as_json: bool) -> int:
-    from services.serve_deployer import build_ports  # heavy: after Redis answered
+    from services.wiring.deployer import build_ports  # heavy: after Redis answered
 
     client = _redis(settings)
     ports = build_ports(settings, redis_client=client)
@@ -212,7 +213,7 @@ def _redis(settings: Settings) -> Any:
 
 def send(settings: Settings, command: Command, timeout_s: float, redis_client: Any = None) -> tuple[int, str]:
     """Queue ``command`` and wait for its result; run a tick here when no controller runs."""
-    from services.serve_deployer import Controller, RewardReader, build_ports  # heavy
+    from services.wiring.deployer import build_controller, build_ports, reward_reader  # heavy
 
     ports = build_ports(settings, owner=f"cli-{command.by}-{command.id}", redis_client=redis_client)
     ports.state.push(command)
@@ -225,11 +226,11 @@ def send(settings: Settings, command: Command, timeout_s: float, redis_client: A
         if ports.state.holder() is None:
             rewards = None
             try:
-                rewards = RewardReader(settings)
+                rewards = reward_reader(settings)
             except Exception as exc:  # the command still runs; a canary then sees an error tick
                 print(f"warning: rewards topic unavailable ({exc})", file=sys.stderr)
             try:
-                Controller(settings, ports, rewards).step()
+                build_controller(settings, ports, rewards).step()
             finally:
                 ports.state.release()
                 if isinstance(ports.notifier, WebhookNotifier):  # deliver before the CLI exits

@@ -37,6 +37,7 @@ from typing import Any
 from kafka.errors import KafkaError
 from pydantic import ValidationError
 
+from deployer.adapters.group_lag import committed_offsets
 from ingest.dedup import SOURCE_HEADER
 from ingest.events import parse_event
 from ingest.reward.spec import load_spec
@@ -55,7 +56,7 @@ from services.cli.reconcile_accounting import (
 )
 from services.cli.reconcile_report import Report
 from services.runtime.flags import deprecated_alias
-from services.runtime.kafka_io import committed_offsets, make_admin, read_topic
+from services.runtime.kafka_io import make_admin, read_topic
 from services.runtime.settings import Settings, get_settings
 
 

@@ -225,7 +225,7 @@ def main(argv: list[str]) -> int:
         doc["advantages"] = advantages(new.pairs, settings) if new.pairs else None
         doc["canaries"] = None
         if not args.no_canaries:
-            from services.serve_deployer import judge_policy  # the deployer's own judge settings
+            from services.wiring.deployer import judge_policy  # the deployer's own judge settings
 
             doc["canaries"] = canaries(new.pairs, ledger_rows(settings), judge_policy(settings.deployer))
         doc["written_to"] = write(new, settings, args.out, args.topic, spec.version)

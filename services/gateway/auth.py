@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from pydantic import SecretStr
 
-from services.runtime.metrics import GATEWAY_CLIENT_REQUESTS
+from ingest.contracts.prometheus import GATEWAY_CLIENT_REQUESTS
 
 ANONYMOUS = "anonymous"
 

@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ingest.contracts.prometheus import GATEWAY_EXPOSURES
 from ingest.events import CompletionServed
 from services.runtime.event_producer import EventProducer, EventTooLargeError
 from services.runtime.kafka_io import make_producer
-from services.runtime.metrics import GATEWAY_EXPOSURES
 from services.runtime.process import setup_logging
 from services.runtime.service_settings import GatewaySettings
 

@@ -35,7 +35,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, ClassVar
 
-from services.runtime.metrics import GATEWAY_CONNECTIONS, GATEWAY_OPEN_CONNECTIONS, GATEWAY_REQUESTS
+from ingest.contracts.prometheus import GATEWAY_CONNECTIONS, GATEWAY_OPEN_CONNECTIONS, GATEWAY_REQUESTS
 from services.runtime.service_settings import GatewaySettings
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Protocol
 
 from deployer.routing import Arm
+from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_MODEL_LOADS, GATEWAY_SERVING
 from services.gateway.generation import BadRequestError, GenRequest, Piece
 from services.gateway.local_text import Tokenizer, load_tokenizer, pieces, prompt_ids
-from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_MODEL_LOADS, GATEWAY_SERVING
 from trainer.tokens import EOS
 
 log = logging.getLogger(__name__)

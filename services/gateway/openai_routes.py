@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from deployer.routing import Arm
+from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
 from services.gateway import openai_api as api
 from services.gateway.generation import BadRequestError, GenRequest, Piece, Served, UpstreamError
 from services.gateway.http import Response, json_response
 from services.gateway.models import Backend
-from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
 
 if TYPE_CHECKING:
     from services.gateway.server import Gateway

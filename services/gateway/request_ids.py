@@ -16,7 +16,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from services.runtime.metrics import GATEWAY_ERRORS
+from ingest.contracts.keys import request_id_key
+from ingest.contracts.prometheus import GATEWAY_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class RequestIds:
         if self._client is None:
             return self._claim_local(request_id)
         try:
-            claimed = self._client.set(f"{self._prefix}gateway:rid:{request_id}", b"1",
+            claimed = self._client.set(request_id_key(self._prefix, request_id), b"1",
                                        nx=True, ex=self._ttl_s)
         except Exception as exc:
             GATEWAY_ERRORS.labels("none", "none", "request_ids").inc()
@@ -65,6 +66,6 @@ class RequestIds:
         if self._client is None:
             return
         try:
-            self._client.delete(f"{self._prefix}gateway:rid:{request_id}")
+            self._client.delete(request_id_key(self._prefix, request_id))
         except Exception as exc:
             log.warning("could not release request id in Redis: %s", exc)

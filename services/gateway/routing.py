@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from deployer.routing import ROUTING_FIELDS, RoutingTable, parse_table, routing_keys
-from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_ROUTING_AGE
+from deployer.routing import RoutingTable, parse_table
+from ingest.contracts.keys import ROUTING_FIELDS, routing_keys
+from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_ROUTING_AGE
 
 log = logging.getLogger(__name__)
 

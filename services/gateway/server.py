@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployer.routing import Arm, RoutingTable
+from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
 from ingest.events import Id, TokenId
 from services.gateway.auth import ApiKeys, UnauthorizedError
 from services.gateway.generation import UpstreamError
@@ -39,7 +40,6 @@ from services.gateway.openai_api import Headers, error_body
 from services.gateway.openai_routes import OpenAIRoutes
 from services.gateway.request_ids import RequestIds
 from services.runtime.health import Health
-from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
 from services.runtime.service_settings import GatewaySettings
 from trainer.tokens import completion_kind
 
@@ -116,7 +116,7 @@ class Gateway:
         self.settings = settings
         self.count = count or (lambda _version, _arm, _error, _user=None: None)
         """Per (version, arm) request/error counts for the judge, errors also per user
-        (services/gateway/counts.py): ``count(version, arm, error, user)``."""
+        (deployer/adapters/served_counts.py): ``count(version, arm, error, user)``."""
         self.slots = slots
         self._table = table
         self.log_exposure = log_exposure

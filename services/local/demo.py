@@ -67,7 +67,7 @@ from services.local.report_sources import Decision, read_rewards
 from services.local.stack import EmbeddedStack
 from services.runtime.json_doc import strict_json
 from services.runtime.settings import Settings
-from services.serve_deployer import judge_policy
+from services.wiring.deployer import judge_policy
 
 
 class DemoInterruptError(Exception):

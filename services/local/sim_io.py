@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from services.runtime.metrics import SIM_EVENTS, SIM_SCHEDULED
+from ingest.contracts.prometheus import SIM_EVENTS, SIM_SCHEDULED
 from services.runtime.process import Stopper
 
 log = logging.getLogger("rtrl.simulator")

@@ -32,6 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from ingest.contracts.prometheus import BUILD_INFO, SIM_REQUESTS, registry_for
 from ingest.events import EditAccepted, EditPersistence, EditRejected, FollowupDissatisfied
 from ingest.reward.spec import load_spec
 from services.local.chat_world import ChatVocab
@@ -61,7 +62,6 @@ from services.local.sim_users import (
 from services.runtime.demo_settings import SimulatorSettings
 from services.runtime.event_producer import EventProducer
 from services.runtime.health import Health, HttpEndpoints
-from services.runtime.metrics import BUILD_INFO, SIM_REQUESTS, registry_for
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.settings import Settings, get_settings
 

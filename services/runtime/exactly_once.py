@@ -60,7 +60,7 @@ from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
 from kafka.errors import KafkaError, ProducerFencedError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
-from services.runtime import metrics as m
+from ingest.contracts import prometheus as m
 from services.runtime.health import Health
 from services.runtime.kafka_io import (
     Backoff,

@@ -297,13 +297,3 @@ def read_topic(kafka: KafkaSettings, topic: str, idle_timeout_s: float = 10.0) -
         return out
     finally:
         c.close(autocommit=False)
-
-
-def committed_offsets(admin: KafkaAdminClient, group: str, topic: str) -> dict[int, int]:
-    """The group's committed offset per partition of ``topic`` ({} when it has none)."""
-    try:
-        offs = admin.list_group_offsets(group).get(group, {}) or {}
-    except Exception:  # an unknown group has no offsets
-        return {}
-    return {tp.partition: int(getattr(om, "offset", om)) for tp, om in offs.items()
-            if getattr(tp, "topic", None) == topic and int(getattr(om, "offset", om)) >= 0}

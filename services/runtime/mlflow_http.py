@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import MutableMapping
 
-from services.runtime import metrics
+from ingest.contracts import prometheus as metrics
 from services.runtime.settings import MlflowSettings
 
 TIMEOUT_VAR = "MLFLOW_HTTP_REQUEST_TIMEOUT"

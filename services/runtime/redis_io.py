@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -48,37 +46,3 @@ def wait_for_redis(url: str, timeout_s: float = 10.0) -> None:
             return
         time.sleep(0.05)
     raise TimeoutError(f"Redis at {url.split('@')[-1]} did not answer in {timeout_s}s")
-
-
-def cadence_key(prefix: str) -> str:
-    """The key holding the trainer service's last cadence decision (``rtrl status`` reads it)."""
-    return f"{prefix}trainer:cadence"
-
-
-def read_cadence(client: redis.Redis, prefix: str) -> dict[str, Any] | None:
-    """The trainer's last cadence decision, or None (no trainer service, or not for a while:
-    the key expires)."""
-    return read_json(client, cadence_key(prefix))
-
-
-def holdout_report_key(prefix: str) -> str:
-    """``{prefix}holdout:report``: the deployer's latest champion-vs-holdout measurement (JSON,
-    services/runtime/reward_tail.HoldoutMonitor)."""
-    return f"{prefix}holdout:report"
-
-
-def read_holdout_report(client: redis.Redis, prefix: str) -> dict[str, Any] | None:
-    """The latest champion-vs-holdout measurement, or None."""
-    return read_json(client, holdout_report_key(prefix))
-
-
-def read_json(client: redis.Redis, key: str) -> dict[str, Any] | None:
-    """A JSON object stored at ``key``; None when absent or not a JSON object."""
-    raw = client.get(key)
-    if raw is None:
-        return None
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) else None

@@ -22,6 +22,7 @@ from typing import Any
 
 from kafka import KafkaProducer
 
+from ingest.contracts.keys import fenced_key
 from services.runtime.kafka_io import close_quietly, make_producer
 from services.runtime.settings import KafkaSettings
 
@@ -46,7 +47,7 @@ class TransactionalIds:
     def __init__(self, client: Any, key: str, prefix: str, sep: str = ".") -> None:
         self._r = client
         self._gen_key = key
-        self._fenced_key = key + ":fenced"
+        self._fenced_key = fenced_key(key)
         self.prefix = prefix
         self.sep = sep
 

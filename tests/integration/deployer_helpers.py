@@ -119,10 +119,10 @@ def rolled_back_canary(settings: Settings, tmp: Path, timeout_s: float = 120.0) 
     import time
 
     from deployer.status import Phase
-    from services.serve_deployer import Controller, RewardReader, build_ports
+    from services.wiring.deployer import build_controller, build_ports, reward_reader
 
     register_versions(settings, tmp)
-    controller = Controller(settings, build_ports(settings), RewardReader(settings))
+    controller = build_controller(settings, build_ports(settings), reward_reader(settings))
     first = controller.step()
     assert first is not None and first.canary_id is not None
     feed_rewards(settings, "1", "2", "worse", n=100)

@@ -12,10 +12,11 @@ from deployer_helpers import deployer_settings, feed_rewards, register_versions
 
 from deployer.adapters.ledger_mlflow import PLOT_ARTIFACT, SUMMARY_ARTIFACT, MlflowLedger
 from deployer.adapters.redis_state import RedisRouting
+from deployer.controller import Controller
 from deployer.ledger import TAG_CANARY_ID, TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
 from deployer.status import CanaryStatus, Phase
 from services.runtime.settings import Settings
-from services.serve_deployer import Controller, RewardReader, build_ports
+from services.wiring.deployer import build_controller, build_ports, reward_reader
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def run_until(controller: Controller, done: set[Phase], timeout_s: float = 120) 
 def start_canary(deploy: Settings, tmp_path: Path) -> tuple[Controller, CanaryStatus]:
     register_versions(deploy, tmp_path)
     ports = build_ports(deploy)
-    controller = Controller(deploy, ports, RewardReader(deploy))
+    controller = build_controller(deploy, ports, reward_reader(deploy))
     status = controller.step()
     assert status is not None and status.phase == Phase.PENDING
     assert RedisRouting(ports.state.r, deploy.redis.key_prefix).read() == {
@@ -116,7 +117,7 @@ def test_better_candidate_is_promoted_automatically(deploy: Settings, tmp_path: 
 
 def test_second_controller_waits_for_the_lease(deploy: Settings, tmp_path: Path) -> None:
     controller, status = start_canary(deploy, tmp_path)
-    other = Controller(deploy, build_ports(deploy), None)
+    other = build_controller(deploy, build_ports(deploy), None)
     assert other.step() is None
     assert controller.ports.state.load() == status
     controller.ports.state.release()
@@ -127,8 +128,8 @@ def test_canary_failing_at_the_gateway_is_rolled_back_by_the_error_guardrail(
     deploy: Settings, tmp_path: Path
 ) -> None:
     """Failed requests make no reward record: the guardrail sees them only through the
-    gateway's per-arm counts in Redis (services/gateway/counts.py)."""
-    from services.gateway.counts import ServedCounts
+    gateway's per-arm counts in Redis (deployer/adapters/served_counts.py)."""
+    from deployer.adapters.served_counts import ServedCounts
     from services.runtime.redis_io import make_redis
 
     deploy = deployer_settings(deploy, deploy.mlflow.tracking_uri, judge_min_requests=50)

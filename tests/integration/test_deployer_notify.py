@@ -18,10 +18,11 @@ from prometheus_client import REGISTRY
 
 from deployer import notify
 from deployer.adapters.webhook import WebhookNotifier
+from deployer.controller import Controller
 from deployer.status import Phase
 from services.runtime.notify_settings import NotifySettings
 from services.runtime.settings import Settings
-from services.serve_deployer import Controller, build_ports
+from services.wiring.deployer import build_controller, build_ports
 
 SECRET = "hmac-test-key"
 
@@ -84,7 +85,7 @@ def controller_for(settings: Settings, mlflow_server: str, tmp: Path, url: str, 
         urls=(url,), secret=SECRET, **{"retries": 0, "backoff_s": 0.05, **notify_kw})})  # type: ignore[arg-type]
     reg = register_versions(deploy, tmp, n=3)
     reg.delete_alias("candidate")
-    return Operated(Controller(deploy, build_ports(deploy), None), tokens)
+    return Operated(build_controller(deploy, build_ports(deploy), None), tokens)
 
 
 def decide(operated: Operated, kind: str, version: str) -> float:

@@ -17,10 +17,10 @@ from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.ledger import TAG_CLAIMED_BY, TAG_DECIDED_BY, TAG_DECISION, TAG_KIND, TAG_OUTCOME, TAG_REASON
 from deployer.operators import sign
 from deployer.status import Command, Phase
+from ingest.contracts import prometheus as m
 from services.cli import operator
-from services.runtime import metrics as m
 from services.runtime.settings import Settings
-from services.serve_deployer import Controller, RewardReader, build_ports
+from services.wiring.deployer import build_controller, build_ports, reward_reader
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_a_copy_of_an_executed_command_is_refused_as_a_replay(
     register_versions(s, tmp_path, n=2)
     token = tokens["alice"].read_text().strip()
     ports = build_ports(s)
-    controller = Controller(s, ports, None)
+    controller = build_controller(s, ports, None)
     pause = sign(Command(id=uuid.uuid4().hex, kind="pause", by="alice"), token, time.time())
     ports.state.push(pause)
     assert dict(controller.step().handled)[pause.id] == "paused"  # type: ignore[union-attr]
@@ -113,7 +113,7 @@ def test_approval_gate_holds_a_passing_canary_until_an_operator_approves(
     s, tokens = ops
     register_versions(s, tmp_path)
     ports = build_ports(s)
-    controller = Controller(s, ports, RewardReader(s))
+    controller = build_controller(s, ports, reward_reader(s))
     try:
         assert controller.step().phase == Phase.PENDING  # type: ignore[union-attr]
         feed_rewards(s, "1", "2", "better", n=400)

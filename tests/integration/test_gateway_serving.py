@@ -16,14 +16,15 @@ import pytest
 from pydantic import SecretStr
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
-from deployer.routing import assign_arm, routing_keys
+from deployer.adapters.served_counts import read_counts
+from deployer.routing import assign_arm
 from ingest.auth import AuthPolicy, authenticate
+from ingest.contracts.keys import routing_keys
+from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_EXPOSURES, GATEWAY_MODEL_LOADS
 from ingest.events import CompletionServed, parse_event
-from services.gateway.counts import read_counts
 from services.gateway.server import GatewayServer
 from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics, make_consumer
-from services.runtime.metrics import GATEWAY_ERRORS, GATEWAY_EXPOSURES, GATEWAY_MODEL_LOADS
 from services.runtime.redis_io import make_redis
 from services.runtime.service_settings import GatewaySettings
 from services.runtime.settings import MlflowSettings, Settings

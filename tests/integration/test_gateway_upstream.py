@@ -13,7 +13,8 @@ import pytest
 from pydantic import SecretStr
 
 from bench.fake_upstream import FakeCompletionsServer
-from deployer.routing import assign_arm, routing_keys
+from deployer.routing import assign_arm
+from ingest.contracts.keys import routing_keys
 from ingest.events import CompletionServed, parse_event
 from services.gateway.server import GatewayServer
 from services.runtime.health import Health

@@ -22,10 +22,11 @@ from openai import OpenAI
 from pydantic import SecretStr
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
+from deployer.controller import Controller
 from deployer.ledger import TAG_GATE, TAG_REASON
 from deployer.operators import sign
-from deployer.routing import engine_model_key
 from deployer.status import Command, Phase
+from ingest.contracts.keys import engine_model_key
 from ingest.events import CompletionServed, parse_event
 from services.gateway.server import GatewayServer
 from services.local.tiny_llm import write_engine_check
@@ -35,8 +36,8 @@ from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.redis_io import make_redis
 from services.runtime.service_settings import GatewaySettings
 from services.runtime.settings import Settings
-from services.serve_deployer import Controller, build_ports
 from services.serve_gateway import build
+from services.wiring.deployer import build_controller, build_ports
 from tests.integration.conftest import Engine
 from tests.integration.deployer_helpers import deployer_settings, with_operators
 from trainer.lora_policy import check_prompt_ids
@@ -270,7 +271,7 @@ def test_a_lora_candidate_is_loaded_before_traffic_serves_the_canary_and_is_unlo
     reg.set_alias("candidate", "2")
     ports = build_ports(s)
     s, tokens = with_operators(s, tmp_path, "test")  # the deployer verifies the operator's rollback
-    controller = Controller(s, ports, None)
+    controller = build_controller(s, ports, None)
     # loaded and checked while the engine serves other requests in the same batches (vLLM's
     # CPU engine dies on a LoRA prompt_logprobs request batched with others: the check is greedy)
     with live_traffic(vllm_engine) as codes:
@@ -315,7 +316,7 @@ def offered(served: Served, engine: Engine, tmp_path: Path,
     reg.set_alias("champion", "1")
     register(reg, tmp_path, engine, "v2", adapter)
     reg.set_alias("candidate", "2")
-    return s, reg, Controller(s, build_ports(s), None)
+    return s, reg, build_controller(s, build_ports(s), None)
 
 
 def test_an_adapter_unlike_the_candidates_own_fails_the_check(

@@ -1,4 +1,4 @@
-"""Consumer-group lag read from a real broker (services/runtime/group_lag.py): the backlog
+"""Consumer-group lag read from a real broker (deployer/adapters/group_lag.py): the backlog
 and its age are right for a group that committed part of a topic, for one that never
 committed, and after the group's only consumer died without leaving the group."""
 
@@ -10,7 +10,7 @@ import pytest
 from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from services.runtime.group_lag import BrokerOffsets
+from deployer.adapters.group_lag import BrokerOffsets
 from services.runtime.kafka_io import ensure_topics, make_admin, make_consumer, make_producer
 from services.runtime.settings import Settings
 

@@ -14,16 +14,17 @@ from deployer_helpers import deployer_settings, feed_arms, register_versions, wi
 
 from deployer.adapters.ledger_mlflow import MlflowLedger
 from deployer.adapters.redis_state import ControllerState, RedisRouting
+from deployer.adapters.reward_tail import read_holdout_report
 from deployer.holdout import TAG_END
 from deployer.ledger import TAG_KIND, TAG_OUTCOME
 from deployer.records import NOTE
 from deployer.routing import Holdout, parse_table
+from ingest.contracts import prometheus as m
 from services.cli import holdout as holdout_cli
 from services.cli import operator
-from services.runtime import metrics as m
-from services.runtime.redis_io import make_redis, read_holdout_report
+from services.runtime.redis_io import make_redis
 from services.runtime.settings import Settings
-from services.serve_deployer import Controller, RewardReader, build_ports, holdout_monitor
+from services.wiring.deployer import build_controller, build_ports, holdout_monitor, reward_reader
 
 
 @pytest.fixture
@@ -75,7 +76,8 @@ def test_pin_measure_rotate_and_end_a_holdout(ops: tuple[Settings, dict[str, Pat
     # -10 ms), and canary records that must not count
     feed_arms(s, [("holdout", "1", "stable"), ("stable", "2", "better"), ("canary", "9", "worse")],
               n=300, seed=3)
-    controller = Controller(s, build_ports(s), RewardReader(s), holdout=holdout_monitor(s, build_ports(s)))
+    controller = build_controller(s, build_ports(s), reward_reader(s),
+                                  holdout=holdout_monitor(s, build_ports(s)))
     deadline = time.monotonic() + 60
     rep = None
     while time.monotonic() < deadline:

@@ -12,9 +12,9 @@ from deployer_helpers import deployer_settings, operator_command, rolled_back_ca
 from deployer import records
 from deployer.adapters.ledger_mlflow import COMPARISON_ARTIFACT, MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
+from deployer.controller import Controller
 from deployer.status import Phase
 from services.runtime.settings import Settings
-from services.serve_deployer import Controller
 
 
 def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow_server: str,

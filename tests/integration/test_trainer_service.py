@@ -177,7 +177,8 @@ def test_a_due_increment_waits_for_the_canary_in_flight(settings: Settings, tmp_
     candidate is under canary, so nothing trains until the canary is decided."""
     from deployer.adapters.mlflow_registry import MlflowRegistry
     from deployer.registry import CANDIDATE, Tag
-    from services.runtime.redis_io import make_redis, read_cadence
+    from services.runtime.redis_io import make_redis
+    from trainer.adapters.redis_cadence import read_cadence
 
     registry = MlflowRegistry(f"sqlite:///{tmp_path / 'mlflow.db'}", settings.mlflow.registered_model,
                               settings.mlflow.training_experiment)

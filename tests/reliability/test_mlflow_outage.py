@@ -45,6 +45,7 @@ from prometheus_client import REGISTRY
 from deployer.actions import LedgerClose, LedgerEvent
 from deployer.adapters.ledger_mlflow import SUMMARY_ARTIFACT, MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
+from deployer.controller import Controller, Ports
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
 from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Tag
 from deployer.status import RESTING
@@ -56,6 +57,7 @@ from services.runtime.kafka_io import ensure_topics, make_producer
 from services.runtime.mlflow_http import RETRIES_VAR, TIMEOUT_VAR, bound_mlflow_http
 from services.runtime.service_settings import TrainerSettings
 from services.runtime.settings import MlflowSettings, Settings
+from services.wiring.deployer import build_controller, build_ports, reward_reader
 from tests.integration.deployer_helpers import deployer_settings, feed_rewards, register_versions
 from tests.reliability import scale
 from trainer.corpus import write_corpus
@@ -335,7 +337,7 @@ class Drive:
     """When the decision was done with MLflow back (0: never)."""
 
 
-def inject_outage(ports: serve_deployer.Ports, case: str, stop_at: Callable[[str, tuple[Any, ...]], bool],
+def inject_outage(ports: Ports, case: str, stop_at: Callable[[str, tuple[Any, ...]], bool],
                   outage: Outage) -> StopMlflowAt:
     """Wrap the port the case's decision writes through (the registry at a promotion, the
     ledger at a rollback) so that MLflow stops at ``stop_at``."""
@@ -347,7 +349,7 @@ def inject_outage(ports: serve_deployer.Ports, case: str, stop_at: Callable[[str
     return injected
 
 
-def drive_to_decision(s: Settings, controller: serve_deployer.Controller, injected: StopMlflowAt,
+def drive_to_decision(s: Settings, controller: Controller, injected: StopMlflowAt,
                       outage: Outage, reader: MlflowRegistry, quality: str, final_phase: str) -> Drive:
     """Tick as the service loop does until the canary reaches ``final_phase`` with MLflow back
     (at most 150 s), feeding the canary's reward records once it progresses."""
@@ -436,10 +438,10 @@ def test_deployer_decision_survives_an_mlflow_outage(
     bounded_mlflow(s)
     register_versions(s, tmp_path)
     outage = Outage(mlflow_stack, OUTAGE_S)
-    ports = serve_deployer.build_ports(s)
+    ports = build_ports(s)
     injected = inject_outage(ports, case, stop_at, outage)
-    rewards = serve_deployer.RewardReader(s)
-    controller = serve_deployer.Controller(s, ports, rewards)
+    rewards = reward_reader(s)
+    controller = build_controller(s, ports, rewards)
     reader = MlflowRegistry(s.mlflow.tracking_uri, s.mlflow.registered_model)
     before = retries("deployer")
     try:

@@ -23,6 +23,7 @@ from typing import Any
 
 from kafka import TopicPartition
 
+from deployer.adapters.group_lag import committed_offsets
 from ingest.auth import sign
 from ingest.events import (
     CompletionServed,
@@ -32,7 +33,7 @@ from ingest.events import (
     FollowupDissatisfied,
     ModelRef,
 )
-from services.runtime.kafka_io import committed_offsets, make_admin, make_consumer, make_producer
+from services.runtime.kafka_io import make_admin, make_consumer, make_producer
 from services.runtime.settings import Settings
 from tests.service_env import service_env
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import itertools
 import json
 
+from deployer.adapters.canary_metrics import reason_kind
 from deployer.adapters.memory import FakeWorld
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_REASON
 from deployer.status import CanaryPolicy, CanaryStatus, Command, Phase
-from services.runtime.canary_metrics import reason_kind
 
 POLICY = CanaryPolicy(steps=(0.01, 0.05), bake_s=60, max_duration_s=3600, approval_required=True,
                       approval_timeout_s=600)

@@ -8,13 +8,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from deployer import ledger
+from deployer.adapters.canary_metrics import export_metrics, reason_kind
 from deployer.cohorts import CohortWindow, HoldoutWindow, cohort_metrics, judgement, summary
 from deployer.status import CanaryStatus, Judgement, Observations, Phase
+from ingest.contracts import prometheus as m
 from ingest.events import ModelRef, RewardRecord
 from rollback.judge import judge
 from rollback.types import CohortData, JudgePolicy, RequestOutcome
-from services.runtime import metrics as m
-from services.runtime.canary_metrics import export_metrics, reason_kind
 
 T0 = datetime(2027, 1, 15, 8, 0, tzinfo=UTC)
 
@@ -139,7 +139,7 @@ def test_end_of_canary_metrics_count_once_with_low_cardinality_labels() -> None:
 
 def test_judge_mde_overrides_and_rejects_unknown_metrics() -> None:
     from services.runtime.service_settings import DeployerSettings
-    from services.serve_deployer import judge_policy
+    from services.wiring.deployer import judge_policy
 
     policy = judge_policy(DeployerSettings(judge_mde={"reward": 0.2}, judge_alpha=0.05))
     mde = {s.name: s.mde for s in policy.metrics}

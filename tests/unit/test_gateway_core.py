@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from deployer.routing import RoutingTable, assign_arm
+from ingest.contracts.prometheus import GATEWAY_FALLBACKS
 from ingest.events import CompletionServed
 from services.gateway.generation import UpstreamError
 from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.server import Gateway
-from services.runtime.metrics import GATEWAY_FALLBACKS
 from services.runtime.service_settings import GatewaySettings
 
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import fakeredis
 
-from deployer.routing import RoutingTable
-from services.gateway.counts import (
+from deployer.adapters.served_counts import (
     BUCKET_S,
     MAX_USER_FIELDS,
     ServedCounts,
@@ -16,6 +15,7 @@ from services.gateway.counts import (
     served_key,
     sum_since,
 )
+from deployer.routing import RoutingTable
 from services.gateway.models import ModelSlots
 from services.gateway.server import Gateway
 from services.runtime.service_settings import GatewaySettings

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from deployer.routing import RoutingTable
+from ingest.contracts.prometheus import GATEWAY_EXPOSURES
 from services.gateway.exposure import ExposureLogger
 from services.gateway.generation import LOGPROB_FLOOR, UpstreamError
 from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.routing import ChampionCache, RoutingPoller
 from services.gateway.upstream import parse_completion, token_id
-from services.runtime.metrics import GATEWAY_EXPOSURES
 
 
 class Named:

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from ingest.contracts.prometheus import GATEWAY_CONNECTIONS
 from services.gateway.server import GatewayServer
-from services.runtime.metrics import GATEWAY_CONNECTIONS
 from tests.unit.test_gateway_core import REQ, FakeBackend, make
 
 BODY = json.dumps(REQ).encode()

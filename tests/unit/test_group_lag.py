@@ -1,4 +1,4 @@
-"""Consumer-group lag from the broker's offsets (services/runtime/group_lag.py): the maths
+"""Consumer-group lag from the broker's offsets (deployer/adapters/group_lag.py): the maths
 against a plain reference, and the monitor's metrics and failure handling with a fake reader."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from services.runtime import metrics as m
-from services.runtime.group_lag import GroupLag, GroupLagMonitor, PartitionLag, partition_lags, summarise
+from deployer.adapters.group_lag import GroupLag, GroupLagMonitor, PartitionLag, partition_lags, summarise
+from ingest.contracts import prometheus as m
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """Every metric an alert or a dashboard panel uses is one the services really export:
 the names are read from the PromQL and looked up in the prometheus_client registry that
-services/runtime/metrics.py fills (with the suffixes the exposition adds)."""
+ingest/contracts/prometheus.py fills (with the suffixes the exposition adds)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-import services.runtime.metrics as catalogue
+import ingest.contracts.prometheus as catalogue
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helm"))
 import chart_tools as ct
@@ -80,4 +80,4 @@ def test_every_metric_used_is_exported(where: str, expr: str) -> None:
     used = metric_names(expr)
     assert used, f"{where}: no metric found in {expr!r}"
     missing = used - exported_names() - _SCRAPE_SERIES
-    assert not missing, f"{where} uses {sorted(missing)}: not in services/runtime/metrics.py"
+    assert not missing, f"{where} uses {sorted(missing)}: not in ingest/contracts/prometheus.py"

@@ -1,4 +1,4 @@
-"""Each process serves only its own metrics and the shared ones (services/runtime/metrics.py):
+"""Each process serves only its own metrics and the shared ones (ingest/contracts/prometheus.py):
 another service's gauges at their initial 0 made alerts fire on every process."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.registry import Collector
 
-from services.runtime import metrics as m
+from ingest.contracts import prometheus as m
 
 pytestmark = pytest.mark.unit
 

@@ -13,8 +13,8 @@ from deployer.routing import (
     canary_buckets,
     clamp_weight,
     parse_table,
-    routing_keys,
 )
+from ingest.contracts.keys import routing_keys
 
 USERS = [f"user-{i}" for i in range(4000)]
 

@@ -1,12 +1,13 @@
 """The deployer's canary metrics: the gauges after each tick, the judge's statistics and
-verdict, and the counters of a decision that ended a canary (services/serve_deployer.py
+verdict, and the counters of a decision that ended a canary (services/wiring/deployer.py
 calls :func:`export_metrics` once per tick)."""
 
 from __future__ import annotations
 
+from ingest.contracts import prometheus as m
+
 from deployer.ledger import CONTROLLER
 from deployer.status import RESTING, CanaryStatus, Judgement, Observations, Phase
-from services.runtime import metrics as m
 
 
 def reason_kind(status: CanaryStatus) -> str:

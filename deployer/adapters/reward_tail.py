@@ -7,25 +7,23 @@ number of polls per tick, into a pure window of deployer/cohorts.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
+from ingest.adapters.redis_json import read_json, write_json
+from ingest.contracts import prometheus as m
+from ingest.contracts.keys import holdout_report_key
+from ingest.events import RewardRecord
 from kafka import TopicPartition
 from pydantic import ValidationError
+from rollback.types import JudgePolicy
 
 from deployer import cohorts, holdout
+from deployer.adapters.served_counts import read_counts
 from deployer.routing import Holdout
 from deployer.status import CanaryStatus
-from ingest.events import RewardRecord
-from rollback.types import JudgePolicy
-from services.gateway.counts import read_counts
-from services.runtime import metrics as m
-from services.runtime.kafka_io import make_consumer
-from services.runtime.redis_io import holdout_report_key, make_redis, read_holdout_report
-from services.runtime.settings import Settings
 
 log = logging.getLogger("rtrl.deployer")
 
@@ -33,10 +31,12 @@ log = logging.getLogger("rtrl.deployer")
 class RewardTail:
     """A consumer without a group over every partition of the rewards topic."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.topic = settings.topics.rewards
-        self.poll_ms = settings.deployer.poll_timeout_ms
-        self.consumer = make_consumer(settings.kafka, group_id=None)
+    def __init__(self, consumer: Any, topic: str, poll_ms: int) -> None:
+        self.topic = topic
+        self.poll_ms = poll_ms
+        self.consumer = consumer
+        """A kafka-python consumer without a group (``group_id=None``): reading never moves
+        a committed offset."""
         self.invalid = 0
 
     def seek(self, since: float) -> None:
@@ -76,23 +76,26 @@ class RewardReader(RewardTail):
     """Reward records of the current canary's window, re-read from the rewards topic from
     the canary's start time whenever the canary changes (also after a restart)."""
 
-    def __init__(self, settings: Settings) -> None:
-        super().__init__(settings)
+    def __init__(self, consumer: Any, topic: str, poll_ms: int, redis_client: Callable[[], Any],
+                 key_prefix: str) -> None:
+        super().__init__(consumer, topic, poll_ms)
         self.window: cohorts.CohortWindow | None = None
         self.canary_id: str | None = None
-        self._redis_settings = settings.redis
+        self._connect_redis = redis_client
+        """Opens the Redis client of the gateway's counts, on first use."""
+        self._prefix = key_prefix
         self._redis: object | None = None
 
     def served_counts(self, status: CanaryStatus
                       ) -> tuple[dict[str, int], dict[str, int], dict[str, list[tuple[str, float, int]]]]:
         """The gateway's per-arm request and error counts since the canary started, and the
-        errors by user (services/gateway/counts.py): failed requests never make a reward
+        errors by user (deployer/adapters/served_counts.py): failed requests never make a reward
         record, so the error rate and its guardrail need them."""
         assert status.stable is not None and status.candidate is not None
         if self._redis is None:
-            self._redis = make_redis(self._redis_settings)
+            self._redis = self._connect_redis()
         versions = {"stable": status.stable, "canary": status.candidate}
-        return read_counts(self._redis, self._redis_settings.key_prefix, versions, status.started_at)
+        return read_counts(self._redis, self._prefix, versions, status.started_at)
 
     def read(self, status: CanaryStatus) -> cohorts.CohortWindow:
         if self.window is None or status.canary_id != self.canary_id:
@@ -113,10 +116,12 @@ class HoldoutMonitor:
     Each measurement is stored in Redis for ``rtrl status``, exported as metrics and logged to
     the holdout's ledger run."""
 
-    def __init__(self, settings: Settings, policy: JudgePolicy, redis_client: Any,
-                 record: Callable[[str, float, dict[str, float]], None], every_s: float) -> None:
-        self.settings, self.policy, self.r = settings, policy, redis_client
-        self.prefix = settings.redis.key_prefix
+    def __init__(self, tail: Callable[[], RewardTail], policy: JudgePolicy, redis_client: Any,
+                 key_prefix: str, record: Callable[[str, float, dict[str, float]], None],
+                 every_s: float) -> None:
+        self.open_tail, self.policy, self.r = tail, policy, redis_client
+        """``open_tail`` opens the rewards topic's reader on the first measurement."""
+        self.prefix = key_prefix
         self.record = record
         """(holdout id, time, metrics) -> the ledger step."""
         self.every_s = every_s
@@ -148,7 +153,7 @@ class HoldoutMonitor:
         if self.key != (h.id, champion) or self.window is None:
             since = self._since(h, champion, now)
             if self.tail is None:
-                self.tail = RewardTail(self.settings)
+                self.tail = self.open_tail()
             self.tail.seek(since)
             self.window = cohorts.HoldoutWindow(h.version, champion, since)
             self.key = (h.id, champion)
@@ -156,7 +161,7 @@ class HoldoutMonitor:
         got = holdout.measure(self.window, self.policy, now)
         rep = holdout.report(h, champion, self.window.started_at, now, got.effects, got.level)
         rep["users"] = {"holdout": got.users_holdout, "champion": got.users_champion}
-        self.r.set(holdout_report_key(self.prefix), json.dumps(rep))
+        write_json(self.r, holdout_report_key(self.prefix), rep)
         for e in got.effects:
             for stat, value in (("estimate", e.estimate), ("lower", e.lower), ("upper", e.upper),
                                 ("relative", e.relative)):
@@ -171,3 +176,8 @@ class HoldoutMonitor:
     def close(self) -> None:
         if self.tail is not None:
             self.tail.close()
+
+
+def read_holdout_report(client: Any, prefix: str) -> dict[str, Any] | None:
+    """The latest champion-vs-holdout measurement (:class:`HoldoutMonitor` writes it), or None."""
+    return read_json(client, holdout_report_key(prefix))

@@ -17,10 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ingest.contracts import prometheus as m
 from kafka import TopicPartition
-
-from services.runtime import metrics as m
-from services.runtime.kafka_io import committed_offsets
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +62,16 @@ def partition_lags(
 
 def summarise(group: str, topic: str, lags: list[PartitionLag]) -> GroupLag:
     return GroupLag(group, topic, sum(x.messages for x in lags), max((x.seconds for x in lags), default=0.0))
+
+
+def committed_offsets(admin: Any, group: str, topic: str) -> dict[int, int]:
+    """The group's committed offset per partition of ``topic`` ({} when it has none)."""
+    try:
+        offs = admin.list_group_offsets(group).get(group, {}) or {}
+    except Exception:  # an unknown group has no offsets
+        return {}
+    return {tp.partition: int(getattr(om, "offset", om)) for tp, om in offs.items()
+            if getattr(tp, "topic", None) == topic and int(getattr(om, "offset", om)) >= 0}
 
 
 class BrokerOffsets:

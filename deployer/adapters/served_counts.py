@@ -5,12 +5,12 @@ the gateway's own counts. The gateway counts in memory (nothing on the request p
 background thread adds the counts to Redis every ``flush_s``; the deployer sums them since
 its canary started.
 
-Keys: ``{prefix}gateway:served:{version}:{arm}``, a hash with fields ``r:{bucket}``
-(requests), ``e:{bucket}`` (errors) and ``u:{bucket}:{user_key}`` (errors of one user), where a
-bucket is ``ts // BUCKET_S``. Time buckets let the deployer count "since the canary started"
-without a baseline snapshot; keys expire after ``TTL_S`` without traffic. The canary arm is
-counted by assignment: a canary request that failed and was then served by stable counts as
-one canary request and one canary error.
+Keys: ``{prefix}gateway:served:{version}:{arm}`` (``ingest.contracts.keys.served_key``), a hash
+with fields ``r:{bucket}`` (requests), ``e:{bucket}`` (errors) and ``u:{bucket}:{user_key}``
+(errors of one user), where a bucket is ``ts // BUCKET_S``. Time buckets let the deployer count
+"since the canary started" without a baseline snapshot; keys expire after ``TTL_S`` without
+traffic. The canary arm is counted by assignment: a canary request that failed and was then
+served by stable counts as one canary request and one canary error.
 
 Errors are also kept per user so that the judge can cluster the error rate by user (one user's
 burst of retries is one user's evidence, not many independent failures). Successes need no
@@ -28,16 +28,14 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from ingest.contracts.keys import served_key
+
 log = logging.getLogger(__name__)
 
 BUCKET_S = 10
 TTL_S = 8 * 86_400
 MAX_USER_FIELDS = 1_000
 """Per key and flush: per-user error fields written at most (bounds a hash under a failure storm)."""
-
-
-def served_key(prefix: str, version: str, arm: str) -> str:
-    return f"{prefix}gateway:served:{version}:{arm}"
 
 
 def sum_since(fields: Mapping[Any, Any], since_ts: float, bucket_s: int = BUCKET_S) -> tuple[int, int]:

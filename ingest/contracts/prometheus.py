@@ -160,7 +160,7 @@ replayed."""
 GROUP_LAG_MESSAGES = Gauge(
     "rtrl_group_lag_messages",
     "Records between a pipeline consumer group's committed offsets and the partitions' ends, "
-    "read from the broker (services/runtime/group_lag.py)",
+    "read from the broker (deployer/adapters/group_lag.py)",
     ["group", "topic"],
 )
 GROUP_LAG_SECONDS = Gauge(
