@@ -42,7 +42,6 @@ from deployer.actions import (
 )
 from deployer.commands import handle
 from deployer.engine import FAILED, READY
-from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
 from deployer.status import (
     RESTING,
     RESULT_PHASE,
@@ -55,6 +54,7 @@ from deployer.status import (
     Result,
 )
 from deployer.transitions import decide, enter, start
+from ingest.contracts.registry import CANDIDATE, CHAMPION, CHAMPION_SINCE, CHAMPION_UNTIL, FATE, PREVIOUS
 
 HANDLED_KEPT = 20
 """Operator commands remembered as handled (a restarted controller skips them)."""
@@ -289,17 +289,17 @@ def fate_tags(status: CanaryStatus, now: float) -> list[Action]:
     cand, stable, outcome = status.candidate, status.stable, status.outcome
     assert cand is not None and outcome is not None
     at = ledger.iso(now)
-    champion = {records.FATE: records.PROMOTED, records.CHAMPION_SINCE: at, records.CHAMPION_UNTIL: ""}
+    champion = {FATE: records.PROMOTED, CHAMPION_SINCE: at, CHAMPION_UNTIL: ""}
     if status.kind == "manual_rollback":
         out: list[Action] = [WriteTags(cand, champion)]
         if stable is not None:
-            out.append(WriteTags(stable, {records.FATE: records.ROLLED_BACK, records.CHAMPION_UNTIL: at}))
+            out.append(WriteTags(stable, {FATE: records.ROLLED_BACK, CHAMPION_UNTIL: at}))
         return out
     if outcome != "promoted":
-        return [WriteTags(cand, {records.FATE: records.fate_of_outcome(outcome)})]
+        return [WriteTags(cand, {FATE: records.fate_of_outcome(outcome)})]
     out = [WriteTags(cand, champion)]
     if stable is not None and stable != cand:
-        out.append(WriteTags(stable, {records.FATE: records.SUPERSEDED, records.CHAMPION_UNTIL: at}))
+        out.append(WriteTags(stable, {FATE: records.SUPERSEDED, CHAMPION_UNTIL: at}))
     return out
 
 

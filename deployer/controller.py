@@ -27,9 +27,10 @@ from deployer.engine import EnginePort
 from deployer.ledger import TAG_GATE
 from deployer.notify import NotifyPort, notice_of
 from deployer.operators import Authority, screen
-from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry
+from deployer.registry import Registry
 from deployer.routing import Holdout, parse_holdout
 from deployer.status import JUDGED, TRANSIENT, CanaryPolicy, CanaryStatus, Command, Observations
+from ingest.contracts.registry import CANDIDATE, CHAMPION, PREVIOUS
 from rollback.judge import judge
 from rollback.types import JudgePolicy
 

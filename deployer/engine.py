@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ingest.contracts.registry import ADAPTER_DIR, CHECK_FILE
+
 READY = "ready"
 FAILED = "failed"
-CHECK_FILE = "engine_check.json"
-ADAPTER_DIR = "adapter"
 CHECK_TEXT = "def add(a, b):\n    return a + b\n"
 """The fixed prompt a version's own log-probabilities are written for (under its tokenizer)."""
 CHECK_TOKENS = 8

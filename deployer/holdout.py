@@ -30,22 +30,20 @@ from typing import Any
 from deployer.actions import Action, EngineLoad, LedgerClose, LedgerOpen, SetHoldout
 from deployer.cohorts import HoldoutWindow
 from deployer.engine import FAILED
-from deployer.ledger import (
-    CONTROLLER,
-    TAG_CANARY_ID,
-    TAG_CANDIDATE,
-    TAG_DECIDED_AT,
-    TAG_DECIDED_BY,
-    TAG_KIND,
-    TAG_OUTCOME,
-    TAG_REASON,
-    clip,
-    iso,
-)
-from deployer.registry import OUTCOME_RUNNING
+from deployer.ledger import CONTROLLER, TAG_DECIDED_BY, TAG_OUTCOME, TAG_REASON, clip, iso
 from deployer.routing import MAX_HOLDOUT_SHARE as MAX_SHARE
 from deployer.routing import Holdout, canary_buckets
 from deployer.status import Command, Observations
+from ingest.contracts.registry import (
+    OUTCOME_RUNNING,
+    TAG_CANARY_ID,
+    TAG_CANDIDATE,
+    TAG_DECIDED_AT,
+    TAG_HOLDOUT_END,
+    TAG_HOLDOUT_SHARE,
+    TAG_HOLDOUT_VERSION,
+    TAG_KIND,
+)
 from rollback.judge import judge
 from rollback.types import JudgePolicy
 
@@ -216,9 +214,6 @@ def upkeep(obs: Observations, actions: list[Action]) -> list[Action]:
 
 
 # ---------------------------------------------------------------------------- the ledger
-TAG_VERSION = "rtrl.holdout.version"
-TAG_SHARE = "rtrl.holdout.share"
-TAG_END = "rtrl.holdout.end"
 KIND = "holdout"
 """``rtrl.canary.kind`` of a holdout's ledger run."""
 
@@ -229,13 +224,13 @@ def open_params(h: Holdout) -> dict[str, str]:
 
 
 def open_tags(h: Holdout, reason: str) -> dict[str, str]:
-    return {TAG_CANARY_ID: h.id, TAG_KIND: KIND, TAG_CANDIDATE: h.version, TAG_VERSION: h.version,
-            TAG_SHARE: f"{h.share:g}", TAG_OUTCOME: OUTCOME_RUNNING, TAG_REASON: clip(reason)}
+    return {TAG_CANARY_ID: h.id, TAG_KIND: KIND, TAG_CANDIDATE: h.version, TAG_HOLDOUT_VERSION: h.version,
+            TAG_HOLDOUT_SHARE: f"{h.share:g}", TAG_OUTCOME: OUTCOME_RUNNING, TAG_REASON: clip(reason)}
 
 
 def close(h: Holdout, now: float, reason: str, by: str) -> list[Action]:
     """Ledger actions that end ``h``'s run (opening it first when it was never recorded)."""
-    tags = {TAG_OUTCOME: "ended", TAG_END: clip(reason), TAG_DECIDED_BY: by, TAG_DECIDED_AT: iso(now),
+    tags = {TAG_OUTCOME: "ended", TAG_HOLDOUT_END: clip(reason), TAG_DECIDED_BY: by, TAG_DECIDED_AT: iso(now),
             TAG_KIND: KIND}
     summary = {"holdout_id": h.id, "version": h.version, "share": h.share, "salt": h.salt,
                "started_at": iso(h.started_at), "until": iso(h.until), "ended_at": iso(now),
@@ -254,10 +249,10 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
 
 def description(tags: Mapping[str, str], metrics: Mapping[str, float]) -> str:
     """Markdown for a holdout's ledger run: what was held out, and the latest effect."""
-    version, share = tags.get(TAG_VERSION, "?"), tags.get(TAG_SHARE, "?")
+    version, share = tags.get(TAG_HOLDOUT_VERSION, "?"), tags.get(TAG_HOLDOUT_SHARE, "?")
     lines = [f"**Long-term holdout: {share} of users kept on v{version}.**", ""]
-    if tags.get(TAG_END):
-        lines += [f"Ended: {tags[TAG_END]} (by {tags.get(TAG_DECIDED_BY, '?')}).", ""]
+    if tags.get(TAG_HOLDOUT_END):
+        lines += [f"Ended: {tags[TAG_HOLDOUT_END]} (by {tags.get(TAG_DECIDED_BY, '?')}).", ""]
     found = sorted({k.split(".")[1] for k in metrics if k.startswith("holdout.")})
     if not found:
         return "\n".join([*lines, "Not measured yet."]) + "\n"

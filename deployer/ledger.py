@@ -15,18 +15,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from deployer.registry import OUTCOME_RUNNING, Tag
+from ingest.contracts.registry import (
+    OUTCOME_RUNNING,
+    TAG_CANARY_ID,
+    TAG_CANDIDATE,
+    TAG_CLAIMED_BY,
+    TAG_DECIDED_AT,
+    TAG_KIND,
+    TAG_STABLE,
+    Tag,
+)
 
 TAG_GATE = Tag.GATE_RESULT
 TAG_OUTCOME = Tag.CANARY_OUTCOME
 TAG_DECISION = Tag.DECISION
 TAG_REASON = Tag.DECISION_REASON
 TAG_DECIDED_BY = Tag.DECIDED_BY
-TAG_CANARY_ID = "rtrl.canary.id"
-TAG_CANDIDATE = "rtrl.candidate_version"
-TAG_STABLE = "rtrl.stable_version"
-TAG_KIND = "rtrl.canary.kind"
-TAG_DECIDED_AT = "rtrl.decided_at"
 
 CONTROLLER = "controller"
 """``decided_by`` for decisions the controller took by itself."""
@@ -132,7 +136,6 @@ def decision_tags(outcome: str, reason: str, decided_by: str, ts: float) -> dict
 
 REFUSED_KIND = "refused_command"
 """``rtrl.canary.kind`` of the ledger record of a refused operator command."""
-TAG_CLAIMED_BY = "rtrl.operator.claimed"
 
 
 def refusal_tags(record_id: str, kind: str, claimed: str, version: str | None, why: str,

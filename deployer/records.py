@@ -21,15 +21,17 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deployer.registry import Tag
+from ingest.contracts.registry import (
+    CHAMPION_SINCE,
+    CHAMPION_UNTIL,
+    FATE,
+    TAG_CANARY_ID,
+    TAG_CANDIDATE,
+    TAG_KIND,
+    TAG_STABLE,
+    Tag,
+)
 
-FATE = "rtrl.fate"
-CHAMPION_SINCE = "rtrl.champion_since"
-"""When the version became the champion (UTC, ISO 8601)."""
-CHAMPION_UNTIL = "rtrl.champion_until"
-"""When a newer decision replaced it as champion."""
-LEDGER_RUN = "rtrl.canary.run_id"
-"""The ledger run of the version's latest canary (the adapter fills it in for links)."""
 NEVER_OFFERED, CANARY, PROMOTED, SUPERSEDED, ROLLED_BACK = (
     "never_offered", "canary", "promoted", "superseded", "rolled_back")
 FATES = (PROMOTED, ROLLED_BACK, SUPERSEDED, NEVER_OFFERED, CANARY)
@@ -102,7 +104,7 @@ def version_description(model: str, version: str, tags: Mapping[str, str], train
     if training_run:
         rows.append(("training run", f"[{tags.get(Tag.RUN_ID, 'run')}]({training_run})"))
     rows.append(("offline gate", _gate(tags)))
-    cid = tags.get("rtrl.canary.id")
+    cid = tags.get(TAG_CANARY_ID)
     if cid:
         name = f"[{cid}]({ledger_run})" if ledger_run else cid
         outcome = tags.get(Tag.CANARY_OUTCOME, "")
@@ -195,9 +197,9 @@ RESTORE_WORDS = "The champion v{s} was rolled back by hand to v{c}."
 def run_description(tags: Mapping[str, str], rows: list[Row], model: str,
                     training_run: str | None = None) -> str:
     """Markdown for a ledger run: the decision in plain words, links, one line per metric."""
-    cand, stable = tags.get("rtrl.candidate_version", "?"), tags.get("rtrl.stable_version") or "-"
+    cand, stable = tags.get(TAG_CANDIDATE, "?"), tags.get(TAG_STABLE) or "-"
     outcome = tags.get(Tag.CANARY_OUTCOME, "running")
-    if tags.get("rtrl.canary.kind") == "manual_rollback":
+    if tags.get(TAG_KIND) == "manual_rollback":
         words = RESTORE_WORDS.format(c=cand, s=stable)
     else:
         words = DECISION_WORDS.get(outcome, RUNNING_WORDS).format(c=cand, s=stable)

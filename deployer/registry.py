@@ -21,48 +21,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-CHAMPION = "champion"
-"""Serves the stable arm."""
-CANDIDATE = "candidate"
-"""The version under canary (or waiting for one)."""
-PREVIOUS = "previous"
-"""The champion before the current one."""
-ALIASES = (CHAMPION, CANDIDATE, PREVIOUS)
-OUTCOME_RUNNING = "running"
-"""``rtrl.canary.outcome`` of a version whose canary is in progress."""
-
-
-class Tag:
-    """Version tag keys. Values are strings; structured values are JSON."""
-
-    PARENT_VERSION = "rtrl.parent_version"
-    """The version this one was trained from ("" for a bootstrap)."""
-    WINDOW = "rtrl.window"
-    """JSON: topic, partitions, offset ranges and counts of the data window."""
-    REWARD_SPEC_VERSION = "rtrl.reward_spec_version"
-    KIND = "rtrl.kind"
-    """bootstrap | increment (other values, e.g. corrupted, are test fixtures)."""
-    GATE_RESULT = "rtrl.gate.result"
-    """pass | fail. A version tagged fail is never canaried."""
-    GATE_REASONS = "rtrl.gate.reasons"
-    """JSON list of the checks that failed (empty on pass) and the gate's figures."""
-    CANARY_OUTCOME = "rtrl.canary.outcome"
-    """``running`` while under canary, then promoted | rolled_back | aborted."""
-    DECISION = "rtrl.decision"
-    DECISION_REASON = "rtrl.decision.reason"
-    DECIDED_BY = "rtrl.decided_by"
-    RUN_ID = "rtrl.run_id"
-    """The MLflow run that produced the version (the fake stores what it is given)."""
-    POLICY_KIND = "rtrl.policy.kind"
-    """The saved policy's kind (``tiny-transformer``, ``hf``, ``hf-lora``)."""
-    BASE_MODEL = "rtrl.base_model"
-    """A LoRA version's base model directory, where it was trained."""
-    BASE_SHA256 = "rtrl.base_sha256"
-    """A LoRA version's base model and tokenizer, by content hash (trainer/lora_policy.py)."""
-
-
-POLICY_MANIFEST = "policy.json"
-"""The manifest every saved policy directory holds (trainer/policy.py writes it)."""
+from ingest.contracts.registry import CANDIDATE, OUTCOME_RUNNING, POLICY_MANIFEST, Tag
 
 
 def manifest_tags(directory: Path) -> dict[str, str]:

@@ -8,8 +8,8 @@ from typing import Any
 
 from deployer import ledger, records
 from deployer.actions import Action, EngineLoad, LedgerOpen, SetRouting, SetWeight, WriteTags
-from deployer.registry import OUTCOME_RUNNING
 from deployer.status import CanaryPolicy, CanaryStatus, Observations, Phase, Result
+from ingest.contracts.registry import FATE, OUTCOME_RUNNING, TAG_CANARY_ID
 
 
 def enter(status: CanaryStatus, phase: Phase, now: float, **changes: Any) -> CanaryStatus:
@@ -34,8 +34,8 @@ def start(
     actions: list[Action] = [LedgerOpen(cid, params, tags, now)]
     if kind == "canary":
         actions += [
-            WriteTags(cand, {ledger.TAG_OUTCOME: OUTCOME_RUNNING, ledger.TAG_CANARY_ID: cid,
-                             records.FATE: records.CANARY}),
+            WriteTags(cand, {ledger.TAG_OUTCOME: OUTCOME_RUNNING, TAG_CANARY_ID: cid,
+                             FATE: records.CANARY}),
             SetRouting(stable=stable, canary=cand, weight=0.0, salt=cid),
         ]
         if obs.engine is not None:  # loaded and checked before the first step (deployer/engine.py)

@@ -34,8 +34,9 @@ from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-from deployer.registry import CHAMPION, candidate_in_flight
+from deployer.registry import candidate_in_flight
 from ingest.contracts import prometheus as metrics
+from ingest.contracts.registry import CHAMPION
 from services.runtime.flags import deprecated_alias
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.kafka_io import ensure_topics, make_consumer

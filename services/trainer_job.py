@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deployer.adapters.redis_state import candidate_lock
-from deployer.registry import CHAMPION, PREVIOUS, Tag, manifest_tags
+from deployer.registry import manifest_tags
 from ingest.contracts import prometheus as metrics
+from ingest.contracts.registry import CHAMPION, PREVIOUS, RUN_VERSION, Tag
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.mlflow_http import bound_mlflow_http
 from services.runtime.redis_io import make_redis
@@ -250,7 +251,7 @@ def bootstrap(
         raise
     final = {"final_loss": history[-1]["loss"]} if history else {}
     runs.finish(run_id, "FINISHED", {**final, "seconds": time.monotonic() - t0},
-                {"rtrl.version": version})
+                {RUN_VERSION: version})
     shutil.rmtree(out, ignore_errors=True)
     return version
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from deployer.registry import CHAMPION, Registry, Tag
+from deployer.registry import Registry
+from ingest.contracts.registry import CHAMPION, RUN_OUTCOME, RUN_RETRY, RUN_SKIP_REASON, Tag
 from ingest.events import RewardRecord
 from trainer.gate import GateConfig, GateResult, HeldoutScore, evaluate
 from trainer.loop import LoopConfig, Sample, summarize
@@ -278,7 +279,7 @@ def served_as_champion(registry: Registry, champion: str) -> Callable[[str], boo
 
 def record_skip(plan: Plan, reason: str, runs: RunTracker, pending: PendingWindow) -> Outcome:
     """A skipped window leaves a finished run saying why; its cut does not move."""
-    tags = {"rtrl.outcome": "skipped", "rtrl.skip_reason": reason,
+    tags = {RUN_OUTCOME: "skipped", RUN_SKIP_REASON: reason,
             Tag.WINDOW: plan.window.to_json(), Tag.PARENT_VERSION: plan.parent}
     run_id = runs.start(f"skipped-{plan.window.id}", {}, tags)
     runs.finish(run_id, "FINISHED", {"records": float(plan.window.records)}, {})
@@ -306,7 +307,7 @@ def start_run(cfg: IncrementConfig, plan: Plan, registry: Registry, runs: RunTra
     found = measure_parent(load_policy(parent_dir), train_records, plan.parent,
                            cfg.loop.objective.truncate_is)
     name = f"increment-{plan.window.id}"
-    run_id = runs.start(name, _params(cfg, len(samples)), {**lineage, "rtrl.retry": str(plan.retry)})
+    run_id = runs.start(name, _params(cfg, len(samples)), {**lineage, RUN_RETRY: str(plan.retry)})
     probe = to_samples(plan.records.heldout, [0.0] * len(plan.records.heldout))
     return TrainingRun(run_id, name, parent_dir, samples, probe, lineage, {**rstats, **found.figures()},
                        found)

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from deployer.engine import ADAPTER_DIR, CHECK_TEXT, CHECK_TOKENS, Greedy, write_check
+from deployer.engine import CHECK_TEXT, CHECK_TOKENS, Greedy, write_check
+from ingest.contracts.registry import ADAPTER_DIR
 from trainer.hf_policy import HFPolicy, transformers_lib
 from trainer.policy import write_manifest
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the conventional torch alias)
 from torch import Tensor, nn
 
-from deployer.registry import POLICY_MANIFEST
+from ingest.contracts.registry import POLICY_MANIFEST
 from trainer.tokens import BOS, EOS, VOCAB_SIZE
 
 MANIFEST = POLICY_MANIFEST

@@ -24,7 +24,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from deployer.registry import LockUnavailableError, Registry, Tag, manifest_tags, offer_candidate
+from deployer.registry import LockUnavailableError, Registry, manifest_tags, offer_candidate
+from ingest.contracts.registry import RUN_BAND_STOP, RUN_OUTCOME, RUN_VERSION, Tag
 from trainer.gate import GateResult
 from trainer.trust_region import stop_name
 
@@ -127,9 +128,9 @@ def close_run(runs: RunTracker, retrying: Retrying, run_id: str, version: str, g
     """Final metrics and tags of a successful increment. Not being able to write them does not
     fail the increment: the version is registered and its window committed."""
     metrics = {**stats, **{f"gate_{k}": v for k, v in gate.figures.items()}, **timings}
-    tags = {"rtrl.outcome": "success", "rtrl.version": version, Tag.GATE_RESULT: gate.result}
+    tags = {RUN_OUTCOME: "success", RUN_VERSION: version, Tag.GATE_RESULT: gate.result}
     if "band_stop" in stats:
-        tags["rtrl.band.stop"] = stop_name(stats["band_stop"])
+        tags[RUN_BAND_STOP] = stop_name(stats["band_stop"])
     try:
         retrying("close the training run", lambda: runs.finish(run_id, "FINISHED", metrics, tags))
     except Exception:  # registered and committed: the increment did its work
@@ -141,6 +142,6 @@ def mark_failed(runs: RunTracker, run_id: str) -> None:
     """Close the run as FAILED. When that fails too (the registry may be what failed), log it:
     the caller re-raises the original error."""
     try:
-        runs.finish(run_id, "FAILED", {}, {"rtrl.outcome": "failed"})
+        runs.finish(run_id, "FAILED", {}, {RUN_OUTCOME: "failed"})
     except Exception as exc:
         log.warning("could not mark run %s failed: %s: %s", run_id, type(exc).__name__, exc)

@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from ingest.contracts.registry import TAG_CANARY_ID, TAG_CANDIDATE, TAG_DECIDED_AT, TAG_KIND, TAG_STABLE
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
@@ -68,7 +69,7 @@ class MlflowLedger:
         if canary_id in self._runs:
             return self._runs[canary_id]
         found = self.client.search_runs(
-            [self.experiment_id()], filter_string=f"tags.`{ledger.TAG_CANARY_ID}` = '{canary_id}'",
+            [self.experiment_id()], filter_string=f"tags.`{TAG_CANARY_ID}` = '{canary_id}'",
             max_results=1,
         )
         if not found:
@@ -141,7 +142,7 @@ class MlflowLedger:
         """Write the run's description (deployer/records.py) from its tags and latest metrics;
         returns the comparison rows it was made from."""
         data = self.client.get_run(run_id).data
-        if data.tags.get(ledger.TAG_KIND) == holdout.KIND:
+        if data.tags.get(TAG_KIND) == holdout.KIND:
             text = holdout.description(data.tags, data.metrics)
             self.client.set_tag(run_id, records.NOTE, ledger.clip(text))
             return []
@@ -170,7 +171,7 @@ class MlflowLedger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        is_holdout = event.tags.get(ledger.TAG_KIND) == holdout.KIND
+        is_holdout = event.tags.get(TAG_KIND) == holdout.KIND
         panels = holdout.PANELS if is_holdout else PANELS
         fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels)), sharex=True)
         for ax, (title, keys) in zip(axes, panels, strict=True):
@@ -200,14 +201,14 @@ class MlflowLedger:
 def _row(info: Any, tags: Mapping[str, str], params: Mapping[str, str]) -> dict[str, Any]:
     return {
         "run_id": info.run_id,
-        "canary_id": tags.get(ledger.TAG_CANARY_ID, info.run_name),
-        "kind": tags.get(ledger.TAG_KIND, ""),
-        "candidate": params.get("candidate_version", tags.get(ledger.TAG_CANDIDATE, "")),
-        "stable": params.get("stable_version", tags.get(ledger.TAG_STABLE, "")),
+        "canary_id": tags.get(TAG_CANARY_ID, info.run_name),
+        "kind": tags.get(TAG_KIND, ""),
+        "candidate": params.get("candidate_version", tags.get(TAG_CANDIDATE, "")),
+        "stable": params.get("stable_version", tags.get(TAG_STABLE, "")),
         "outcome": tags.get(ledger.TAG_OUTCOME, ""),
         "decision": tags.get(ledger.TAG_DECISION, ""),
         "reason": tags.get(ledger.TAG_REASON, ""),
         "decided_by": tags.get(ledger.TAG_DECIDED_BY, ""),
-        "decided_at": tags.get(ledger.TAG_DECIDED_AT, ""),
+        "decided_at": tags.get(TAG_DECIDED_AT, ""),
         "started_ms": info.start_time,
     }

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import mlflow.artifacts
+from ingest.contracts.registry import FATE, TAG_CANARY_ID, Tag
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
@@ -93,7 +94,7 @@ class MlflowRegistry:
             self.name,
             source=f"{artifact_uri.rstrip('/')}/{ARTIFACT_PATH}",
             run_id=run_id,
-            tags={"rtrl.run_id": run_id, records.FATE: records.NEVER_OFFERED,
+            tags={Tag.RUN_ID: run_id, FATE: records.NEVER_OFFERED,
                   **{k: str(v) for k, v in (tags or {}).items()}},
         )
         if own_run:
@@ -135,7 +136,7 @@ class MlflowRegistry:
         to its training run and its latest ledger run."""
         mv = self.client.get_model_version(self.name, str(version))
         tags = {k: str(v) for k, v in (mv.tags or {}).items()}
-        links = self._run_link(mv.run_id), self._ledger_link(tags.get("rtrl.canary.id"))
+        links = self._run_link(mv.run_id), self._ledger_link(tags.get(TAG_CANARY_ID))
         text = ledger.clip(records.version_description(self.name, str(version), tags, *links))
         if text != (mv.description or ""):
             self.client.update_model_version(self.name, str(version), description=text)

@@ -36,9 +36,9 @@ from typing import Any
 from deployer.adapters.webhook import WebhookNotifier
 from deployer.ledger import TAG_GATE, iso
 from deployer.operators import sign
-from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS
 from deployer.routing import Holdout, parse_holdout
 from deployer.status import CanaryStatus, Command
+from ingest.contracts.registry import CANDIDATE, CHAMPION, PREVIOUS
 from services.cli import exit_codes
 from services.cli.backends import backend_failure, bound_mlflow_env, bounded_settings, message, probe_mlflow
 from services.runtime.redis_io import make_redis

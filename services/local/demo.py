@@ -39,6 +39,7 @@ from types import FrameType
 from typing import Any
 
 from deployer.adapters.redis_state import candidate_lock
+from ingest.contracts.registry import Tag
 from services.local.demo_chaos import Chaos, ChaosResult, verify
 from services.local.demo_config import (
     DemoConfig,
@@ -250,7 +251,7 @@ def version_kinds(run: Run, decisions: list[Decision], registry: LazyRegistry) -
     reg = registry()
     for d in decisions:
         try:
-            kinds.setdefault(d.candidate, reg.get_tags(d.candidate).get("rtrl.kind", ""))
+            kinds.setdefault(d.candidate, reg.get_tags(d.candidate).get(Tag.KIND, ""))
         except Exception:  # noqa: S112 (a version's kind is decoration in the report)
             continue
     return kinds

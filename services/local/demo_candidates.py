@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from deployer.engine import ADAPTER_DIR
+from ingest.contracts.registry import ADAPTER_DIR
 from services.local.chat_model import chat_pairs
 from services.local.sim_users import World, draw_task, make_prompt, question_completion
 from services.local.tiny_llm import truncate_weights

@@ -17,7 +17,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from deployer.registry import LockUnavailableError, Registry, Tag, manifest_tags, offer_candidate
+from deployer.registry import LockUnavailableError, Registry, manifest_tags, offer_candidate
+from ingest.contracts.registry import Tag
 from services.local.demo_config import say
 from services.local.sim_users import World
 from services.runtime.demo_settings import DemoSettings

@@ -7,7 +7,6 @@ ready for it, and ends once enough canaries were decided or the time budget is s
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Mapping
@@ -16,6 +15,8 @@ from typing import Any
 
 import redis
 
+from ingest.adapters.redis_json import read_json
+from ingest.contracts.keys import deployer_status_key, routing_key
 from services.local.cohorts import Cohort
 from services.local.demo_chaos import Chaos
 from services.local.demo_config import STOP_RESERVE_S, DemoPlan, say
@@ -35,7 +36,7 @@ def read_routing(client: redis.Redis, prefix: str) -> dict[str, str]:
     """The gateway's routing keys in Redis (canary weight, stable and canary versions)."""
     names = ("canary_weight", "stable_version", "canary_version")
     try:
-        vals = client.mget([f"{prefix}routing:{n}" for n in names])
+        vals = client.mget([routing_key(prefix, n) for n in names])
     except Exception:
         return {}
     return {n: (v.decode() if isinstance(v, bytes) else str(v)) for n, v in zip(names, vals, strict=True)
@@ -43,19 +44,11 @@ def read_routing(client: redis.Redis, prefix: str) -> dict[str, str]:
 
 
 def read_deployer_status(client: redis.Redis, prefix: str) -> dict[str, Any]:
-    """The deployer's persisted status, if it can be found in Redis."""
-    for key in (f"{prefix}deployer:status", f"{prefix}canary:status", f"{prefix}deployer:state"):
-        try:
-            raw = client.get(key)
-        except Exception:
-            return {}
-        if raw:
-            try:
-                data = json.loads(raw)
-                return data if isinstance(data, dict) else {}
-            except ValueError:
-                return {}
-    return {}
+    """The deployer's persisted status ({} when there is none or Redis does not answer)."""
+    try:
+        return read_json(client, deployer_status_key(prefix)) or {}
+    except Exception:
+        return {}
 
 
 def read_decisions(settings: Settings) -> list[Decision]:

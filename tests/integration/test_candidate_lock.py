@@ -11,7 +11,8 @@ import pytest
 
 from deployer.adapters.memory import InMemoryRegistry
 from deployer.adapters.redis_state import RedisLock, candidate_lock
-from deployer.registry import CANDIDATE, LockUnavailableError, Registry, offer_candidate
+from deployer.registry import LockUnavailableError, Registry, offer_candidate
+from ingest.contracts.registry import CANDIDATE
 from services.runtime.redis_io import make_redis
 from services.runtime.settings import RedisSettings, Settings
 

@@ -13,8 +13,9 @@ from deployer_helpers import deployer_settings, feed_rewards, register_versions
 from deployer.adapters.ledger_mlflow import PLOT_ARTIFACT, SUMMARY_ARTIFACT, MlflowLedger
 from deployer.adapters.redis_state import RedisRouting
 from deployer.controller import Controller
-from deployer.ledger import TAG_CANARY_ID, TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
+from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
 from deployer.status import CanaryStatus, Phase
+from ingest.contracts.registry import TAG_CANARY_ID
 from services.runtime.settings import Settings
 from services.wiring.deployer import build_controller, build_ports, reward_reader
 

@@ -14,10 +14,11 @@ from deployer_helpers import deployer_settings, feed_rewards, register_versions,
 
 from deployer.adapters.ledger_mlflow import MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
-from deployer.ledger import TAG_CLAIMED_BY, TAG_DECIDED_BY, TAG_DECISION, TAG_KIND, TAG_OUTCOME, TAG_REASON
+from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
 from deployer.operators import sign
 from deployer.status import Command, Phase
 from ingest.contracts import prometheus as m
+from ingest.contracts.registry import TAG_CLAIMED_BY, TAG_KIND
 from services.cli import operator
 from services.runtime.settings import Settings
 from services.wiring.deployer import build_controller, build_ports, reward_reader

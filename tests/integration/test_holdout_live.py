@@ -15,11 +15,11 @@ from deployer_helpers import deployer_settings, feed_arms, register_versions, wi
 from deployer.adapters.ledger_mlflow import MlflowLedger
 from deployer.adapters.redis_state import ControllerState, RedisRouting
 from deployer.adapters.reward_tail import read_holdout_report
-from deployer.holdout import TAG_END
-from deployer.ledger import TAG_KIND, TAG_OUTCOME
+from deployer.ledger import TAG_OUTCOME
 from deployer.records import NOTE
 from deployer.routing import Holdout, parse_table
 from ingest.contracts import prometheus as m
+from ingest.contracts.registry import TAG_HOLDOUT_END, TAG_KIND
 from services.cli import holdout as holdout_cli
 from services.cli import operator
 from services.runtime.redis_io import make_redis
@@ -113,11 +113,12 @@ def test_pin_measure_rotate_and_end_a_holdout(ops: tuple[Settings, dict[str, Pat
     assert rotated is not None and (rotated.version, rotated.share) == ("2", 0.1) and rotated.salt != h.salt
     old = ledger.client.get_run(run_id)
     assert old.info.status == "FINISHED" and old.data.tags[TAG_OUTCOME] == "ended"
-    assert f"rotated into {rotated.id}" in old.data.tags[TAG_END]
+    assert f"rotated into {rotated.id}" in old.data.tags[TAG_HOLDOUT_END]
 
     code, out = cli(capsys, "end", "--reason", "experiment over", *token)
     assert code == 0 and out.startswith(f"ended holdout {rotated.id}") and current(s) is None
-    assert "experiment over" in ledger.client.get_run(ledger.run_id(rotated.id) or "").data.tags[TAG_END]
+    ended = ledger.client.get_run(ledger.run_id(rotated.id) or "").data.tags
+    assert "experiment over" in ended[TAG_HOLDOUT_END]
     assert state.r.llen(state.commands_key) == 0
     controller.step()
     assert m.HOLDOUT_ACTIVE._value.get() == 0.0

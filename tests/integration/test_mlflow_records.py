@@ -14,6 +14,7 @@ from deployer.adapters.ledger_mlflow import COMPARISON_ARTIFACT, MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.controller import Controller
 from deployer.status import Phase
+from ingest.contracts.registry import CHAMPION_SINCE, FATE
 from services.runtime.settings import Settings
 
 
@@ -35,7 +36,7 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
 
     # the rolled-back version: fate, description with links to its ledger run and training run
     mv = reg.client.get_model_version(model, "2")
-    assert mv.tags[records.FATE] == records.ROLLED_BACK
+    assert mv.tags[FATE] == records.ROLLED_BACK
     training = reg.client.get_run(mv.run_id)
     assert mv.description.startswith("**rtrl policy v2: rolled back**")
     assert f"[{cid}]({records.run_link(exp_id, run_id)}): rolled_back" in mv.description
@@ -62,14 +63,14 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
     # a later promotion by hand: the old champion superseded, its description updated
     src = tmp_path / "policy"
     v3 = reg.register(None, src, tags={"rtrl.gate.result": "pass", "rtrl.parent_version": "1"})
-    assert reg.client.get_model_version(model, v3).tags[records.FATE] == records.NEVER_OFFERED
+    assert reg.client.get_model_version(model, v3).tags[FATE] == records.NEVER_OFFERED
     controller.ports.state.push(operator_command(tokens, "alice", "promote", v3))
     status = controller.step()
     assert status is not None and status.phase == Phase.SUCCEEDED
     new, old = (reg.client.get_model_version(model, v) for v in (v3, "1"))
-    assert new.tags[records.FATE] == records.PROMOTED and old.tags[records.FATE] == records.SUPERSEDED
+    assert new.tags[FATE] == records.PROMOTED and old.tags[FATE] == records.SUPERSEDED
     assert new.description.startswith(f"**rtrl policy v{v3}: champion**")
-    assert f"| champion | since {new.tags[records.CHAMPION_SINCE]} |" in new.description
+    assert f"| champion | since {new.tags[CHAMPION_SINCE]} |" in new.description
     assert old.description.startswith("**rtrl policy v1: former champion, superseded**")
     promote_run = led.client.get_run(led.run_id(status.canary_id or "") or "")
     assert promote_run.data.tags[records.NOTE].startswith(f"**v{v3} was promoted: it is the champion now")

@@ -18,7 +18,7 @@ import pytest
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.adapters.vllm_engine import VllmEngine
 from deployer.engine import READY, engine_prompt_logprobs
-from deployer.registry import CHAMPION, Tag
+from ingest.contracts.registry import CHAMPION, Tag
 from ingest.events import ModelRef, RewardRecord
 from services import trainer_job
 from services.gateway.engine_backend import EngineBackend, EngineClient

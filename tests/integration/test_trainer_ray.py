@@ -19,7 +19,7 @@ import pytest
 from reward_helpers import reward_record
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
-from deployer.registry import CANDIDATE, CHAMPION, Tag
+from ingest.contracts.registry import CANDIDATE, CHAMPION, Tag
 from services import trainer_job
 from services.cli import train as train_cli
 from services.local.sim_users import bootstrap_corpus

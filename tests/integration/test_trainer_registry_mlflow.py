@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
-from deployer.registry import CHAMPION, Registry
+from deployer.registry import Registry
+from ingest.contracts.registry import CHAMPION
 
 _spec = importlib.util.spec_from_file_location(
     "trainer_registry_contract", Path(__file__).parents[1] / "unit" / "test_trainer_registry.py"

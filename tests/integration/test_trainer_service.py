@@ -176,7 +176,7 @@ def test_a_due_increment_waits_for_the_canary_in_flight(settings: Settings, tmp_
     """Real MLflow registry (sqlite), broker and Redis: the interval is due at start, but a
     candidate is under canary, so nothing trains until the canary is decided."""
     from deployer.adapters.mlflow_registry import MlflowRegistry
-    from deployer.registry import CANDIDATE, Tag
+    from ingest.contracts.registry import CANDIDATE, Tag
     from services.runtime.redis_io import make_redis
     from trainer.adapters.redis_cadence import read_cadence
 

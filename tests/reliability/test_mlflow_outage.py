@@ -47,8 +47,8 @@ from deployer.adapters.ledger_mlflow import SUMMARY_ARTIFACT, MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.controller import Controller, Ports
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
-from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Tag
 from deployer.status import RESTING
+from ingest.contracts.registry import CANDIDATE, CHAMPION, PREVIOUS, Tag
 from ingest.events import ModelRef, RewardRecord
 from services import serve_deployer, trainer_job
 from services.local.sim_users import bootstrap_corpus

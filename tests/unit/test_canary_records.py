@@ -10,8 +10,8 @@ import json
 
 from deployer import records
 from deployer.adapters.memory import FakeWorld
-from deployer.registry import Tag
 from deployer.status import CanaryPolicy, Command
+from ingest.contracts.registry import CHAMPION_SINCE, CHAMPION_UNTIL, FATE, Tag
 
 POLICY = CanaryPolicy(steps=(0.01, 0.05), bake_s=60, max_duration_s=3600)
 _ids = itertools.count()
@@ -25,7 +25,7 @@ def world() -> FakeWorld:
 
 
 def fate(w: FakeWorld, version: str) -> str | None:
-    return w.registry.tags.get(version, {}).get(records.FATE)
+    return w.registry.tags.get(version, {}).get(FATE)
 
 
 def cmd(kind: str, version: str | None = None) -> Command:
@@ -39,7 +39,7 @@ def test_fates_follow_canary_promotion_and_supersession() -> None:
     w.tick(), w.tick(commands=(cmd("promote", "2"),))
     assert fate(w, "2") == records.PROMOTED and fate(w, "1") == records.SUPERSEDED
     tags2, tags1 = w.registry.tags["2"], w.registry.tags["1"]
-    assert tags2[records.CHAMPION_SINCE] == tags1[records.CHAMPION_UNTIL] != ""
+    assert tags2[CHAMPION_SINCE] == tags1[CHAMPION_UNTIL] != ""
 
 
 def test_a_rolled_back_or_aborted_canary_leaves_its_candidate_rolled_back() -> None:
@@ -57,8 +57,8 @@ def test_a_restore_by_hand_makes_the_old_version_champion_again() -> None:
     w.tick(), w.tick(), w.tick(commands=(cmd("promote", "2"),))
     w.tick(commands=(cmd("rollback", "1"),))
     assert w.registry.aliases["champion"] == "1"
-    assert fate(w, "1") == records.PROMOTED and w.registry.tags["1"][records.CHAMPION_UNTIL] == ""
-    assert fate(w, "2") == records.ROLLED_BACK and w.registry.tags["2"][records.CHAMPION_UNTIL]
+    assert fate(w, "1") == records.PROMOTED and w.registry.tags["1"][CHAMPION_UNTIL] == ""
+    assert fate(w, "2") == records.ROLLED_BACK and w.registry.tags["2"][CHAMPION_UNTIL]
 
 
 WINDOW = json.dumps({"topic": "rtrl.rewards.v1", "ranges": [{"partition": 0, "start": 10, "end": 90}],
@@ -71,7 +71,7 @@ def test_version_description_says_what_it_is_where_it_came_from_and_its_fate() -
             "rtrl.canary.id": "canary-v7-x", Tag.CANARY_OUTCOME: "promoted", Tag.DECISION: "promote",
             Tag.DECIDED_BY: "controller", "rtrl.decided_at": "2026-11-22T05:00:00Z",
             Tag.DECISION_REASON: "reward better | all guardrails held",
-            records.FATE: records.PROMOTED, records.CHAMPION_SINCE: "2026-11-22T05:00:00Z"}
+            FATE: records.PROMOTED, CHAMPION_SINCE: "2026-11-22T05:00:00Z"}
     text = records.version_description("rtrl-policy", "7", tags, records.run_link("3", "r1"),
                                        records.run_link("5", "L1"))
     assert text.startswith("**rtrl policy v7: champion**")

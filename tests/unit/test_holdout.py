@@ -16,6 +16,7 @@ from deployer.engine import FAILED, EngineState
 from deployer.operators import Authority, key_of, payload, sign, verify
 from deployer.routing import Holdout, RoutingTable, bucket, parse_holdout, parse_table
 from deployer.status import CanaryStatus, Command, Observations
+from ingest.contracts.registry import TAG_HOLDOUT_END
 from rollback.types import MetricEvidence
 
 NOW = 1_800_000_000.0
@@ -170,7 +171,7 @@ def test_rotate_and_end_close_the_old_ledger_run() -> None:
     actions, _ = holdout.handle(obs(H), cmd("holdout_end", reason="quarter over"))
     assert [type(a) for a in actions] == [LedgerOpen, LedgerClose, SetHoldout]
     assert actions[-1] == SetHoldout(None)
-    assert "quarter over" in actions[1].tags[holdout.TAG_END]  # type: ignore[union-attr]
+    assert "quarter over" in actions[1].tags[TAG_HOLDOUT_END]  # type: ignore[union-attr]
 
 
 def test_with_an_engine_the_pinned_version_is_loaded_before_any_traffic() -> None:
@@ -214,7 +215,7 @@ def test_holdout_commands_run_through_the_state_machine_in_any_phase() -> None:
     w.now = table.holdout.until
     w.tick()
     assert parse_table(w.routing.read()).holdout is None
-    assert run.closed and "expired" in run.tags[holdout.TAG_END]
+    assert run.closed and "expired" in run.tags[TAG_HOLDOUT_END]
 
 
 # ---------------------------------------------------------------------------- signatures

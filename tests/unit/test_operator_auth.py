@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deployer.adapters.memory import FakeWorld
-from deployer.ledger import TAG_CLAIMED_BY, TAG_DECIDED_BY, TAG_KIND, TAG_OUTCOME, TAG_REASON
+from deployer.ledger import TAG_DECIDED_BY, TAG_OUTCOME, TAG_REASON
 from deployer.operators import (
     Authority,
     as_verified,
@@ -22,6 +22,7 @@ from deployer.operators import (
     verify,
 )
 from deployer.status import CanaryPolicy, Command, Phase, Refusal
+from ingest.contracts.registry import TAG_CLAIMED_BY, TAG_KIND
 from services.runtime.operator_keys import authority
 from services.runtime.operator_settings import OperatorSettings
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from deployer.adapters.memory import InMemoryRegistry
-from deployer.registry import CANDIDATE, Tag
+from ingest.contracts.registry import CANDIDATE, Tag
 from services.local import demo
 from services.local.cohorts import Cohort
 from services.local.demo_config import DemoPlan

@@ -15,7 +15,7 @@ import torch
 from training_helpers import killed_and_resumed
 
 from deployer.adapters.memory import InMemoryRegistry
-from deployer.registry import CANDIDATE, CHAMPION, Tag
+from ingest.contracts.registry import CANDIDATE, CHAMPION, Tag
 from ingest.events import ModelRef, RewardRecord
 from trainer.adapters.memory import InMemoryRewardLog
 from trainer.gate import GateConfig

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from deployer.adapters.memory import InMemoryRegistry
-from deployer.registry import CANDIDATE, CHAMPION, PREVIOUS, Registry, Tag, offer_candidate
+from deployer.registry import Registry, offer_candidate
+from ingest.contracts.registry import CANDIDATE, CHAMPION, PREVIOUS, Tag
 
 
 def make_policy_dir(root: Path, marker: str) -> Path:
