@@ -47,11 +47,11 @@ from bench.gateway_common import bench_settings, percentile, start_gateway, stop
 from bench.gateway_engine import main_engine
 from ingest.contracts.keys import routing_keys
 from ingest.contracts.prometheus import GATEWAY_EXPOSURES
-from services.local.stack import EmbeddedStack, free_port
 from services.runtime.process import setup_logging
 from services.runtime.redis_io import make_redis
-from services.runtime.service_settings import UpstreamSettings
-from services.runtime.settings import Settings
+from services.settings.model import Settings
+from services.settings.services import UpstreamSettings
+from services.stack.embedded import EmbeddedStack, free_port
 
 TARGET_ADDED_P99_MS = 2.0
 

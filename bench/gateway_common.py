@@ -10,12 +10,12 @@ from typing import Any
 from pydantic import SecretStr
 
 from services.gateway.server import GatewayServer
-from services.local.stack import EmbeddedStack
 from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics
-from services.runtime.service_settings import GatewaySettings
-from services.runtime.settings import KafkaSettings, MlflowSettings, RedisSettings, Settings, TopicSettings
-from services.serve_gateway import build
+from services.settings.model import KafkaSettings, MlflowSettings, RedisSettings, Settings, TopicSettings
+from services.settings.services import GatewaySettings
+from services.stack.embedded import EmbeddedStack
+from services.wiring.gateway import build
 
 
 def percentile(values: list[float], q: float) -> float:

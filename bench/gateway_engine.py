@@ -1,6 +1,6 @@
 """``rtrl bench gateway --mode vllm``: latency the gateway adds in front of a real vLLM engine.
 
-The engine (vLLM's CPU build on the tiny model of services/local/tiny_llm.py, started here;
+The engine (vLLM's CPU build on the tiny model of services/stack/tiny_llm.py, started here;
 or ``--engine-url``) is called directly with the body the gateway would send it, and through
 the gateway's OpenAI API (``POST /v1/chat/completions``, API key, routing, signed exposure
 logging to a private broker), streamed or not.
@@ -36,12 +36,12 @@ from bench.processes import Apart, GatewayProcess, fake_engine, tcp_relay
 from deployer.ledger import TAG_GATE
 from services.gateway.engine_backend import engine_body
 from services.gateway.generation import GenRequest
-from services.local.engine import LocalVllm
-from services.local.stack import EmbeddedStack
-from services.local.tiny_llm import build_lora_adapter, build_tiny_llm, write_engine_check
-from services.runtime.engine_settings import EngineSettings
-from services.runtime.service_settings import DeployerSettings
-from services.runtime.settings import Settings
+from services.settings.engine import EngineSettings
+from services.settings.model import Settings
+from services.settings.services import DeployerSettings
+from services.stack.embedded import EmbeddedStack
+from services.stack.engine import LocalVllm
+from services.stack.tiny_llm import build_lora_adapter, build_tiny_llm, write_engine_check
 from services.wiring.deployer import build_controller, build_ports
 from trainer.lora_policy import check_prompt_ids
 

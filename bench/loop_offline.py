@@ -34,9 +34,10 @@ from ingest.reward.maths import Feedback, compute_reward, persistence_ratio
 from ingest.reward.spec import RewardSpec, default_spec_text, parse_spec
 from rollback.detectors import DETECTORS, drift_check, tolerance
 from rollback.types import DetectorPolicy, JudgePolicy
-from services.local.cohorts import Row, cohort, relative_change
-from services.local.demo_config import demo_spec_text, demo_trainer_env, toml_text
-from services.local.sim_users import (
+from services.demo.config import demo_spec_text, demo_trainer_env, toml_text
+from services.report.cohorts import Row, cohort, relative_change
+from services.settings.model import Settings, settings_from_env
+from services.sim.users import (
     bootstrap_corpus,
     draw_task,
     make_population,
@@ -44,7 +45,6 @@ from services.local.sim_users import (
     make_world,
     react,
 )
-from services.runtime.settings import Settings, settings_from_env
 from trainer.gate import GateConfig, GateResult, evaluate
 from trainer.increment import build_samples, score_heldout, to_samples
 from trainer.loop import LoopConfig, rl_train, sft_train, summarize
@@ -98,7 +98,7 @@ class Figures:
 
 
 def figures(recs: list[ServedRec]) -> Figures:
-    """The live report's cohort metrics (services/local/cohorts.py) over served records, plus length."""
+    """The live report's cohort metrics (services/report/cohorts.py) over served records, plus length."""
     c = cohort([Row(0.0, "", "", r.completion_kind, r.accepted, r.persistence, r.latency_ms, r.reward,
                     r.dissatisfied) for r in recs])
     return Figures(c.edit_persistence, c.latency_ms, c.acceptance, c.reward,

@@ -37,10 +37,10 @@ from kafka import KafkaAdminClient, KafkaProducer
 
 from deployer.adapters.group_lag import committed_offsets
 from ingest.events import CompletionServed, EditAccepted, EditPersistence, ModelRef
-from services.local.stack import EmbeddedStack, free_port
 from services.runtime.event_producer import EventProducer
 from services.runtime.kafka_io import ensure_topics, make_consumer, make_producer
-from services.runtime.settings import KafkaSettings, RedisSettings, Settings, TopicSettings
+from services.settings.model import KafkaSettings, RedisSettings, Settings, TopicSettings
+from services.stack.embedded import EmbeddedStack, free_port
 
 PIPE = textwrap.dedent("""
     import sys

@@ -14,7 +14,7 @@ fixed overhead of an increment.
    already up, as in ``rtrl serve trainer``).
 
 ``--policy lora`` runs both on a LoRA adapter (rank 8 on q_proj and v_proj) over the tiny Llama
-model of services/local/tiny_llm.py, built locally: the increment a real model gets.
+model of services/stack/tiny_llm.py, built locally: the increment a real model gets.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 
 from ingest.events import ModelRef, RewardRecord
-from services.local.sim_users import bootstrap_corpus
-from services.local.stack import EmbeddedStack, free_port
-from services.local.tiny_llm import build_tiny_llm
 from services.runtime.kafka_io import ensure_topics, make_producer
-from services.runtime.service_settings import TrainerSettings
-from services.runtime.settings import KafkaSettings, MlflowSettings, Settings, TopicSettings
+from services.settings.model import KafkaSettings, MlflowSettings, Settings, TopicSettings
+from services.settings.services import TrainerSettings
+from services.sim.users import bootstrap_corpus
+from services.stack.embedded import EmbeddedStack, free_port
+from services.stack.tiny_llm import build_tiny_llm
 from trainer.corpus import write_corpus
 from trainer.loop import LoopConfig, Sample, plan_batches
 from trainer.lora_policy import LoraSpec
@@ -134,7 +134,7 @@ def throughput(samples: list[Sample], parent_dir: Path, loop: LoopConfig, warmup
 
 def overhead(records: int, workdir: Path, lora_base: Path | None = None) -> list[dict[str, object]]:
     from deployer.adapters.mlflow_registry import MlflowRegistry
-    from services import trainer_job
+    from services.wiring import trainer as trainer_job
 
     stack = EmbeddedStack(workdir / "stack", kafka_port=free_port(), redis_port=free_port(),
                           reuse_redis_url=None, with_mlflow=False)

@@ -10,13 +10,14 @@ long-term holdout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from deployer.status import Judgement
+from ingest.contracts.metrics import PERSISTENCE_HORIZON_S, summarise
 from ingest.events import RewardRecord
-from rollback.stats import quantile
 from rollback.types import CohortData, ErrorCount, RequestOutcome, Verdict, outcome_from_reward
 
 ARMS = ("stable", "canary")
@@ -32,6 +33,8 @@ class CohortWindow:
     outcomes: dict[str, list[RequestOutcome]] = field(default_factory=lambda: {a: [] for a in ARMS})
     seen: set[str] = field(default_factory=set)
     """request ids already counted (a record read twice after a rebalance counts once)."""
+    horizon_s: int = PERSISTENCE_HORIZON_S
+    """Edit persistence is judged at this horizon (the judge policy's)."""
 
     SIDES: ClassVar[Mapping[str, str]] = {"stable": "stable", "canary": "canary"}
     """The served arm whose records each judged side holds (arm -> side)."""
@@ -54,7 +57,7 @@ class CohortWindow:
         if record.request_id in self.seen or side is None:
             return False
         self.seen.add(record.request_id)
-        self.outcomes[side].append(outcome_from_reward(record))
+        self.outcomes[side].append(outcome_from_reward(record, self.horizon_s))
         return True
 
     def add_all(self, records: Iterable[RewardRecord]) -> int:
@@ -88,32 +91,22 @@ class HoldoutWindow(CohortWindow):
 
 
 def summary(cohort: CohortData) -> dict[str, float]:
-    """Readable per-arm figures for the ledger and ``rtrl status`` (not the judge's tests)."""
+    """The cohort summary (``ingest.contracts.metrics.summarise``) with the arm's users and
+    error rate, for the ledger and ``rtrl status`` (not the judge's tests). A figure without
+    data is left out."""
     outs = cohort.outcomes
-    n = len(outs)
-    if n == 0:
+    if not outs:
         return {"n": 0.0, "users": 0.0}
-    judged = [o.accepted for o in outs if o.accepted is not None]
-    persisted = [o.persistence for o in outs if o.persistence is not None]
-    latencies = [o.latency_ms for o in outs]
-    tool_calls = sum(o.tool_calls for o in outs)
+    s = summarise(outs)
     out = {
-        "n": float(n),
-        "users": float(cohort.users()),
-        "reward_mean": sum(o.reward for o in outs) / n,
-        "latency_mean_ms": sum(latencies) / n,
-        "latency_p95_ms": quantile(latencies, 0.95),
-        "dissatisfied_rate": sum(1 for o in outs if o.dissatisfied) / n,
-        "edit_rate": sum(1 for o in outs if o.completion_kind == "edit") / n,
+        "n": float(s.n), "users": float(cohort.users()), "reward_mean": s.reward,
+        "latency_mean_ms": s.latency_ms, "latency_p95_ms": s.latency_p95_ms,
+        "dissatisfied_rate": s.dissatisfied_rate, "edit_rate": s.edit_rate,
         "error_rate": cohort.error_count() / max(1, cohort.request_count()),
+        "acceptance": s.acceptance, "persistence": s.edit_persistence,
+        "invalid_tool_rate": s.invalid_tool_rate,
     }
-    if judged:
-        out["acceptance"] = sum(1 for a in judged if a) / len(judged)
-    if persisted:
-        out["persistence"] = sum(persisted) / len(persisted)
-    if tool_calls:
-        out["invalid_tool_rate"] = sum(o.invalid_tool_calls for o in outs) / tool_calls
-    return out
+    return {k: v for k, v in out.items() if not math.isnan(v)}
 
 
 def cohort_metrics(stable: CohortData, canary: CohortData) -> dict[str, float]:

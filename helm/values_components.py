@@ -126,7 +126,7 @@ class _Placement(_Values):
     """Container resources."""
     env: dict[EnvName, str] = {}
     """Extra environment for this component only, e.g. RTRL_<SERVICE>__<FIELD>: value
-    (see services/runtime/service_settings.py for the settings each service reads)."""
+    (see services/settings/services.py for the settings each service reads)."""
     node_selector: dict[str, str] = {}
     """Node labels the pods must match."""
     tolerations: list[dict[str, Any]] = []

@@ -256,7 +256,7 @@ class Values(_Values):
     """Log level of every service (RTRL_LOG_LEVEL)."""
     config: dict[Annotated[str, Field(pattern=r"^RTRL_[A-Z0-9_]+$")], str] = {}
     """Extra settings for every component, added to the ConfigMap (RTRL_* names, see
-    services/runtime/settings.py and service_settings.py). Secrets do not belong here."""
+    services/settings/model.py and service_settings.py). Secrets do not belong here."""
     kafka: Kafka = Kafka()
     """External Kafka."""
     topics: Topics = Topics()

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Literal
 
+from ingest.contracts.metrics import PERSISTENCE_HORIZON_S, edit_persistence
+
 if TYPE_CHECKING:
     from ingest.events import RewardRecord
 
@@ -74,19 +76,11 @@ class RequestOutcome:
     that all carry the same ts (e.g. the default 0) fall in one stratum."""
 
 
-def outcome_from_reward(record: RewardRecord, horizon_s: int | None = None) -> RequestOutcome:
-    """Build a RequestOutcome from a closed reward record.
-
-    ``horizon_s`` picks the persistence horizon to judge; by default the longest horizon
-    the record observed. Persistence is None when that horizon was not observed.
-    """
-    persistence: float | None = None
-    if record.persistence:
-        if horizon_s is None:
-            key = max(record.persistence, key=lambda k: float(k))
-            persistence = record.persistence[key]
-        else:
-            persistence = record.persistence.get(str(horizon_s))
+def outcome_from_reward(record: RewardRecord, horizon_s: int = PERSISTENCE_HORIZON_S) -> RequestOutcome:
+    """Build a RequestOutcome from a closed reward record, its edit persistence at
+    ``horizon_s`` (``ingest.contracts.metrics.edit_persistence``: accepted edits only, the
+    nearest reported horizon when that one is missing)."""
+    persistence = edit_persistence(record.completion_kind, record.accepted, record.persistence, horizon_s)
     return RequestOutcome(
         user_key=record.user_key,
         reward=record.reward,
@@ -241,6 +235,8 @@ class JudgePolicy:
     mixture_scale: float = 1.0
     """The mSPRT normal mixture has standard deviation mixture_scale × MDE; 1.0 makes the test
     most sensitive near the MDE."""
+    persistence_horizon_s: int = PERSISTENCE_HORIZON_S
+    """The horizon edit persistence is judged at: the reward spec's primary one."""
     guardrails: GuardrailPolicy = field(default_factory=GuardrailPolicy)
     """Absolute ceilings that roll back immediately."""
     detectors: DetectorPolicy = field(default_factory=DetectorPolicy)

@@ -13,36 +13,24 @@ import argparse
 import logging
 
 from deployer.adapters.webhook import WebhookNotifier
-from deployer.controller import Controller
-from deployer.status import CanaryStatus
 from ingest.contracts import prometheus as m
 from services.runtime.flags import deprecated_alias
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.kafka_io import ensure_topics, wait_for_broker
-from services.runtime.mlflow_http import bound_mlflow_http, retry_later
+from services.runtime.mlflow_http import bound_mlflow_http
 from services.runtime.process import Stopper, setup_logging
-from services.runtime.settings import get_settings
+from services.settings.model import get_settings
 from services.wiring.deployer import (
     SERVICE,
     build_controller,
     build_ports,
     holdout_monitor,
     reward_reader,
+    run_tick,
     start_lag_monitor,
 )
 
 log = logging.getLogger("rtrl.deployer")
-
-
-def run_tick(controller: Controller) -> CanaryStatus | None:
-    """One tick of the service loop. A failed tick changes nothing persisted and the next one
-    retries it; a failure of MLflow, Redis or Kafka is counted in
-    ``rtrl_dependency_retries_total{service="deployer"}``."""
-    try:
-        return controller.step()
-    except Exception as exc:
-        retry_later(SERVICE, "tick", exc, log)
-        return None
 
 
 def main(argv: list[str]) -> int:

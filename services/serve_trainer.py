@@ -43,8 +43,8 @@ from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.mlflow_http import retry_later
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.redis_io import make_redis
-from services.runtime.settings import Settings, get_settings
-from services.trainer_job import BusyError, describe, registry_from, run_once, shutdown_ray
+from services.settings.model import Settings, get_settings
+from services.wiring.trainer import BusyError, describe, registry_from, run_once, shutdown_ray
 from trainer.adapters.kafka_rewards import KafkaRewardLog
 from trainer.adapters.redis_cadence import write_cadence
 from trainer.cadence import Decision, Readiness, RecordTally, Trigger, decide

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from services.runtime.settings import KafkaSettings, MlflowSettings, RedisSettings, Settings, TopicSettings
+from services.settings.model import KafkaSettings, MlflowSettings, RedisSettings, Settings, TopicSettings
 
 if TYPE_CHECKING:
-    from services.local.stack import EmbeddedStack
+    from services.stack.embedded import EmbeddedStack
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real Kafka-protocol broker and Redis on free ports (no MLflow server)."""
-    from services.local.stack import EmbeddedStack, free_port
+    from services.stack.embedded import EmbeddedStack, free_port
 
     st = EmbeddedStack(
         data_dir=tmp_path_factory.mktemp("stack"),
@@ -61,7 +61,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real MLflow tracking server (sqlite backend) on a free port; yields its URI."""
-    from services.local.stack import EmbeddedStack, free_port
+    from services.stack.embedded import EmbeddedStack, free_port
 
     st = EmbeddedStack(
         data_dir=tmp_path_factory.mktemp("mlflow"),
@@ -89,7 +89,7 @@ _topic_seq = itertools.count()
 def settings(stack: object) -> Settings:
     """Settings pointing at the session's broker and Redis, with topics and Redis keys
     unique to this test so tests never see each other's data."""
-    from services.local.stack import EmbeddedStack
+    from services.stack.embedded import EmbeddedStack
 
     assert isinstance(stack, EmbeddedStack)
     tag = f"t{next(_topic_seq)}-{uuid.uuid4().hex[:6]}"
@@ -109,7 +109,7 @@ def isolated_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[E
     """A broker and Redis of this test's own (an ``EmbeddedStack``) and settings on them. For
     tests that SIGKILL workers: noida-db keeps a killed group member and its open transaction
     for good, which must not leak into the tests that share the session broker."""
-    from services.local.stack import EmbeddedStack, free_port
+    from services.stack.embedded import EmbeddedStack, free_port
 
     st = EmbeddedStack(data_dir=tmp_path_factory.mktemp("isolated"), kafka_port=free_port(),
                        redis_port=free_port(), reuse_redis_url=None, with_mlflow=False)

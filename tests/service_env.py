@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 
 def service_env(settings: Settings, stack_dir: Path, **extra: str) -> dict[str, str]:

@@ -20,18 +20,9 @@ from typing import Any
 import torch
 
 from trainer.objective import ObjectiveConfig, grpo_loss, next_token_loss, padded
+from trainer.objective import Sample as Sample  # re-exported: callers import it here
 from trainer.policy import TrainablePolicy, load_policy
 from trainer.trust_region import KLBand, Steady, lr_at, split_probe
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One logged completion with its advantage (computed over the whole window)."""
-
-    prompt: list[int]
-    completion: list[int]
-    behavior_logprobs: list[float]
-    advantage: float
 
 
 @dataclass(frozen=True)

@@ -237,3 +237,13 @@ def reward_stats(rewards: Sequence[float], arms: Sequence[str]) -> dict[str, flo
         out[f"reward_std{suffix}"] = math.sqrt(var)
         out[f"reward_n{suffix}"] = float(n)
     return out
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One logged completion with its advantage (computed over the whole window)."""
+
+    prompt: list[int]
+    completion: list[int]
+    behavior_logprobs: list[float]
+    advantage: float

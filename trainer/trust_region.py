@@ -42,7 +42,7 @@ import torch
 from trainer.objective import importance_weights, k3_tokens, padded
 
 if TYPE_CHECKING:
-    from trainer.loop import Sample
+    from trainer.objective import Sample
     from trainer.policy import TrainablePolicy
 
 

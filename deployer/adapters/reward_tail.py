@@ -15,6 +15,7 @@ from typing import Any
 from ingest.adapters.redis_json import read_json, write_json
 from ingest.contracts import prometheus as m
 from ingest.contracts.keys import holdout_report_key
+from ingest.contracts.metrics import PERSISTENCE_HORIZON_S
 from ingest.events import RewardRecord
 from kafka import TopicPartition
 from pydantic import ValidationError
@@ -77,8 +78,10 @@ class RewardReader(RewardTail):
     the canary's start time whenever the canary changes (also after a restart)."""
 
     def __init__(self, consumer: Any, topic: str, poll_ms: int, redis_client: Callable[[], Any],
-                 key_prefix: str) -> None:
+                 key_prefix: str, horizon_s: int = PERSISTENCE_HORIZON_S) -> None:
         super().__init__(consumer, topic, poll_ms)
+        self.horizon_s = horizon_s
+        """Edit persistence is judged at this horizon."""
         self.window: cohorts.CohortWindow | None = None
         self.canary_id: str | None = None
         self._connect_redis = redis_client
@@ -101,7 +104,8 @@ class RewardReader(RewardTail):
         if self.window is None or status.canary_id != self.canary_id:
             assert status.stable is not None and status.candidate is not None
             self.seek(status.started_at)
-            self.window = cohorts.CohortWindow(status.stable, status.candidate, status.started_at)
+            self.window = cohorts.CohortWindow(status.stable, status.candidate, status.started_at,
+                                               horizon_s=self.horizon_s)
             self.canary_id = status.canary_id
         self.follow(self.window)
         return self.window
@@ -155,7 +159,8 @@ class HoldoutMonitor:
             if self.tail is None:
                 self.tail = self.open_tail()
             self.tail.seek(since)
-            self.window = cohorts.HoldoutWindow(h.version, champion, since)
+            self.window = cohorts.HoldoutWindow(h.version, champion, since,
+                                                horizon_s=self.policy.persistence_horizon_s)
             self.key = (h.id, champion)
         self.tail.follow(self.window)  # type: ignore[union-attr]
         got = holdout.measure(self.window, self.policy, now)

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from ingest.contracts.metrics import persistence_at
 from ingest.reward.spec import RewardSpec
 
 COMPONENTS = ("persistence", "acceptance", "dissatisfied", "latency", "invalid_tool_calls", "no_edit",
@@ -53,10 +54,7 @@ def persistence_ratio(persistence: Mapping[int, tuple[int, int]], primary_s: int
     """retained/inserted at the primary horizon, else at the observed horizon nearest to it
     (the shorter one on a tie); None when no usable horizon was observed."""
     usable = {h: r / i for h, (r, i) in persistence.items() if i > 0}
-    if not usable:
-        return None
-    nearest = min(usable, key=lambda h: (abs(h - primary_s), h))
-    return min(1.0, max(0.0, usable[nearest]))
+    return persistence_at(usable, primary_s)
 
 
 def latency_penalty(latency_ms: float, slo_ms: float, weight: float, cap: float) -> float:

@@ -8,7 +8,7 @@ import sys
 
 from services.cli import exit_codes
 from services.cli.backends import backend_failure, message
-from services.runtime.settings import get_settings
+from services.settings.model import get_settings
 
 # name -> (module, one-line help). "serve" and "bench" route on their second word.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "down": ("services.cli.stack", "stop the embedded stack"),
     "stack": ("services.cli.stack", "stack status: what runs and how to connect"),
     "events": ("services.cli.events", "validate events files, export the JSON Schema"),
-    "sample": ("services.local.sample",
+    "sample": ("services.cli.sample",
                "stream sample events through ingest and reward, print what happened"),
     "reconcile": ("services.cli.reconcile",
                   "account for every raw event: lost or duplicated events and rewards"),
@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "resume": ("services.cli.operator", "resume the canary controller"),
     "approve": ("services.cli.operator", "approve the canary that awaits approval (promotes it)"),
     "holdout": ("services.cli.holdout", "the long-term holdout: show, pin, rotate or end it"),
-    "demo": ("services.local.demo", "the closed loop on the embedded stack, with a report"),
+    "demo": ("services.demo.run", "the closed loop on the embedded stack, with a report"),
     "version": ("services.cli.version", "the installed version (--json: with key dependencies)"),
 }
 SERVE: dict[str, tuple[str, str]] = {
@@ -40,7 +40,7 @@ SERVE: dict[str, tuple[str, str]] = {
     "trainer": ("services.serve_trainer", "scheduled RL increments (every 5 h by default)"),
     "gateway": ("services.serve_gateway", "serve completions, route arms, log exposures"),
     "deployer": ("services.serve_deployer", "canary controller with the rollback judge"),
-    "simulator": ("services.local.simulator", "simulated users driving the gateway"),
+    "simulator": ("services.sim.simulator", "simulated users driving the gateway"),
 }
 BENCH: dict[str, tuple[str, str]] = {
     "pipeline": ("bench.pipeline", "ingest and reward throughput vs a do-nothing pipe"),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from services.runtime.mlflow_http import TIMEOUT_VAR, bound_mlflow_client
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 Backend = Literal["mlflow", "redis", "kafka"]
 NAMES: dict[Backend, str] = {"mlflow": "MLflow", "redis": "Redis", "kafka": "Kafka"}

@@ -30,7 +30,7 @@ from ingest.contracts.keys import routing_key
 from services.cli import exit_codes
 from services.cli.backends import backend_failure, bound_mlflow_env, bounded_settings, message
 from services.cli.operator import _ago, _operator, _redis, _signed, add_signing_args, send
-from services.runtime.settings import Settings, get_settings
+from services.settings.model import Settings, get_settings
 
 SUBCOMMANDS = ("status", "pin", "rotate", "end")
 LABELS = {"persistence": "persistence", "latency_ms": "latency (ms)", "dissatisfied": "dissatisfied",

@@ -42,7 +42,7 @@ from ingest.contracts.registry import CANDIDATE, CHAMPION, PREVIOUS
 from services.cli import exit_codes
 from services.cli.backends import backend_failure, bound_mlflow_env, bounded_settings, message, probe_mlflow
 from services.runtime.redis_io import make_redis
-from services.runtime.settings import Settings, get_settings
+from services.settings.model import Settings, get_settings
 from trainer.adapters.redis_cadence import read_cadence
 
 COHORT_ROWS = ("n", "users", "reward_mean", "acceptance", "persistence", "latency_mean_ms",

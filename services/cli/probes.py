@@ -17,7 +17,7 @@ from services.cli.backends import (
 )
 from services.runtime.kafka_io import wait_for_broker
 from services.runtime.redis_io import make_redis
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 
 def probe_broker(settings: Settings) -> None:

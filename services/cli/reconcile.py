@@ -20,8 +20,8 @@ Exit code 0 when nothing is lost or duplicated, 1 otherwise (``--strict``: also 
 event is not reflected yet), 4 when the broker does not answer within ``RTRL_CLI__TIMEOUT_S``
 (services/cli/exit_codes.py).
 
-The accounting is the pure function ``reconcile`` (services/cli/reconcile_accounting.py),
-its result a ``Report`` (services/cli/reconcile_report.py); this module does the I/O:
+The accounting is the pure function ``reconcile`` (ingest/reward/reconcile.py),
+its result a ``Report`` (ingest/reward/reconcile_report.py); this module does the I/O:
 :func:`read_inputs` reads the topics, :func:`main` is the command.
 """
 
@@ -40,11 +40,7 @@ from pydantic import ValidationError
 from deployer.adapters.group_lag import committed_offsets
 from ingest.dedup import SOURCE_HEADER
 from ingest.events import parse_event
-from ingest.reward.spec import load_spec
-from services.cli import exit_codes
-from services.cli.backends import BackendUnavailableError, backend_failure, bounded_settings, message
-from services.cli.probes import probe_broker
-from services.cli.reconcile_accounting import (
+from ingest.reward.reconcile import (
     UNREADABLE_DLQ,
     UNREADABLE_REWARD,
     DeadLetter,
@@ -54,10 +50,14 @@ from services.cli.reconcile_accounting import (
     Timing,
     reconcile,
 )
-from services.cli.reconcile_report import Report
+from ingest.reward.reconcile_report import Report
+from ingest.reward.spec import load_spec
+from services.cli import exit_codes
+from services.cli.backends import BackendUnavailableError, backend_failure, bounded_settings, message
+from services.cli.probes import probe_broker
 from services.runtime.flags import deprecated_alias
 from services.runtime.kafka_io import make_admin, read_topic
-from services.runtime.settings import Settings, get_settings
+from services.settings.model import Settings, get_settings
 
 
 @dataclass

@@ -47,7 +47,7 @@ from services.cli.backends import (
 from services.cli.probes import preflight
 from services.runtime.json_doc import strict_json
 from services.runtime.kafka_io import make_producer, read_topic
-from services.runtime.settings import Settings, get_settings
+from services.settings.model import Settings, get_settings
 
 
 def _time(text: str) -> float:
@@ -119,7 +119,8 @@ def canaries(pairs: Sequence[Pair], rows: Sequence[dict[str, Any]], policy: Judg
         decided = datetime.fromisoformat(row["decided_at"]).timestamp()
         verdicts = {}
         for side in ("live", "replayed"):
-            window = CohortWindow(row["stable"], row["candidate"], started)
+            window = CohortWindow(row["stable"], row["candidate"], started,
+                                  horizon_s=policy.persistence_horizon_s)
             window.add_all(getattr(p, side) for p in pairs if p.live.served_ts.timestamp() <= decided)
             v = judge(*window.cohorts(), policy, elapsed_s=decided - started, boundaries=(started,))
             reward = next((e for e in v.metrics if e.metric == "reward"), None)
@@ -225,9 +226,10 @@ def main(argv: list[str]) -> int:
         doc["advantages"] = advantages(new.pairs, settings) if new.pairs else None
         doc["canaries"] = None
         if not args.no_canaries:
-            from services.wiring.deployer import judge_policy  # the deployer's own judge settings
+            from services.wiring.deployer import judge_policy, persistence_horizon  # the deployer's own
 
-            doc["canaries"] = canaries(new.pairs, ledger_rows(settings), judge_policy(settings.deployer))
+            doc["canaries"] = canaries(new.pairs, ledger_rows(settings),
+                                         judge_policy(settings.deployer, persistence_horizon(settings)))
         doc["written_to"] = write(new, settings, args.out, args.topic, spec.version)
     except BackendUnavailableError as exc:
         print(message("replay", exc.failure, settings, settings.cli.timeout_s), file=sys.stderr)

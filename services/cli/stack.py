@@ -1,4 +1,4 @@
-"""``rtrl up``, ``rtrl down`` and ``rtrl stack``: the embedded stack (services/local/stack.py)
+"""``rtrl up``, ``rtrl down`` and ``rtrl stack``: the embedded stack (services/stack/embedded.py)
 from the command line."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from services.local.stack import stack_from_settings
+from services.stack.embedded import stack_from_settings
 
 USAGE = """usage: rtrl up | rtrl down | rtrl stack [status] [--json]
 

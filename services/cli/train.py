@@ -1,8 +1,8 @@
 """``rtrl train --now`` (one RL increment by hand) and ``rtrl bootstrap`` (the first champion).
 
-The wiring is services/trainer_job.py; this module parses arguments and prints outcomes.
+The wiring is services/wiring/trainer.py; this module parses arguments and prints outcomes.
 Without ``--corpus``, ``rtrl bootstrap`` trains on the demo world's corpus
-(services/local/sim_users.py), so the demo starts from nothing.
+(services/sim/users.py), so the demo starts from nothing.
 
 Training runs for minutes with the trainer's own timeouts and retries, so the backends it
 needs are checked first, each bounded by ``RTRL_CLI__TIMEOUT_S`` (services/cli/backends.py):
@@ -20,9 +20,9 @@ from pathlib import Path
 from services.cli import exit_codes
 from services.cli.backends import Backend, BackendUnavailableError, message
 from services.cli.probes import preflight
-from services.local.sim_users import bootstrap_corpus
 from services.runtime.process import setup_logging
-from services.runtime.settings import Settings, get_settings
+from services.settings.model import Settings, get_settings
+from services.sim.users import bootstrap_corpus
 from trainer.corpus import write_corpus
 
 TRAIN_NEEDS: tuple[Backend, ...] = ("mlflow", "redis", "kafka")
@@ -51,7 +51,7 @@ def _train_main(argv: list[str]) -> int:
     settings = get_settings()
     if _unreachable("train", settings, TRAIN_NEEDS):
         return exit_codes.UNAVAILABLE
-    from services.trainer_job import BusyError, describe, ray_running, run_once, shutdown_ray
+    from services.wiring.trainer import BusyError, describe, ray_running, run_once, shutdown_ray
 
     ray_was_up = ray_running()
     try:
@@ -107,7 +107,7 @@ def _bootstrap_main(argv: list[str]) -> int:
         return 0
     if _unreachable("bootstrap", settings, BOOTSTRAP_NEEDS):
         return exit_codes.UNAVAILABLE
-    from services.trainer_job import bootstrap
+    from services.wiring.trainer import bootstrap
 
     corpus = args.corpus
     if corpus is None:

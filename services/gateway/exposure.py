@@ -35,7 +35,7 @@ from ingest.events import CompletionServed
 from services.runtime.event_producer import EventProducer, EventTooLargeError
 from services.runtime.kafka_io import make_producer
 from services.runtime.process import setup_logging
-from services.runtime.service_settings import GatewaySettings
+from services.settings.services import GatewaySettings
 
 log = logging.getLogger(__name__)
 

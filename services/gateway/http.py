@@ -36,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, ClassVar
 
 from ingest.contracts.prometheus import GATEWAY_CONNECTIONS, GATEWAY_OPEN_CONNECTIONS, GATEWAY_REQUESTS
-from services.runtime.service_settings import GatewaySettings
+from services.settings.services import GatewaySettings
 
 log = logging.getLogger(__name__)
 

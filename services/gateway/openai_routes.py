@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -27,9 +27,21 @@ from services.gateway import openai_api as api
 from services.gateway.generation import BadRequestError, GenRequest, Piece, Served, UpstreamError
 from services.gateway.http import Response, json_response
 from services.gateway.models import Backend
+from services.gateway.request_ids import RequestIds
+from services.settings.services import GatewaySettings
 
-if TYPE_CHECKING:
-    from services.gateway.server import Gateway
+
+class Gateway(Protocol):
+    """What the routes use of the gateway (``services/gateway/server.Gateway``)."""
+
+    settings: GatewaySettings
+    model_name: str
+    request_ids: RequestIds
+    count: Callable[..., object]
+    """``count(version, arm, error, user)``: the judge's per-arm request and error counts."""
+    log_exposure: Callable[[dict[str, Any]], object]
+
+    def pick(self, user_key: str) -> tuple[Arm, str, Backend, tuple[str, Backend]] | Response: ...
 
 log = logging.getLogger(__name__)
 

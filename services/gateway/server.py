@@ -40,7 +40,7 @@ from services.gateway.openai_api import Headers, error_body
 from services.gateway.openai_routes import OpenAIRoutes
 from services.gateway.request_ids import RequestIds
 from services.runtime.health import Health
-from services.runtime.service_settings import GatewaySettings
+from services.settings.services import GatewaySettings
 from trainer.tokens import completion_kind
 
 log = logging.getLogger(__name__)

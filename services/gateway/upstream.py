@@ -32,7 +32,7 @@ from typing import Any, Literal
 from services.gateway.engine_backend import EngineBackend, EngineClient
 from services.gateway.generation import GenRequest, Piece, UpstreamError, clean_logprob
 from services.gateway.models import Generation
-from services.runtime.service_settings import UpstreamSettings
+from services.settings.services import UpstreamSettings
 
 TOKEN_ID_PREFIX = "token_id:"  # noqa: S105 (vLLM's token id marker, not a secret)
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, SecretStr
 
 from ingest.auth import sign
 from services.runtime.kafka_io import make_producer
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 
 class _Producer(Protocol):

@@ -14,7 +14,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 
-from services.runtime.settings import KafkaSettings, Settings, TopicSettings
+from services.settings.model import KafkaSettings, Settings, TopicSettings
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import os
 from collections.abc import MutableMapping
 
 from ingest.contracts import prometheus as metrics
-from services.runtime.settings import MlflowSettings
+from services.settings.model import MlflowSettings
 
 TIMEOUT_VAR = "MLFLOW_HTTP_REQUEST_TIMEOUT"
 RETRIES_VAR = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"

@@ -4,7 +4,7 @@ applies without a restart)."""
 from __future__ import annotations
 
 from deployer.operators import Authority, parse_keys
-from services.runtime.operator_settings import OperatorSettings
+from services.settings.operators import OperatorSettings
 
 
 def authority(s: OperatorSettings) -> Authority:

@@ -8,7 +8,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from services.runtime.settings import RedisSettings
+from services.settings.model import RedisSettings
 
 
 def make_redis(settings: RedisSettings, timeout_s: float | None = None) -> redis.Redis:

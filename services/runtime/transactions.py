@@ -24,7 +24,7 @@ from kafka import KafkaProducer
 
 from ingest.contracts.keys import fenced_key
 from services.runtime.kafka_io import close_quietly, make_producer
-from services.runtime.settings import KafkaSettings
+from services.settings.model import KafkaSettings
 
 log = logging.getLogger("rtrl.exactly_once")
 

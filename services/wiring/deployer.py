@@ -24,13 +24,15 @@ from deployer.controller import Controller, ControllerConfig, Ports
 from deployer.engine import EnginePort
 from deployer.status import CanaryPolicy, CanaryStatus, Observations
 from ingest.contracts import prometheus as m
+from ingest.contracts.metrics import PERSISTENCE_HORIZON_S
+from ingest.reward.spec import load_spec
 from rollback.types import GuardrailPolicy, JudgePolicy, default_metrics
 from services.runtime.kafka_io import make_admin, make_consumer
 from services.runtime.mlflow_http import retry_later
 from services.runtime.operator_keys import authority
 from services.runtime.redis_io import make_redis
-from services.runtime.service_settings import DeployerSettings
-from services.runtime.settings import Settings
+from services.settings.model import Settings
+from services.settings.services import DeployerSettings
 
 SERVICE = "deployer"
 log = logging.getLogger("rtrl.deployer")
@@ -42,7 +44,12 @@ def canary_policy(d: DeployerSettings) -> CanaryPolicy:
                         approval_timeout_s=d.approval.timeout_s)
 
 
-def judge_policy(d: DeployerSettings) -> JudgePolicy:
+def persistence_horizon(settings: Settings) -> int:
+    """The reward spec's primary horizon: edit persistence is judged where it is rewarded."""
+    return load_spec(settings.reward_spec).persistence.primary_horizon_s
+
+
+def judge_policy(d: DeployerSettings, horizon_s: int = PERSISTENCE_HORIZON_S) -> JudgePolicy:
     specs = default_metrics()
     unknown = set(d.judge_mde) - {s.name for s in specs}
     if unknown:
@@ -52,7 +59,7 @@ def judge_policy(d: DeployerSettings) -> JudgePolicy:
         metrics=tuple(replace(s, mde=d.judge_mde.get(s.name, s.mde)) for s in specs),
         alpha=d.judge_alpha, min_users=d.judge_min_users, max_users=d.judge_max_users,
         max_duration_s=d.max_duration_s, stratum_s=d.judge_stratum_s,
-        user_weight_cap=d.judge_user_weight_cap,
+        user_weight_cap=d.judge_user_weight_cap, persistence_horizon_s=horizon_s,
         guardrails=GuardrailPolicy(max_error_rate=d.judge_max_error_rate,
                                    max_p99_latency_ms=d.judge_max_p99_latency_ms,
                                    min_requests=d.judge_min_requests),
@@ -63,7 +70,8 @@ def controller_config(settings: Settings) -> ControllerConfig:
     uri = settings.mlflow.tracking_uri
     ops = settings.operators
     return ControllerConfig(
-        policy=canary_policy(settings.deployer), judge=judge_policy(settings.deployer),
+        policy=canary_policy(settings.deployer),
+        judge=judge_policy(settings.deployer, persistence_horizon(settings)),
         authority=lambda: authority(ops), lease_ttl_s=settings.deployer.lease_ttl_s,
         command_max_age_s=ops.max_age_s, model_name=settings.mlflow.registered_model,
         ui_url=settings.notify.mlflow_ui_url or (uri if uri.startswith(("http:", "https:")) else None))
@@ -154,7 +162,7 @@ def reward_reader(settings: Settings) -> RewardReader:
     """The current canary's reward records and the gateway's counts of its requests."""
     return RewardReader(make_consumer(settings.kafka, group_id=None), settings.topics.rewards,
                         settings.deployer.poll_timeout_ms, lambda: make_redis(settings.redis),
-                        settings.redis.key_prefix)
+                        settings.redis.key_prefix, persistence_horizon(settings))
 
 
 def holdout_monitor(settings: Settings, ports: ServicePorts) -> HoldoutMonitor | None:
@@ -167,8 +175,9 @@ def holdout_monitor(settings: Settings, ports: ServicePorts) -> HoldoutMonitor |
     def record(holdout_id: str, now: float, metrics: dict[str, float]) -> None:
         ports.ledger.record(LedgerStep(holdout_id, int(now), now, metrics))
 
-    return HoldoutMonitor(lambda: reward_tail(settings), judge_policy(settings.deployer), ports.state.r,
-                          settings.redis.key_prefix, record, every_s)
+    policy = judge_policy(settings.deployer, persistence_horizon(settings))
+    return HoldoutMonitor(lambda: reward_tail(settings), policy, ports.state.r, settings.redis.key_prefix,
+                          record, every_s)
 
 
 def start_lag_monitor(settings: Settings) -> GroupLagMonitor | None:
@@ -183,3 +192,14 @@ def start_lag_monitor(settings: Settings) -> GroupLagMonitor | None:
         return BrokerOffsets(make_admin(settings.kafka), consumer)
 
     return GroupLagMonitor(SERVICE, groups, connect, settings.deployer.lag_interval_s).start()
+
+
+def run_tick(controller: Controller) -> CanaryStatus | None:
+    """One tick of the service loop. A failed tick changes nothing persisted and the next one
+    retries it; a failure of MLflow, Redis or Kafka is counted in
+    ``rtrl_dependency_retries_total{service="deployer"}``."""
+    try:
+        return controller.step()
+    except Exception as exc:
+        retry_later(SERVICE, "tick", exc, log)
+        return None

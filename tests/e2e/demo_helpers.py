@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from services.local.stack import pid_alive
+from services.stack.embedded import pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -31,10 +31,10 @@ import pytest
 import yaml
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
-from services.local.stack import free_port
-from services.local.supervisor import ProcSpec, Supervisor, serve_argv
 from services.runtime.kafka_io import ensure_topics
-from services.runtime.settings import Settings
+from services.settings.model import Settings
+from services.stack.embedded import free_port
+from services.stack.supervisor import ProcSpec, Supervisor, serve_argv
 from trainer.policy import TinyConfig, TinyTransformer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from services.local.supervisor import stop_recorded
+from services.stack.supervisor import stop_recorded
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.local.stack import EmbeddedStack
-from services.local.supervisor import stop_recorded
+from services.stack.embedded import EmbeddedStack
+from services.stack.supervisor import stop_recorded
 from tests.e2e.demo_helpers import demo_env, leftovers, run_demo, story
 
 LEDGER_TAGS = ("rtrl.canary.id", "rtrl.candidate_version", "rtrl.stable_version", "rtrl.canary.outcome",

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from services.local.stack import EmbeddedStack
-from services.local.supervisor import stop_recorded
+from services.stack.embedded import EmbeddedStack
+from services.stack.supervisor import stop_recorded
 from tests.e2e.demo_helpers import demo_env, leftovers, run_demo, story
 
 ENGINE_REFUSED = "engine: the engine refused the adapter"

@@ -1,8 +1,8 @@
 """Integration fixtures shared by several files: a sqlite MLflow store per module, and one
 real vLLM engine per test session.
 
-``vllm_engine`` builds a tiny Llama model with its own tokenizer (services/local/tiny_llm.py),
-starts vLLM's CPU build on it once (services/local/engine.py; 35-200 s on 2 cores) and stops
+``vllm_engine`` builds a tiny Llama model with its own tokenizer (services/stack/tiny_llm.py),
+starts vLLM's CPU build on it once (services/stack/engine.py; 35-200 s on 2 cores) and stops
 it at the end of the session. Tests that load adapters give them names of their own.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from services.local.engine import LocalVllm
-from services.local.tiny_llm import build_lora_adapter, build_tiny_llm, corrupt_adapter
+from services.stack.engine import LocalVllm
+from services.stack.tiny_llm import build_lora_adapter, build_tiny_llm, corrupt_adapter
 
 
 @dataclass

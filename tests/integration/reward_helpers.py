@@ -18,7 +18,7 @@ from ingest.events import (
     RewardRecord,
 )
 from services.runtime.kafka_io import ensure_topics, make_consumer, make_producer
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 from trainer.tokens import BOS
 
 T0 = datetime.now(UTC) - timedelta(minutes=5)

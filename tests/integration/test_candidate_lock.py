@@ -14,7 +14,7 @@ from deployer.adapters.redis_state import RedisLock, candidate_lock
 from deployer.registry import LockUnavailableError, Registry, offer_candidate
 from ingest.contracts.registry import CANDIDATE
 from services.runtime.redis_io import make_redis
-from services.runtime.settings import RedisSettings, Settings
+from services.settings.model import RedisSettings, Settings
 
 
 class SlowRegistry(InMemoryRegistry):

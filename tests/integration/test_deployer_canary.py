@@ -16,7 +16,7 @@ from deployer.controller import Controller
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASON
 from deployer.status import CanaryStatus, Phase
 from ingest.contracts.registry import TAG_CANARY_ID
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 from services.wiring.deployer import build_controller, build_ports, reward_reader
 
 

@@ -20,8 +20,8 @@ from deployer import notify
 from deployer.adapters.webhook import WebhookNotifier
 from deployer.controller import Controller
 from deployer.status import Phase
-from services.runtime.notify_settings import NotifySettings
-from services.runtime.settings import Settings
+from services.settings.model import Settings
+from services.settings.notify import NotifySettings
 from services.wiring.deployer import build_controller, build_ports
 
 SECRET = "hmac-test-key"

@@ -15,7 +15,7 @@ from deployer.adapters.ledger_mlflow import MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME
 from services.cli import operator
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 
 @pytest.fixture

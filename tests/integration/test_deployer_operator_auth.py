@@ -20,7 +20,7 @@ from deployer.status import Command, Phase
 from ingest.contracts import prometheus as m
 from ingest.contracts.registry import TAG_CLAIMED_BY, TAG_KIND
 from services.cli import operator
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 from services.wiring.deployer import build_controller, build_ports, reward_reader
 
 

@@ -19,7 +19,7 @@ from deployer_helpers import deployer_settings, feed_rewards, register_versions
 
 from deployer.adapters.ledger_mlflow import MlflowLedger
 from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 
 def service_env(s: Settings, data_dir: Path) -> dict[str, str]:

@@ -9,7 +9,7 @@ import pytest
 
 from deployer.adapters.redis_state import RedisRouting
 from services.runtime.redis_io import make_redis
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 _spec = importlib.util.spec_from_file_location(
     "canary_routing_contract", Path(__file__).parents[1] / "unit" / "test_canary_routing_contract.py"

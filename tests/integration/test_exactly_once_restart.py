@@ -20,12 +20,12 @@ import pytest
 from kafka.errors import KafkaError
 from kafka.structs import TopicPartition
 
-from services.local.stack import EmbeddedStack, free_port
 from services.runtime.exactly_once import Batch, ExactlyOnceLoop, Output
 from services.runtime.health import Health
 from services.runtime.kafka_io import ConnectionWatch, ensure_topics, make_consumer, make_producer, read_topic
 from services.runtime.process import Stopper
-from services.runtime.settings import KafkaSettings, Settings, TopicSettings
+from services.settings.model import KafkaSettings, Settings, TopicSettings
+from services.stack.embedded import EmbeddedStack, free_port
 
 pytestmark = pytest.mark.integration
 

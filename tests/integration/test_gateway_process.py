@@ -16,9 +16,9 @@ import pytest
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from ingest.events import CompletionServed, parse_event
-from services.local.stack import free_port
 from services.runtime.kafka_io import ensure_topics, make_consumer
-from services.runtime.settings import Settings
+from services.settings.model import Settings
+from services.stack.embedded import free_port
 from trainer.policy import TinyConfig, TinyTransformer
 
 

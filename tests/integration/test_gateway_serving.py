@@ -26,9 +26,9 @@ from services.gateway.server import GatewayServer
 from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.redis_io import make_redis
-from services.runtime.service_settings import GatewaySettings
-from services.runtime.settings import MlflowSettings, Settings
-from services.serve_gateway import build
+from services.settings.model import MlflowSettings, Settings
+from services.settings.services import GatewaySettings
+from services.wiring.gateway import build
 from trainer.policy import TinyConfig, TinyTransformer, write_manifest
 
 SECRET = "gw-secret"
@@ -224,8 +224,8 @@ def test_canary_that_fails_to_load_is_served_by_stable_and_counted(
 def test_broker_down_at_start_still_serves_and_counts_drops(
     settings: Settings, registry: tuple[str, str, dict[str, str]], tmp_path: Path
 ) -> None:
-    from services.local.stack import free_port
-    from services.runtime.settings import KafkaSettings
+    from services.settings.model import KafkaSettings
+    from services.stack.embedded import free_port
 
     dead = settings.model_copy(update={"kafka": KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}",
                                                               request_timeout_ms=1000)})

@@ -20,9 +20,9 @@ from services.gateway.server import GatewayServer
 from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.redis_io import make_redis
-from services.runtime.service_settings import GatewaySettings, UpstreamSettings
-from services.runtime.settings import Settings
-from services.serve_gateway import build
+from services.settings.model import Settings
+from services.settings.services import GatewaySettings, UpstreamSettings
+from services.wiring.gateway import build
 
 
 class Upstreams:

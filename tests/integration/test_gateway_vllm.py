@@ -29,15 +29,15 @@ from deployer.status import Command, Phase
 from ingest.contracts.keys import engine_model_key
 from ingest.events import CompletionServed, parse_event
 from services.gateway.server import GatewayServer
-from services.local.tiny_llm import write_engine_check
-from services.runtime.engine_settings import EngineSettings
 from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.redis_io import make_redis
-from services.runtime.service_settings import GatewaySettings
-from services.runtime.settings import Settings
-from services.serve_gateway import build
+from services.settings.engine import EngineSettings
+from services.settings.model import Settings
+from services.settings.services import GatewaySettings
+from services.stack.tiny_llm import write_engine_check
 from services.wiring.deployer import build_controller, build_ports
+from services.wiring.gateway import build
 from tests.integration.conftest import Engine
 from tests.integration.deployer_helpers import deployer_settings, with_operators
 from trainer.lora_policy import check_prompt_ids

@@ -12,7 +12,7 @@ from kafka.structs import OffsetAndMetadata
 
 from deployer.adapters.group_lag import BrokerOffsets
 from services.runtime.kafka_io import ensure_topics, make_admin, make_consumer, make_producer
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 pytestmark = pytest.mark.integration
 

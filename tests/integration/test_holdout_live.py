@@ -23,7 +23,7 @@ from ingest.contracts.registry import TAG_HOLDOUT_END, TAG_KIND
 from services.cli import holdout as holdout_cli
 from services.cli import operator
 from services.runtime.redis_io import make_redis
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 from services.wiring.deployer import build_controller, build_ports, holdout_monitor, reward_reader
 
 

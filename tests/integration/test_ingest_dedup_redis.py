@@ -11,7 +11,7 @@ import pytest
 from ingest.adapters.redis_dedup import RedisDedupStore
 from ingest.dedup import duplicates
 from services.runtime.redis_io import make_redis
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 
 @pytest.fixture

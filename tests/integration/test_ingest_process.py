@@ -18,7 +18,7 @@ from kafka import KafkaConsumer, TopicPartition
 from ingest.events import parse_event
 from services.runtime.event_producer import EventProducer
 from services.runtime.kafka_io import ensure_topics, make_consumer
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 from tests.service_env import service_env
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -165,7 +165,7 @@ def test_kill_9_mid_stream_then_restart_forwards_every_event_exactly_once(
 
 
 def test_unreachable_redis_is_a_clear_startup_error(settings: Settings, tmp_path: Path) -> None:
-    from services.local.stack import free_port
+    from services.stack.embedded import free_port
 
     s = with_auth(settings)
     env = env_for(s, tmp_path, RTRL_REDIS__URL=f"redis://:hunter2@127.0.0.1:{free_port()}/0")

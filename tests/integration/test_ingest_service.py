@@ -19,9 +19,9 @@ from ingest.events import CompletionServed, EditAccepted, ModelRef, parse_event
 from services.runtime.event_producer import EventProducer
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.process import Stopper
-from services.runtime.service_settings import IngestSettings
-from services.runtime.settings import AuthSettings, Settings
-from services.serve_ingest import run_worker
+from services.settings.model import AuthSettings, Settings
+from services.settings.services import IngestSettings
+from services.wiring.ingest import run_worker
 
 SECRET = "test-secret"
 

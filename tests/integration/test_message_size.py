@@ -8,7 +8,7 @@ import pytest
 from kafka.errors import MessageSizeTooLargeError
 
 from services.runtime.kafka_io import ensure_topics, make_producer
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 pytestmark = pytest.mark.integration
 

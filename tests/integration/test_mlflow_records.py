@@ -15,7 +15,7 @@ from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.controller import Controller
 from deployer.status import Phase
 from ingest.contracts.registry import CHAMPION_SINCE, FATE
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 
 def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow_server: str,

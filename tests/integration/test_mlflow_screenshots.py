@@ -19,7 +19,7 @@ from PIL import Image
 
 from deployer import records
 from deployer.adapters.ledger_mlflow import MlflowLedger
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 CHROMIUM = shutil.which("chromium")
 DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"

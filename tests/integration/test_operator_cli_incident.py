@@ -13,7 +13,7 @@ import pytest
 from deployer_helpers import deployer_settings, register_versions, with_operators
 
 from services.cli import exit_codes, main, operator
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 
 @pytest.fixture

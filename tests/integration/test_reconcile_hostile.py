@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.runtime.kafka_io import ensure_topics, make_producer
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 from tests.service_env import service_env
 
 pytestmark = pytest.mark.integration

@@ -22,9 +22,9 @@ from deployer.actions import LedgerClose, LedgerOpen
 from deployer.adapters.ledger_mlflow import MlflowLedger
 from ingest.reward.spec import default_spec_text, load_spec
 from services.runtime.process import Stopper
-from services.runtime.service_settings import RewardSettings
-from services.runtime.settings import Settings
-from services.serve_reward import RewardWorker
+from services.settings.model import Settings
+from services.settings.services import RewardSettings
+from services.wiring.reward import RewardWorker
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from reward_helpers import full_edit, produce, read_rewards, served
 
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 from tests.service_env import service_env
 
 

@@ -20,9 +20,9 @@ from reward_helpers import (
 
 from ingest.reward.spec import load_spec
 from services.runtime.process import Stopper
-from services.runtime.service_settings import RewardSettings
-from services.runtime.settings import Settings
-from services.serve_reward import RewardWorker
+from services.settings.model import Settings
+from services.settings.services import RewardSettings
+from services.wiring.reward import RewardWorker
 
 
 def _metric(name: str, **labels: str) -> float:

@@ -8,7 +8,7 @@ from ingest.adapters.redis_join import RedisJoinState
 from ingest.reward.join import apply
 from ingest.reward.spec import load_spec
 from services.runtime.redis_io import make_redis
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 
 SPEC = load_spec()
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from services.local.stack import EmbeddedStack, free_port
 from services.runtime.redis_io import redis_answers
-from services.runtime.settings import KafkaSettings, Settings, TopicSettings
+from services.settings.model import KafkaSettings, Settings, TopicSettings
+from services.stack.embedded import EmbeddedStack, free_port
 
 
 def test_stack_up_status_down_leaves_no_process(tmp_path: Path) -> None:

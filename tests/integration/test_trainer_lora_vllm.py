@@ -20,13 +20,13 @@ from deployer.adapters.vllm_engine import VllmEngine
 from deployer.engine import READY, engine_prompt_logprobs
 from ingest.contracts.registry import CHAMPION, Tag
 from ingest.events import ModelRef, RewardRecord
-from services import trainer_job
 from services.gateway.engine_backend import EngineBackend, EngineClient
-from services.local.tiny_llm import corpus
 from services.runtime.kafka_io import ensure_topics, make_producer
 from services.runtime.redis_io import make_redis
-from services.runtime.service_settings import TrainerSettings
-from services.runtime.settings import Settings
+from services.settings.model import Settings
+from services.settings.services import TrainerSettings
+from services.stack.tiny_llm import corpus
+from services.wiring import trainer as trainer_job
 from tests.integration.conftest import Engine
 from trainer.lora_policy import LoRAPolicy, LoraSpec, content_hash
 from trainer.policy import load_policy

@@ -20,12 +20,12 @@ from reward_helpers import reward_record
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from ingest.contracts.registry import CANDIDATE, CHAMPION, Tag
-from services import trainer_job
 from services.cli import train as train_cli
-from services.local.sim_users import bootstrap_corpus
 from services.runtime.kafka_io import ensure_topics, make_producer
-from services.runtime.service_settings import TrainerSettings
-from services.runtime.settings import Settings, get_settings
+from services.settings.model import Settings, get_settings
+from services.settings.services import TrainerSettings
+from services.sim.users import bootstrap_corpus
+from services.wiring import trainer as trainer_job
 from trainer.corpus import write_corpus
 from trainer.policy import load_policy
 from trainer.tokens import BOS
@@ -204,7 +204,7 @@ def test_two_workers_train_what_one_process_trains(ray_local: None, tmp_path: Pa
     trains on the same samples (up to float summation order)."""
     import torch
 
-    from services.local.tiny_llm import build_tiny_llm
+    from services.stack.tiny_llm import build_tiny_llm
     from trainer.adapters.ray_train import RayTrainJob
     from trainer.loop import LoopConfig, Sample
     from trainer.lora_policy import LoRAPolicy, LoraSpec

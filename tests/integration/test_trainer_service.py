@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from services.local.stack import free_port
-from services.runtime.settings import Settings
+from services.settings.model import Settings
+from services.stack.embedded import free_port
 
 NEXT_RUN = "select next_run_time from apscheduler_jobs where id='rtrl-increment'"
 
@@ -122,8 +122,8 @@ def test_sigterm_during_an_increment_exits_0_and_leaves_the_window_pending(
     ``ray.shutdown()`` under the increment's thread made Ray end the process with exit code 1."""
     from deployer.adapters.mlflow_registry import MlflowRegistry
     from services.runtime.kafka_io import ensure_topics
-    from services.runtime.service_settings import TrainerSettings
-    from services.runtime.settings import MlflowSettings, get_settings
+    from services.settings.model import MlflowSettings, get_settings
+    from services.settings.services import TrainerSettings
     from tests.integration.test_trainer_ray import bootstrap_champion, produce_rewards
     from trainer.window import PendingWindow
 

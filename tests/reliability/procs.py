@@ -17,7 +17,7 @@ from typing import Any
 from kafka import TopicPartition
 
 from services.runtime.kafka_io import make_consumer
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 from tests.service_env import service_env
 
 RTRL = str(Path(sys.executable).parent / "rtrl")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from services.runtime.kafka_io import ensure_topics
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 from tests.reliability import scale
 from tests.reliability.workload import (
     RTRL,

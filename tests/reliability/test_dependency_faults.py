@@ -29,9 +29,9 @@ from typing import Any
 import pytest
 import redis as redis_lib
 
-from services.local.stack import EmbeddedStack
 from services.runtime.kafka_io import ensure_topics, read_topic
-from services.runtime.settings import Settings
+from services.settings.model import Settings
+from services.stack.embedded import EmbeddedStack
 from tests.reliability import scale
 from tests.reliability.workload import (
     RawOut,

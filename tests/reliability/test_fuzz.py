@@ -24,7 +24,7 @@ from ingest.auth import AuthPolicy
 from ingest.reward.spec import load_spec
 from ingest.validate import REASONS, Limits, validate
 from services.runtime.kafka_io import ensure_topics, make_producer
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 from tests.reliability import fuzz_corpus, procs, scale
 
 KEYS = {"gateway": b"fuzz-gateway-secret", "ide": b"fuzz-ide-secret"}

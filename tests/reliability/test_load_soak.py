@@ -32,9 +32,9 @@ from pathlib import Path
 import pytest
 from kafka.admin import NewTopic
 
-from services.local.stack import EmbeddedStack
 from services.runtime.kafka_io import ensure_topics, make_admin, topic_names
-from services.runtime.settings import Settings
+from services.settings.model import Settings
+from services.stack.embedded import EmbeddedStack
 from tests.reliability import scale
 from tests.reliability.workload import (
     Progress,

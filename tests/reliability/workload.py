@@ -34,7 +34,7 @@ from ingest.events import (
     ModelRef,
 )
 from services.runtime.kafka_io import make_admin, make_consumer, make_producer
-from services.runtime.settings import Settings
+from services.settings.model import Settings
 from tests.service_env import service_env
 
 RTRL = str(Path(sys.executable).parent / "rtrl")
@@ -422,8 +422,8 @@ def drain_and_stop(workers: list[Worker], rewards: RewardCounter, requests: int,
 
 def reconcile_topics(settings: Settings) -> tuple[Any, Any]:
     """The reconciler's inputs read from ``settings``' topics, and its report."""
+    from ingest.reward.reconcile import reconcile
     from services.cli.reconcile import read_inputs
-    from services.cli.reconcile_accounting import reconcile
 
     inp = read_inputs(settings)
     rep = reconcile(inp.raw, inp.forwarded, inp.dlq, inp.rewards, raw_topic=settings.topics.raw,

@@ -102,7 +102,8 @@ def test_cohort_summary_by_hand() -> None:
     assert s["n"] == 3 and s["users"] == 2
     assert s["reward_mean"] == pytest.approx(0.5) and s["latency_mean_ms"] == pytest.approx(200)
     assert s["latency_p95_ms"] == pytest.approx(290)  # numpy's linear interpolation: 200 + 0.9*100
-    assert s["acceptance"] == 0.5 and s["persistence"] == 0.5
+    # acceptance among edits with accept/reject feedback: the question's rejection is no edit's
+    assert s["acceptance"] == 1.0 and s["persistence"] == 0.5
     assert s["dissatisfied_rate"] == pytest.approx(1 / 3) and s["edit_rate"] == pytest.approx(2 / 3)
     assert s["invalid_tool_rate"] == 0.5 and s["error_rate"] == 0.25
     assert summary(CohortData("stable")) == {"n": 0.0, "users": 0.0}
@@ -138,7 +139,7 @@ def test_end_of_canary_metrics_count_once_with_low_cardinality_labels() -> None:
 
 
 def test_judge_mde_overrides_and_rejects_unknown_metrics() -> None:
-    from services.runtime.service_settings import DeployerSettings
+    from services.settings.services import DeployerSettings
     from services.wiring.deployer import judge_policy
 
     policy = judge_policy(DeployerSettings(judge_mde={"reward": 0.2}, judge_alpha=0.05))

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from deployer import notify
 from deployer.adapters.webhook import WebhookNotifier
 from deployer.status import CanaryStatus, Phase
-from services.runtime.notify_settings import NotifySettings
+from services.settings.notify import NotifySettings
 
 T = 1_800_000_000.0
 RUNNING = CanaryStatus(phase=Phase.PROGRESSING, canary_id="canary-v7-x", candidate="7", stable="6")

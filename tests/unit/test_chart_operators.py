@@ -14,7 +14,7 @@ from chart_docs import Refusal, Render, deployment, env_of
 
 from deployer.operators import parse_keys
 from services.runtime.operator_keys import authority
-from services.runtime.settings import settings_from_env
+from services.settings.model import settings_from_env
 
 ALICE = hashlib.sha256(b"alice-token").hexdigest()
 OLD, NEW = (hashlib.sha256(t).hexdigest() for t in (b"bob-old", b"bob-new"))

@@ -229,7 +229,7 @@ def test_network_policies_allow_only_what_each_component_needs(rendered) -> None
 @pytest.mark.parametrize("name", sorted(ct.VALUES_SETS))
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_services_parse_the_rendered_settings(rendered, name: str, component: str, monkeypatch) -> None:
-    from services.runtime.settings import Settings
+    from services.settings.model import Settings
 
     env = env_of(rendered[name], component)
     for key, value in env.items():
@@ -355,7 +355,7 @@ def test_an_install_that_would_not_start_fails_saying_what_to_set(
 
 def test_a_development_install_without_keys_renders_when_asked_for(render: Render,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.runtime.settings import Settings
+    from services.settings.model import Settings
 
     dev = ["--set", "gateway.allowAnonymous=true", "--set", "auth.allowUnsigned=true"]
     gw = env_of(render(*dev), "gateway")

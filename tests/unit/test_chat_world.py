@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.local.chat_world import ASK_WORD, CONTENT_WORDS, ChatVocab
-from services.local.sim_users import (
+from services.sim.chat_world import ASK_WORD, CONTENT_WORDS, ChatVocab
+from services.sim.users import (
     draw_task,
     make_population,
     make_prompt,
@@ -80,11 +80,11 @@ def test_a_user_reacts_to_the_words_as_to_the_ids() -> None:
 
 
 def test_the_demo_tokenizer_makes_every_world_word_one_token(tmp_path: Path) -> None:
-    """Trained as ``rtrl demo --engine vllm`` trains it (services/local/chat_model.py)."""
+    """Trained as ``rtrl demo --engine vllm`` trains it (services/demo/chat_model.py)."""
     from transformers import AutoTokenizer
 
-    from services.local.chat_model import VOCAB, tokenizer_texts, word_tokens
-    from services.local.tiny_llm import build_tokenizer
+    from services.demo.chat_model import VOCAB, tokenizer_texts, word_tokens
+    from services.stack.tiny_llm import build_tokenizer
 
     build_tokenizer(tmp_path, 0, VOCAB, tokenizer_texts(make_world(0), 0))
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))

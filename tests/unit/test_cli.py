@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import BENCH, COMMANDS, SERVE, main
-from services.runtime.settings import get_settings
+from services.settings.model import get_settings
 
 ROUTED = sorted({module for module, _ in [*COMMANDS.values(), *SERVE.values(), *BENCH.values()]})
 

@@ -21,7 +21,7 @@ from services.cli.backends import (
 )
 from services.runtime.flags import deprecated_alias
 from services.runtime.redis_io import make_redis
-from services.runtime.settings import Settings, settings_from_env
+from services.settings.model import Settings, settings_from_env
 
 
 def _mlflow_error(cause: Exception) -> MlflowException:

@@ -22,7 +22,7 @@ import fakeredis
 import pytest
 
 from services.cli import BENCH, COMMANDS, SERVE, exit_codes, main, operator
-from services.runtime.settings import get_settings
+from services.settings.model import get_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 WALL_LIMIT_S = 15.0

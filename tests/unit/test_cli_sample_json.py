@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from services.cli import exit_codes
-from services.local.sample import summary
+from services.cli.sample import summary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_summary_has_the_facts_of_the_text_summary() -> None:
 
 
 def test_the_text_summary_prints_the_same_document(capsys: pytest.CaptureFixture[str]) -> None:
-    from services.local.sample import _print_summary
+    from services.cli.sample import _print_summary
 
     rewards = [_reward("stable", 1.0, True), _reward("canary", 0.5, None, defaulted=True)]
     _print_summary(summary(12, 9, collections.Counter({"schema": 2}), rewards, 4))

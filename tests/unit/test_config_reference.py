@@ -9,15 +9,15 @@ from typing import Annotated, Literal
 import pytest
 from pydantic import BaseModel, Field, SecretStr
 
-from services.runtime import config_reference as ref
-from services.runtime.settings import Settings
+from services.settings import reference as ref
+from services.settings.model import Settings
 
 pytestmark = pytest.mark.unit
 
 
 def test_the_committed_reference_is_current() -> None:
     assert ref.DOC.read_text() == ref.render(), \
-        "docs/configuration.md is stale: run python -m services.runtime.config_reference --write"
+        "docs/configuration.md is stale: run python -m services.settings.reference --write"
     assert ref.main(["--check"]) == 0
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.local import demo_chaos
-from services.local.demo_chaos import Chaos, ChaosResult, ledger_check
-from services.local.supervisor import ProcSpec, Supervisor
+from services.demo import chaos as demo_chaos
+from services.demo.chaos import Chaos, ChaosResult, ledger_check
+from services.stack.supervisor import ProcSpec, Supervisor
 
 pytestmark = pytest.mark.unit
 

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_stdout_holds_only_the_document_printed_after_the_block() -> None:
     script = textwrap.dedent("""
         import json, os, subprocess, sys
-        from services.local.demo_config import say, stdout_to_stderr
+        from services.demo.console import say, stdout_to_stderr
         with stdout_to_stderr():
             say("progress line")
             subprocess.run([sys.executable, "-c", "print('child stdout')"], check=True)
@@ -36,7 +36,7 @@ def test_stdout_holds_only_the_document_printed_after_the_block() -> None:
 
 def test_the_block_restores_stdout_after_a_failure() -> None:
     script = textwrap.dedent("""
-        from services.local.demo_config import stdout_to_stderr
+        from services.demo.console import stdout_to_stderr
         try:
             with stdout_to_stderr():
                 raise RuntimeError("inside")

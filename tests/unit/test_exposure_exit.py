@@ -24,7 +24,7 @@ def test_an_owner_that_never_calls_stop_still_exits() -> None:
         port = s.getsockname()[1]
     script = textwrap.dedent(f"""
         from services.gateway.exposure import ExposureProcess
-        from services.runtime.settings import settings_from_env
+        from services.settings.model import settings_from_env
         settings = settings_from_env({{"RTRL_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:{port}"}})
         import time
         proc = ExposureProcess(settings).start()

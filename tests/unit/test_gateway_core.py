@@ -14,7 +14,7 @@ from ingest.events import CompletionServed
 from services.gateway.generation import UpstreamError
 from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.server import Gateway
-from services.runtime.service_settings import GatewaySettings
+from services.settings.services import GatewaySettings
 
 
 class FakeBackend:

@@ -18,7 +18,7 @@ from deployer.adapters.served_counts import (
 from deployer.routing import RoutingTable
 from services.gateway.models import ModelSlots
 from services.gateway.server import Gateway
-from services.runtime.service_settings import GatewaySettings
+from services.settings.services import GatewaySettings
 from tests.unit.test_gateway_core import REQ, FakeBackend
 
 

@@ -16,7 +16,7 @@ from ingest.events import CompletionServed
 from services.gateway.generation import GenRequest, Piece
 from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.server import Gateway
-from services.runtime.service_settings import GatewaySettings
+from services.settings.services import GatewaySettings
 
 pytestmark = pytest.mark.unit
 

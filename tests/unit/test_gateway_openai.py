@@ -16,7 +16,7 @@ from services.gateway.generation import BadRequestError, GenRequest, Piece, Upst
 from services.gateway.http import Response
 from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.server import Gateway
-from services.runtime.service_settings import GatewaySettings
+from services.settings.services import GatewaySettings
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import pytest
 from ingest.auth import AuthPolicy, authenticate
 from ingest.events import EditAccepted, parse_event
 from services.runtime.event_producer import EventProducer
-from services.runtime.settings import Settings, TopicSettings
+from services.settings.model import Settings, TopicSettings
 
 
 class ListProducer:
@@ -73,7 +73,7 @@ def test_key_id_without_secret_is_an_error() -> None:
 def test_an_event_larger_than_ingest_accepts_is_refused_before_sending() -> None:
     from ingest.events import FollowupDissatisfied
     from services.runtime.event_producer import EventTooLargeError
-    from services.runtime.service_settings import IngestSettings
+    from services.settings.services import IngestSettings
 
     small = Settings(topics=TopicSettings(raw="raw-x"), ingest=IngestSettings(max_bytes=300))
     fake = ListProducer()
@@ -89,8 +89,8 @@ def test_an_event_larger_than_ingest_accepts_is_refused_before_sending() -> None
 def test_settings_refuse_an_event_limit_that_no_record_can_hold() -> None:
     from pydantic import ValidationError
 
-    from services.runtime.service_settings import IngestSettings
-    from services.runtime.settings import KafkaSettings
+    from services.settings.model import KafkaSettings
+    from services.settings.services import IngestSettings
 
     event_max = IngestSettings(max_bytes=256 * 1024)
     with pytest.raises(ValidationError, match="MAX_MESSAGE_BYTES"):
@@ -106,7 +106,7 @@ def test_a_dlq_record_of_the_largest_original_fits_one_record(limit: int) -> Non
     from types import SimpleNamespace
 
     from ingest.validate import DETAIL_MAX, Rejected
-    from services.serve_ingest import DLQ_KEY_MAX, DLQ_ORIGINAL_MAX, dlq_original_max, dlq_record
+    from services.wiring.ingest import DLQ_KEY_MAX, DLQ_ORIGINAL_MAX, dlq_original_max, dlq_record
 
     most = dlq_original_max(limit)
     assert most <= DLQ_ORIGINAL_MAX

@@ -6,8 +6,8 @@ from __future__ import annotations
 import fakeredis
 
 from services.runtime.transactions import TransactionalIds, unique_transactional_id
-from services.serve_ingest import transactional_ids
-from services.serve_reward import transactional_ids as reward_transactional_ids
+from services.wiring.ingest import transactional_ids
+from services.wiring.reward import transactional_ids as reward_transactional_ids
 
 
 def test_unique_per_process_without_instance_id() -> None:

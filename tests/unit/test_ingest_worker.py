@@ -21,8 +21,8 @@ from ingest.events import EditAccepted
 from services.runtime.exactly_once import ExactlyOnceLoop
 from services.runtime.health import Health
 from services.runtime.process import Stopper
-from services.runtime.settings import AuthSettings, Settings
-from services.serve_ingest import IngestCounts, IngestTransform
+from services.settings.model import AuthSettings, Settings
+from services.wiring.ingest import IngestCounts, IngestTransform
 
 NOW = datetime(2026, 11, 22, 10, 0, tzinfo=UTC)
 SETTINGS = Settings(auth=AuthSettings(keys={"gw": SecretStr("k")}))

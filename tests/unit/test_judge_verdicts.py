@@ -93,7 +93,7 @@ def test_budget_spent_is_inconclusive() -> None:
     assert v.reasons[0].startswith("Inconclusive: the sample budget")
 
 
-def test_outcome_from_reward_takes_longest_horizon() -> None:
+def test_outcome_from_reward_judges_at_the_primary_horizon() -> None:
     now = datetime.now(UTC)
     rec = RewardRecord(request_id="r1", served_event_id="e1", session_id="s", user_key="u",
                        served_ts=now, closed_ts=now, model=ModelRef(name="m", version="1"),
@@ -101,10 +101,11 @@ def test_outcome_from_reward_takes_longest_horizon() -> None:
                        behavior_logprobs=[-1.0, -1.0, -1.0], latency_ms=12.0, accepted=True,
                        persistence={"600": 0.9, "3600": 0.5}, reward=0.4, components={},
                        reward_spec_version="v1")
-    o = outcome_from_reward(rec)
-    assert o.persistence == 0.5 and o.completion_tokens == 3 and o.accepted is True
-    assert outcome_from_reward(rec, horizon_s=600).persistence == 0.9
-    assert outcome_from_reward(rec, horizon_s=60).persistence is None
+    o = outcome_from_reward(rec)  # the default spec's primary horizon, 600 s
+    assert o.persistence == 0.9 and o.completion_tokens == 3 and o.accepted is True
+    assert outcome_from_reward(rec, horizon_s=3600).persistence == 0.5
+    assert outcome_from_reward(rec, horizon_s=60).persistence == 0.9  # the nearest reported horizon
+    assert outcome_from_reward(rec.model_copy(update={"accepted": False})).persistence is None
 
 
 def test_stats_are_flat_and_finite() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from deployer.engine import CHECK_TEXT as CHECK_PROMPT
-from services.local.engine import EngineError, LocalVllm, server_argv, server_env
-from services.local.tiny_llm import (
+from services.stack.engine import EngineError, LocalVllm, server_argv, server_env
+from services.stack.tiny_llm import (
     build_lora_adapter,
     build_tiny_llm,
     corpus,

@@ -24,7 +24,7 @@ from deployer.operators import (
 from deployer.status import CanaryPolicy, Command, Phase, Refusal
 from ingest.contracts.registry import TAG_CLAIMED_BY, TAG_KIND
 from services.runtime.operator_keys import authority
-from services.runtime.operator_settings import OperatorSettings
+from services.settings.operators import OperatorSettings
 
 NOW = 1_800_000_000.0
 KEYS = parse_keys(key_line("alice", "alice-token") + "\n" + key_line("bob", "bob-token"))

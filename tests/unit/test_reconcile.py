@@ -1,11 +1,11 @@
-"""The reconciler's accounting (services/cli/reconcile_accounting.py) on plain hand-built topic contents."""
+"""The reconciler's accounting (ingest/reward/reconcile.py) on plain hand-built topic contents."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
 from ingest.events import EditPersistence
-from services.cli.reconcile_accounting import (
+from ingest.reward.reconcile import (
     DeadLetter,
     ForwardedEvent,
     RawRecord,

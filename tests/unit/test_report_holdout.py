@@ -1,4 +1,4 @@
-"""The demo report against the long-term holdout (services/local/report_holdout.py)."""
+"""The demo report against the long-term holdout (services/report/holdout.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from rollback.types import JudgePolicy
-from services.local.cohorts import row_from_record, side_by_side
-from services.local.report import write_report
-from services.local.report_holdout import MIN_ROWS, champion_times, headline, holdout_periods, section
-from services.local.report_sources import Decision
+from services.report.cohorts import row_from_record, side_by_side
+from services.report.holdout import MIN_ROWS, champion_times, headline, holdout_periods, section
+from services.report.sources import Decision
+from services.report.write import write_report
 
 T = 1_700_000_000.0
 

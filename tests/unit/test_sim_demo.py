@@ -13,20 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from ingest.contracts.metrics import persistence_at
 from ingest.reward.spec import default_spec_text, parse_spec
-from services.local.cohorts import (
-    Cohort,
-    Row,
-    Targets,
-    by_version,
-    cohort,
-    compare,
-    primary_persistence,
-    relative_change,
-    row_from_record,
-    series,
-)
-from services.local.demo_config import (
+from services.demo.config import (
     MARKER,
     demo_spec_text,
     demo_trainer_env,
@@ -34,12 +23,23 @@ from services.local.demo_config import (
     service_env,
     write_corpus,
 )
-from services.local.report import write_report
-from services.local.report_markdown import render_markdown
-from services.local.report_sources import Decision
-from services.local.supervisor import ProcSpec, RewardsTracker, Supervisor
-from services.runtime.demo_settings import DemoSettings
-from services.runtime.settings import Settings, settings_from_env
+from services.report.cohorts import (
+    Cohort,
+    Row,
+    Targets,
+    by_version,
+    cohort,
+    compare,
+    relative_change,
+    row_from_record,
+    series,
+)
+from services.report.markdown import render_markdown
+from services.report.sources import Decision
+from services.report.write import write_report
+from services.settings.demo import DemoSettings
+from services.settings.model import Settings, settings_from_env
+from services.stack.supervisor import ProcSpec, RewardsTracker, Supervisor
 from trainer.tokens import EOS
 
 
@@ -81,7 +81,7 @@ def test_the_demos_steady_step_fits_inside_the_gate_and_under_the_length_detecto
     detector would."""
     from bench.loop_offline import parser
     from rollback.types import DetectorPolicy
-    from services.local.demo_engine import engine_env
+    from services.demo.engine import engine_env
 
     env = service_env(DemoSettings(), tmp_path, {}, 4321, {"gateway": "a", "simulator": "b"},
                       tmp_path / "spec.toml")
@@ -105,7 +105,7 @@ def test_the_demos_steady_step_fits_inside_the_gate_and_under_the_length_detecto
                           ("vllm", 120.0, 120.0)])
 def test_a_canarys_longest_run_is_the_engines_default_or_the_setting(
         tmp_path: Path, engine: str, canary_max_s: float | None, expected: float) -> None:
-    from services.local.demo_engine import engine_env
+    from services.demo.engine import engine_env
 
     demo = DemoSettings(engine=engine, canary_max_s=canary_max_s)
     env = service_env(demo, tmp_path, {}, 4321, {"gateway": "a", "simulator": "b"}, tmp_path / "spec.toml")
@@ -233,10 +233,10 @@ def _record(version: str, arm: str, served: float, accepted: bool | None, ratio:
 
 
 def test_primary_persistence_uses_the_nearest_horizon() -> None:
-    assert primary_persistence({"30": 1.0, "600": 0.5}, 600) == 0.5
-    assert primary_persistence({"30": 1.0, "3600": 0.2}, 600) == 1.0
-    assert primary_persistence({"3600": 0.2}, 600) == 0.2
-    assert primary_persistence({}, 600) is None
+    assert persistence_at({"30": 1.0, "600": 0.5}, 600) == 0.5
+    assert persistence_at({"30": 1.0, "3600": 0.2}, 600) == 1.0
+    assert persistence_at({"3600": 0.2}, 600) == 0.2
+    assert persistence_at({}, 600) is None
 
 
 def test_cohort_hand_computed() -> None:
@@ -251,7 +251,7 @@ def test_cohort_hand_computed() -> None:
     assert c.n == 4 and c.n_persistence == 2
     assert c.edit_persistence == pytest.approx(0.6)
     assert c.latency_ms == pytest.approx(162.5)
-    assert c.latency_p95_ms == 300
+    assert c.latency_p95_ms == pytest.approx(285)  # linear interpolation: 200 + 0.85 * (300 - 200)
     assert c.reward == pytest.approx(0.3125)
     assert c.acceptance == pytest.approx(2 / 3)
     assert c.edit_rate == pytest.approx(0.75) and c.question_rate == pytest.approx(0.25)
@@ -353,7 +353,7 @@ def test_rows_keep_version_and_arm() -> None:
 
 
 def test_leftovers_of_a_killed_run_are_stopped_from_the_pid_file(tmp_path: Path) -> None:
-    from services.local.supervisor import stop_recorded
+    from services.stack.supervisor import stop_recorded
 
     sup = Supervisor(tmp_path / "logs", pid_file=tmp_path / "pids.json")
     proc = sup.start(ProcSpec("orphan", [sys.executable, "-c", "import time; time.sleep(60)"]))
@@ -365,7 +365,7 @@ def test_leftovers_of_a_killed_run_are_stopped_from_the_pid_file(tmp_path: Path)
 
 
 def test_side_by_side_uses_only_the_canary_window() -> None:
-    from services.local.cohorts import side_by_side
+    from services.report.cohorts import side_by_side
 
     t = 1_700_000_000.0
     rows = [row_from_record(r, 600) for r in (
@@ -380,7 +380,7 @@ def test_side_by_side_uses_only_the_canary_window() -> None:
 
 
 def test_chain_compounds_side_by_side_changes_along_the_lineage() -> None:
-    from services.local.cohorts import chain_comparison
+    from services.report.cohorts import chain_comparison
 
     t = 1_700_000_000.0
 

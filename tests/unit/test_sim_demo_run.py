@@ -13,13 +13,13 @@ import pytest
 
 from deployer.adapters.memory import InMemoryRegistry
 from ingest.contracts.registry import CANDIDATE, Tag
-from services.local import demo
-from services.local.cohorts import Cohort
-from services.local.demo_config import DemoPlan
-from services.local.demo_inject import BASELINE_REWARDS, MAX_BAD_TRIES, BadCandidateInjector
-from services.local.demo_watch import increments_decided, progress_line
-from services.local.sim_users import World, make_world
-from services.runtime.demo_settings import DemoSettings
+from services.demo import run as demo
+from services.demo.config import DemoPlan
+from services.demo.inject import BASELINE_REWARDS, MAX_BAD_TRIES, BadCandidateInjector
+from services.demo.watch import increments_decided, progress_line
+from services.report.cohorts import Cohort
+from services.settings.demo import DemoSettings
+from services.sim.users import World, make_world
 
 QUIET = {"phase": "idle"}
 

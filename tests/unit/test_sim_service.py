@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from services.local.sim_io import EventScheduler, GatewayError, RateLimiter
-from services.local.sim_users import Outcome
-from services.local.simulator import Simulator, plan_events, user_types_with_mix
-from services.runtime.demo_settings import SimulatorSettings
 from services.runtime.process import Stopper
-from services.runtime.settings import AuthSettings, Settings
+from services.settings.demo import SimulatorSettings
+from services.settings.model import AuthSettings, Settings
+from services.sim.simulator import Simulator, plan_events, user_types_with_mix
+from services.sim.transport import EventScheduler, GatewayError, RateLimiter
+from services.sim.users import Outcome
 from trainer.tokens import ASK, EOS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -163,7 +163,7 @@ class ChatGateway:
 
 
 def test_chat_users_write_words_and_read_the_answer() -> None:
-    from services.local.chat_world import ASK_WORD, ChatVocab
+    from services.sim.chat_world import ASK_WORD, ChatVocab
 
     gw = ChatGateway("loop cache sort")
     sim = Simulator(_settings(api="chat", max_tokens=9, temperature=0.7), send=lambda e: None, gateway=gw)
@@ -203,8 +203,8 @@ def test_a_malformed_chat_answer_is_a_gateway_error_not_a_dead_user(resp: Any) -
 
 
 def test_a_chat_answer_is_read_from_the_message_and_the_rtrl_extension() -> None:
-    from services.local.chat_world import ChatVocab
-    from services.local.simulator import chat_answer
+    from services.sim.chat_world import ChatVocab
+    from services.sim.simulator import chat_answer
 
     vocab = ChatVocab(Simulator(_settings(), send=lambda e: None, gateway=ChatGateway("")).world)
     resp: dict[str, Any] = {"choices": [{"message": {"content": "loop"}}],

@@ -13,7 +13,7 @@ import pytest
 
 from ingest.reward.maths import Feedback, compute_reward
 from ingest.reward.spec import RewardSpec, load_spec
-from services.local.sim_users import (
+from services.sim.users import (
     SimUser,
     Task,
     UserType,
@@ -215,7 +215,7 @@ def test_the_demo_spec_no_edit_penalty_takes_the_profit_out_of_not_editing() -> 
     bootstrap's kind of edit on ambiguous tasks, and both are far worse on clear ones; without
     the penalty both would beat it on ambiguous tasks."""
     from ingest.reward.spec import default_spec_text, parse_spec
-    from services.local.demo_config import demo_spec_text
+    from services.demo.config import demo_spec_text
 
     demo = parse_spec(demo_spec_text(default_spec_text()), "demo")
     free = parse_spec(demo_spec_text(default_spec_text(), no_edit_penalty=0.0), "demo")

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from services.local.sim_users import bootstrap_corpus
-from services.runtime.settings import Settings
-from services.trainer_job import increment_config
+from services.settings.model import Settings
+from services.sim.users import bootstrap_corpus
+from services.wiring.trainer import increment_config
 from trainer.corpus import read_corpus, write_corpus
 from trainer.tokens import BOS, EOS, VOCAB_SIZE
 

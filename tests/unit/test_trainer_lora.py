@@ -17,7 +17,7 @@ from training_helpers import killed_and_resumed
 from deployer.engine import CHECK_TOKENS, find_adapter, is_base, read_check
 from deployer.registry import manifest_tags
 from ingest.contracts.registry import Tag
-from services.local.tiny_llm import build_tiny_llm, reference_greedy, reference_logprobs
+from services.stack.tiny_llm import build_tiny_llm, reference_greedy, reference_logprobs
 from trainer.hf_policy import HFPolicy
 from trainer.loop import (
     LoopConfig,

@@ -301,8 +301,8 @@ def test_a_resumed_run_keeps_its_backoffs_and_warms_up_by_the_global_step() -> N
 def test_the_trainers_band_settings_make_its_band() -> None:
     from pydantic import ValidationError
 
-    from services.runtime.service_settings import BandSettings
-    from services.trainer_job import band_from
+    from services.settings.services import BandSettings
+    from services.wiring.trainer import band_from
 
     band = band_from(BandSettings(low=0.4, high=2.0, target=1.5, max_length_change=0.2, length_probe_size=64))
     assert band == KLBand(0.4, 2.0, max_length_change=0.2, length_probe_size=64, target_kl=1.5)

@@ -5,7 +5,7 @@ end offset read under ``read_committed`` (the last stable offset), so an open re
 transaction holds the watermark back instead of leaking uncommitted records into a window.
 The consumer never subscribes: it assigns the partitions, seeks to each range's start and
 reads until its position passes the range's end (transaction markers occupy offsets too).
-The caller opens the consumer (services/trainer_job.py) and hands it over; ``close`` closes it.
+The caller opens the consumer (services/wiring/trainer.py) and hands it over; ``close`` closes it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,113 @@
+"""The model ``rtrl demo --engine vllm`` serves: a tiny Llama-architecture model that already
+does the simulated users' job, badly, as a team's own base model would.
+
+:func:`build_demo_model` trains a byte-level BPE tokenizer in which every word of the chat
+world (services/sim/chat_world.py) is one token, builds a seeded tiny ``LlamaForCausalLM``
+(services/stack/tiny_llm.py) and fine-tunes it on the bootstrap corpus of the world written
+as chat: the user's message through the chat template, the mediocre answer (now and then
+a clarifying question) as words and ``<|im_end|>``. The result answers each task partly with
+the words its users keep and always too long: what the LoRA increments of the loop improve
+on. No hub download.
+
+:func:`chat_pairs` writes world pairs as the model's token ids (``rtrl bootstrap``'s corpus
+format), as the engine renders them: ``apply_chat_template`` for the prompt.
+
+transformers, tokenizers and torch are imported inside the functions (heavy).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from services.sim.chat_world import ASK_WORD, CONTENT_WORDS, ChatVocab
+from services.sim.users import World, bootstrap_corpus, make_world, question_completion
+from services.stack.tiny_llm import build_tiny_llm
+
+VOCAB = 1024
+"""Room for every world word in two forms (sentence-initial and after a space) as one token."""
+PRETRAIN_PAIRS = 2500
+PRETRAIN_EPOCHS = 3
+PRETRAIN_LR = 3e-3
+QUESTION_SHARE = 0.03
+"""Share of pretraining answers that are a clarifying question: the base model asks now and
+then, as real ones do (and an adapter can learn to ask, the reward hack the demo injects)."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The demo's adapters cover every linear layer: the tiny model has little to adapt elsewhere."""
+
+
+def tokenizer_texts(world: World, seed: int, n: int = 3000) -> list[str]:
+    """Training text for the demo tokenizer: the world's messages and answers, and every word
+    alone and after a space, often enough that each becomes one token."""
+    vocab, rng = ChatVocab(world), random.Random(f"tok-{seed}")
+    texts = []
+    for prompt, completion in bootstrap_corpus(n, seed):
+        texts += [vocab.message(prompt), vocab.text(completion)]
+    words = [*CONTENT_WORDS, ASK_WORD]
+    for _ in range(40):
+        rng.shuffle(words)
+        texts += [*words, " ".join(words)]
+    return texts
+
+
+def chat_pairs(tokenizer: Any, world: World,
+               pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[list[int], list[int]]]:
+    """World pairs as the model's ids: the chat-rendered prompt, the answer's words and EOS."""
+    vocab = ChatVocab(world)
+    eos = int(tokenizer.eos_token_id)
+    out = []
+    for prompt, completion in pairs:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": vocab.message(prompt)}],
+                                            add_generation_prompt=True, tokenize=True)
+        answer = tokenizer.encode(vocab.text(completion), add_special_tokens=False)
+        out.append(([int(t) for t in _ids(ids)], [int(t) for t in answer] + [eos]))
+    return out
+
+
+def _ids(rendered: Any) -> list[int]:
+    """apply_chat_template's ids (a list, or a BatchEncoding in newer transformers)."""
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+def with_questions(pairs: Sequence[tuple[list[int], list[int]]], share: float,
+                   seed: int) -> list[tuple[list[int], list[int]]]:
+    """``pairs`` with about ``share`` of the answers replaced by a clarifying question (seeded)."""
+    rng = random.Random(f"questions-{seed}")
+    return [(p, question_completion() if rng.random() < share else c) for p, c in pairs]
+
+
+def build_demo_model(dst: Path, seed: int = 0, epochs: int = PRETRAIN_EPOCHS,
+                     n_pairs: int = PRETRAIN_PAIRS, say: Callable[[str], None] = print) -> Path:
+    """The demo's base model and tokenizer under ``dst`` (see the module docstring)."""
+    import torch
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from trainer.hf_policy import HFPolicy
+    from trainer.loop import LoopConfig, sft_train
+
+    hf_logging.disable_progress_bar()  # the demo's console shows its own progress
+    world = make_world(seed)
+    build_tiny_llm(dst, seed, VOCAB, tokenizer_texts(world, seed))
+    tokenizer = AutoTokenizer.from_pretrained(str(dst))
+    world_pairs = with_questions(bootstrap_corpus(n_pairs, seed), QUESTION_SHARE, seed)
+    pairs = chat_pairs(tokenizer, world, world_pairs)
+    torch.manual_seed(seed)
+    policy = HFPolicy.from_pretrained(dst, dtype=torch.float32)
+    t0 = time.monotonic()
+    history = sft_train(policy, pairs, LoopConfig(batch_size=32, epochs=epochs, lr=PRETRAIN_LR, seed=seed))
+    policy.model.eval()
+    policy.model.save_pretrained(str(dst), safe_serialization=True)  # type: ignore[operator]
+    say(f"base model trained on {len(pairs)} chat pairs x {epochs} epochs in {time.monotonic() - t0:.0f}s "
+        f"(loss {history[0]['loss']:.2f} -> {history[-1]['loss']:.2f})")
+    return dst
+
+
+def word_tokens(tokenizer: Any) -> dict[str, list[int]]:
+    """Each world word, after a space, as the tokenizer splits it (one id each when trained
+    as :func:`build_demo_model` does)."""
+    return {w: [int(t) for t in tokenizer.encode(" " + w, add_special_tokens=False)]
+            for w in (*CONTENT_WORDS, ASK_WORD)}

@@ -1,0 +1,122 @@
+"""Settings of the simulated users and of ``rtrl demo``: the embedded closed loop's knobs,
+apart from the services' own sections (services/settings/services.py). Each field's
+docstring is its documentation (docs/configuration.md is generated from them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr
+
+from services.settings.services import Section
+
+
+class SimulatorSettings(Section):
+    """Simulated users (``rtrl serve simulator``): they call the gateway and send the client
+    events of the contract (accept/reject, persistence at horizons, dissatisfied follow-ups)."""
+
+    gateway_url: str = "http://127.0.0.1:8080"
+    """Base URL of the gateway's HTTP API."""
+    seed: int = 0
+    """Seeds the world (tasks, preferences), the population and every reaction."""
+    api: Literal["tokens", "chat"] = "tokens"
+    """``tokens``: the token-id API with the built-in policy's vocabulary; ``chat``: OpenAI
+    chat completions, prompts and answers in words (services/sim/chat_world.py), for a
+    gateway in front of a real LLM (``rtrl demo --engine vllm``)."""
+    n_users: int = 200
+    """Simulated users; each has a user_key, a type from the mix and hidden preferences."""
+    user_mix: dict[str, float] = Field(default_factory=dict)
+    """Overrides of the user types' shares by name (patient, typical, impatient),
+    e.g. RTRL_SIMULATOR__USER_MIX='{"impatient": 0.6}'. Empty: the default mix."""
+    ambiguous_share: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
+    """Share of requests on ambiguous tasks, where asking a question beats guessing."""
+    concurrency: Annotated[int, Field(ge=1)] = 4
+    """Requests in flight at once (one thread each)."""
+    rate_per_s: Annotated[float, Field(ge=0.0)] = 20.0
+    """Target requests per second over all users; 0: as fast as the gateway answers."""
+    max_tokens: Annotated[int, Field(ge=1, le=256)] = 24
+    """Most tokens a simulated user asks for per completion."""
+    temperature: Annotated[float, Field(gt=0.0)] = 1.0
+    """Sampling temperature the simulated users request."""
+    time_scale: Annotated[float, Field(gt=0.0)] = 1.0
+    """Multiplies the reward spec's horizons and the users' delays (same meaning as
+    ``reward.time_scale``; set both to the same value): 0.005 sends the 1 h persistence
+    report 18 s after the edit."""
+    accept_delay_s: Annotated[float, Field(ge=0.0)] = 2.0
+    """Seconds (before time_scale) between a completion and the user's accept/reject."""
+    followup_delay_s: Annotated[float, Field(ge=0.0)] = 20.0
+    """Seconds (before time_scale) between the reaction and a dissatisfied follow-up."""
+    max_requests: Annotated[int, Field(ge=0)] = 0
+    """Stop after this many requests (0: run until stopped)."""
+    request_timeout_s: float = 10.0
+    """How long a simulated user waits for the gateway's answer before counting an error."""
+    api_key: SecretStr | None = None
+    """The gateway API key the simulated users send (``Authorization: Bearer``)."""
+    key_id: str | None = "simulator"
+    """Key id that signs the client events; None sends them unsigned (development)."""
+    secret: SecretStr | None = None
+    """Signing secret; None: the secret of ``key_id`` in ``auth.keys``."""
+
+
+class DemoSettings(Section):
+    """``rtrl demo``: the closed loop on an embedded stack (flags override these)."""
+
+    data_dir: Path = Path(".rtrl/demo")
+    """The demo's own stack, registry and logs; wiped at the start of each run."""
+    report_dir: Path = Path("reports")
+    """Where the demo writes its report (figures, decisions, the reconcile result)."""
+    minutes: Annotated[float, Field(gt=0.0)] = 15.0
+    """Wall-clock budget of the whole demo, from the stack's start until it is stopped: the
+    loop gets what the stack start and the bootstrap leave, less a reserve for stopping."""
+    increments: Annotated[int, Field(ge=1)] = 4
+    """Stop early once this many trainer increments have been decided by the deployer."""
+    until_promoted: bool = False
+    """Count only promoted increments towards ``increments`` (the e2e test: run until the loop
+    has promoted one by itself, within the time budget)."""
+    time_scale: Annotated[float, Field(gt=0.0)] = 0.005
+    """Time compression of reward windows and simulated users (1 h -> 18 s at 0.005)."""
+    trainer_cadence_s: Annotated[float, Field(gt=0.0)] = 150.0
+    """Seconds between scheduled RL increments during the demo (production: 5 h)."""
+    simulated_ms_per_token: float = 40.0
+    """Simulated generation cost per token added to latency_ms by the gateway (large enough
+    that the real, load-dependent generation time on a busy 2-core machine is a small part)."""
+    engine: Literal["builtin", "vllm"] = "builtin"
+    """``builtin``: the built-in token-id policy in the gateway (fast); ``vllm``: a tiny Llama
+    built by the demo, served by vLLM's CPU build (``scripts/vllm-env``), chat users, LoRA
+    increments loaded into the engine through the canary (docs/demo.md)."""
+    canary_max_s: Annotated[float, Field(gt=0.0)] | None = None
+    """A canary's longest run before the deployer aborts it as inconclusive (unset: 210 s on the
+    built-in policy, 360 s on vLLM, whose latency on a busy 2-core machine is noisier)."""
+    bad_candidate: Literal["reward-hacked", "corrupted", "none"] = "reward-hacked"
+    """The deliberately bad candidate injected once: a policy that asks questions instead
+    of editing, or the champion with corrupted weights."""
+    bad_candidate_after_decisions: Annotated[int, Field(ge=0)] = 0
+    """Inject the bad candidate once this many canaries have been decided (0: as soon as the
+    champion has a baseline, before the first increment is ready)."""
+    progress_every_s: Annotated[float, Field(gt=0.0)] = 5.0
+    """Seconds between progress lines on the terminal."""
+    chaos: bool = False
+    """Kill a random service (ingest, reward, trainer, deployer, gateway) with SIGKILL every
+    ``chaos_every_s`` and restart it; verify at the end that nothing was lost or duplicated."""
+    chaos_every_s: Annotated[float, Field(gt=0.0)] = 90.0
+    """Seconds between two kills under ``chaos``."""
+    sim_rate_per_s: Annotated[float, Field(ge=0.0)] = 25.0
+    """Requests per second of the demo's simulated users (``simulator.rate_per_s``)."""
+    sim_users: int = 300
+    """Simulated users in the demo (``simulator.n_users``)."""
+    seed: int = 0
+    """Seeds the demo's simulated world, its users and its bad candidate."""
+    holdout_share: Annotated[float, Field(ge=0.0, le=0.5)] = 0.15
+    """Share of the simulated users held out on the bootstrap champion for the whole run (the
+    long-term holdout, docs/holdout.md): the report measures the last champion against them in
+    the same minutes. 0: no holdout."""
+    holdout_measure_s: Annotated[float, Field(ge=0.0)] = 60.0
+    """With a holdout: once enough canaries are decided, keep serving this long (within the
+    time budget) so the last champion is measured against the holdout."""
+    no_edit_penalty: Annotated[float, Field(ge=0.0)] = 1.0
+    """The demo reward spec's ``no_edit`` penalty for a question or an empty completion (0:
+    the packaged spec's none; the increments then learn to answer ambiguous tasks with no
+    edit, which the edit-rate detector catches). With the demo's latency weight of 2, a
+    penalty of 0.5 leaves a question paying more than a rejected edit."""

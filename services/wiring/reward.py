@@ -1,0 +1,331 @@
+"""``rtrl serve reward``: join each request's events and emit exactly one reward record.
+
+One worker = one member of the reward group on the events topic, run by the exactly-once
+loop (services/runtime/exactly_once.py: one transaction per batch, fencing, failures).
+Per polled batch of the events topic, :class:`RewardJoin`:
+
+1. **Apply** the events to their windows in Redis (``ingest.reward.join``; idempotent by event_id,
+   so a replayed batch changes nothing). Events of already-emitted requests are *late*:
+   counted, never re-emitted.
+2. **Close** the windows that are due (or closable early) on the partitions this worker
+   owns, read from the per-partition due sets in Redis. Timers fire without new events:
+   the poll waits at most ``poll_timeout_ms``.
+3. returns the reward records (for the rewards topic, same partition number as the
+   events partition, key = request_id), which the loop commits in one Kafka transaction
+   with the consumed offsets of the events topic;
+4. once committed, **marks** those requests emitted in Redis, delete their windows and timers, and advance
+   the partition's rewards-topic checkpoint (one atomic MULTI).
+
+Crash anywhere and the restarted worker (or whichever worker gets the partition) repeats
+from the last committed offsets: before the commit nothing was visible and the Redis
+writes of 1 are replayed idempotently; between the commit and 4 the rewards are out but
+Redis does not know, so on every partition assignment (and after any failure) the worker
+first waits until the rewards partition has no
+open transaction (last stable offset = high watermark), reads it (read_committed) from the
+Redis checkpoint to its end, and marks every request id it finds as emitted. Only then
+does it apply or close anything on that partition. Hence exactly one reward per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka import KafkaConsumer, TopicPartition
+from pydantic import ValidationError
+
+from ingest.adapters.redis_join import RedisJoinState
+from ingest.contracts import prometheus as m
+from ingest.contracts.keys import reward_txn_generation_key
+from ingest.events import Event, parse_event
+from ingest.reward.join import Window, apply_batch, close, close_at
+from ingest.reward.spec import RewardSpec
+from services.runtime.exactly_once import Batch, ExactlyOnceLoop, Output
+from services.runtime.health import Health
+from services.runtime.kafka_io import ensure_topics, make_consumer, wait_for_broker
+from services.runtime.process import Stopper
+from services.runtime.redis_io import make_redis
+from services.runtime.transactions import TransactionalIds, TransactionalProducers, unique_transactional_id
+from services.settings.model import Settings
+
+log = logging.getLogger("rtrl.reward")
+SERVICE = "reward"
+
+# Test-only fault injection: "<point>:<probability>", point in after_apply | mid_txn |
+# after_commit. The process SIGKILLs itself there, as an OOM kill or node loss would.
+_CRASH_ENV = "RTRL_TEST_REWARD_CRASH"
+GAUGES_EVERY_S = 2.0
+
+
+@dataclass
+class Closed:
+    """One reward record closed in this batch."""
+
+    partition: int
+    request_id: str
+    close_time: float
+    arm: str
+    defaulted: bool
+    reward: float
+
+
+@dataclass
+class JoinResult:
+    """What a batch closed, to be marked in Redis once its rewards are committed."""
+
+    closed: list[Closed] = field(default_factory=list)
+    orphans: list[tuple[int, str]] = field(default_factory=list)
+    orphan_events: int = 0
+    stale: list[tuple[int, str]] = field(default_factory=list)
+
+
+class RewardJoin:
+    """The reward join as the exactly-once loop's transform (see the module doc)."""
+
+    def __init__(self, settings: Settings, spec: RewardSpec, state: RedisJoinState,
+                 committed_reader: KafkaConsumer, uncommitted_reader: KafkaConsumer, health: Health,
+                 fault: Callable[[str], None] = lambda _point: None) -> None:
+        self.topics = settings.topics
+        self.cfg = settings.reward
+        self.spec = spec
+        self.state = state
+        self.committed_reader = committed_reader
+        self.uncommitted_reader = uncommitted_reader
+        self.health = health
+        self.fault = fault
+        self.pending_recovery: set[int] = set()
+        self._last_gauges = 0.0
+
+    def recover(self, partitions: Sequence[TopicPartition]) -> None:
+        parts = sorted(tp.partition for tp in partitions if tp.topic == self.topics.events)
+        self.pending_recovery.update(parts)
+        if parts:
+            log.info("partitions %s: recovering from the rewards topic first", parts)
+
+    def transform(self, polled: Mapping[TopicPartition, Sequence[Any]],
+                  assigned: Sequence[TopicPartition]) -> Batch[JoinResult]:
+        owned = [tp.partition for tp in assigned if tp.topic == self.topics.events]
+        self.pending_recovery &= set(owned)
+        if self.pending_recovery:
+            self._recover(sorted(self.pending_recovery))
+        events, partition_of = _decode(polled)
+        now = time.time()
+        changed: dict[str, Window] = {}
+        closes: dict[str, float] = {}
+        if events:
+            windows, emitted = self.state.load(e.request_id for e in events)
+            res = apply_batch(windows, emitted, events, now, self.spec)
+            for ev in res.late:
+                m.REWARD_LATE.labels(ev.type).inc()
+            changed = res.windows
+            closes = {rid: close_at(w, self.spec, self.cfg.time_scale) for rid, w in changed.items()}
+        ready = [p for p in owned if p not in self.pending_recovery]
+        due = self.state.save_and_due(changed, partition_of, closes, ready, now, self.cfg.max_close_per_batch)
+        self.fault("after_apply")
+        result, outputs = self._close_due(due, changed, now)
+        self._gauges(owned, now)
+        return Batch(outputs, result)
+
+    def committed(self, batch: Batch[JoinResult], delivered: Sequence[Any]) -> None:
+        result = batch.result
+        ckpts: dict[int, int] = {}
+        for meta in delivered:
+            ckpts[meta.partition] = max(ckpts.get(meta.partition, 0), meta.offset + 1)
+        self.state.finish([(c.partition, c.request_id) for c in result.closed], result.orphans,
+                          result.stale, ckpts)
+        done_t = time.time()
+        for c in result.closed:
+            m.REWARDS_EMITTED.labels(c.arm, str(c.defaulted).lower()).inc()
+            m.observe_reward(c.arm, c.reward)
+            m.REWARD_CLOSE_SECONDS.observe(max(0.0, done_t - c.close_time))
+        if result.orphan_events:
+            m.REWARD_ORPHANS.inc(result.orphan_events)
+
+    def _close_due(self, due: list[tuple[int, str, float]], changed: dict[str, Window], now: float
+                   ) -> tuple[JoinResult, list[Output]]:
+        result, outputs = JoinResult(), list[Output]()
+        if not due:
+            return result, outputs
+        # windows changed in this batch are in memory and were not emitted (their markers
+        # were read with them); the others come from Redis with their emitted markers
+        windows: dict[str, Window | None] = dict(changed)
+        stored, emitted = self.state.load(rid for _, rid, _ in due if rid not in changed)
+        windows.update(stored)
+        for p, rid, t_close in due:
+            w = windows.get(rid)
+            if w is None or rid in emitted:
+                result.stale.append((p, rid))
+                continue
+            closed = close(w, self.spec, now)
+            if closed.record is None:
+                result.orphans.append((p, rid))
+                result.orphan_events += closed.orphan_events
+                continue
+            rec = closed.record
+            result.closed.append(Closed(p, rid, t_close, rec.arm, rec.defaulted, rec.reward))
+            outputs.append(Output(self.topics.rewards, rec.model_dump_json().encode(), rid.encode(),
+                                  partition=p))
+        return result, outputs
+
+    def _recover(self, partitions: list[int]) -> None:
+        """Mark every request already on the rewards topic as emitted (see the module doc)."""
+        for p in partitions:
+            tp = TopicPartition(self.topics.rewards, p)
+            start = self.state.checkpoint(p)
+            lso = self._stable_end(tp)
+            if start > lso:
+                log.error("rewards partition %d ends at offset %d, below the checkpoint %d: the broker "
+                          "lost reward records it had acknowledged (their requests stay marked emitted)",
+                          p, lso, start)
+            found = self._request_ids(tp, start, lso) if start < lso else []
+            self.state.mark_recovered(p, found, lso)
+            self.pending_recovery.discard(p)
+            m.REWARD_RECOVERED.inc(len(found))
+            log.info("partition %d: rewards topic read from %d to %d, %d request ids marked emitted",
+                     p, start, lso, len(found))
+
+    def _stable_end(self, tp: TopicPartition) -> int:
+        """The partition's end once no transaction is open on it (last stable offset = high watermark)."""
+        deadline = time.monotonic() + self.cfg.transaction_timeout_ms / 1000 + 10
+        while True:
+            lso = self.committed_reader.end_offsets([tp])[tp]
+            hw = self.uncommitted_reader.end_offsets([tp])[tp]
+            if lso >= hw:
+                return int(lso)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rewards partition {tp.partition} keeps an open transaction "
+                                   f"(LSO {lso} < HW {hw})")
+            self.health.beat()
+            time.sleep(0.2)
+
+    def _request_ids(self, tp: TopicPartition, start: int, end: int) -> list[str]:
+        rc = self.committed_reader
+        rc.assign([tp])
+        rc.seek(tp, start)
+        found: list[str] = []
+        while rc.position(tp) < end:
+            for recs in rc.poll(timeout_ms=500, max_records=5000).values():
+                found += [r.key.decode() for r in recs if r.key is not None]
+            self.health.beat()
+        return found
+
+    def _gauges(self, owned: list[int], now: float) -> None:
+        if now - self._last_gauges < GAUGES_EVERY_S:
+            return
+        self._last_gauges = now
+        count, overdue = self.state.open_stats(owned, now)
+        m.REWARD_OPEN_WINDOWS.set(count)
+        m.REWARD_OLDEST_OPEN_AGE.set(overdue)
+
+
+def _decode(polled: Mapping[TopicPartition, Sequence[Any]]) -> tuple[list[Event], dict[str, int]]:
+    events: list[Event] = []
+    partition_of: dict[str, int] = {}
+    for tp, recs in polled.items():
+        for rec in recs:
+            try:
+                ev = parse_event(rec.value)
+            except (ValidationError, ValueError, TypeError):
+                # ingest validated everything on this topic; a bad record here is a bug
+                # upstream: count it and move on rather than block the partition.
+                m.REWARD_EVENTS.labels("invalid").inc()
+                log.warning("unparseable record on %s[%d]@%d skipped", tp.topic, tp.partition, rec.offset)
+                continue
+            m.REWARD_EVENTS.labels(ev.type).inc()
+            events.append(ev)
+            partition_of[ev.request_id] = tp.partition
+    return events, partition_of
+
+
+class RewardWorker:
+    """One reward worker process: the join, its Redis state and the exactly-once loop."""
+
+    def __init__(self, settings: Settings, spec: RewardSpec, health: Health | None = None) -> None:
+        self.s = settings
+        self.cfg = settings.reward
+        self.spec = spec
+        self.health = health or Health()
+        self.state = RedisJoinState(make_redis(settings.redis), settings.redis.key_prefix,
+                                    self.cfg.emitted_ttl_s)
+        self.fault = crash_hook(os.environ.get(_CRASH_ENV))
+        self.loop: ExactlyOnceLoop[JoinResult] | None = None
+        self._consumers: list[KafkaConsumer] = []
+        """The group member, then the committed and uncommitted readers of the rewards topic."""
+
+    def start(self) -> RewardWorker:
+        s, cfg = self.s, self.cfg
+        wait_for_broker(s.kafka)
+        ensure_topics(s, [s.topics.events, s.topics.rewards])
+        self.state.r.ping()
+        member: dict[str, Any] = {}
+        if cfg.group_instance_id:
+            member["group_instance_id"] = cfg.group_instance_id
+        # a short broker-side fetch wait keeps the loop (and its timers) turning under light load
+        consumer = make_consumer(s.kafka, cfg.group_id, max_poll_records=cfg.max_batch,
+                                 fetch_max_wait_ms=50, **member)
+        self._consumers = [consumer, make_consumer(s.kafka, None),
+                           make_consumer(s.kafka, None, isolation_level="read_uncommitted")]
+        _check_partitions(consumer, s)
+        base = cfg.transactional_id or cfg.group_instance_id
+        ids = transactional_ids(self.state.r, s.redis.key_prefix, base) if base else None
+        producers = TransactionalProducers(
+            s.kafka, cfg.transaction_timeout_ms, ids, lambda: unique_transactional_id(SERVICE, cfg.group_id),
+            linger_ms=2, batch_size=256 * 1024, max_request_size=8 * 1024 * 1024)
+        committed_reader, uncommitted_reader = self._consumers[1:]
+        join = RewardJoin(s, self.spec, self.state, committed_reader, uncommitted_reader, self.health,
+                          self.fault or (lambda _point: None))
+        self.loop = ExactlyOnceLoop(SERVICE, consumer, producers.open, join, self.health,
+                                    poll_timeout_ms=cfg.poll_timeout_ms, max_records=cfg.max_batch,
+                                    fault=self.fault)
+        self.loop.start([s.topics.events])
+        log.info("reward worker up: spec %s, group %s, transactional id %s, time scale %g",
+                 self.spec.version, cfg.group_id, producers.txn_id, cfg.time_scale)
+        return self
+
+    def run(self, stopper: Stopper) -> None:
+        assert self.loop is not None, "start() first"
+        self.loop.run(stopper)
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.close()  # the group member (leaving without a commit) and the producer
+        elif self._consumers:
+            self._consumers[0].close(autocommit=False)  # start() failed before the loop existed
+        for reader in self._consumers[1:]:
+            reader.close(autocommit=False)
+
+
+def transactional_ids(client: Any, key_prefix: str, base: str) -> TransactionalIds:
+    """``<base>-<generation>``, the generation counted in Redis under ``reward:txgen:<base>``."""
+    return TransactionalIds(client, reward_txn_generation_key(key_prefix, base), base, sep="-")
+
+
+def _check_partitions(consumer: KafkaConsumer, s: Settings) -> None:
+    ev = consumer.partitions_for_topic(s.topics.events) or set()
+    rw = consumer.partitions_for_topic(s.topics.rewards) or set()
+    if len(rw) < len(ev):
+        raise SystemExit(
+            f"topic {s.topics.rewards} has {len(rw)} partitions but {s.topics.events} "
+            f"has {len(ev)}: the rewards topic needs at least as many (rewards of events "
+            "partition p go to rewards partition p)")
+
+
+def crash_hook(spec: str | None) -> Callable[[str], None] | None:
+    """The test-only fault hook of ``RTRL_TEST_REWARD_CRASH`` (None when unset)."""
+    if not spec:
+        return None
+    point, _, prob = spec.partition(":")
+    probability = float(prob or 1.0)
+
+    def crash(at: str) -> None:
+        if at == point and random.random() < probability:
+            log.error("test fault injection: SIGKILL at %s", at)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return crash
