@@ -84,9 +84,9 @@ class Summary:
     edit_rate: float
     question_rate: float
     dissatisfied_rate: float
-    invalid_tool_rate: float
     n_persistence: int
-    n_judged: int
+    invalid_tool_rate: float = math.nan
+    n_judged: int = 0
     """Edits with accept/reject feedback (the acceptance's denominator)."""
 
 

@@ -25,7 +25,9 @@ def deploy(settings: Settings, mlflow_uri: str) -> Iterator[Settings]:
     yield deployer_settings(settings, mlflow_uri)
 
 
-def run_until(controller: Controller, done: set[Phase], timeout_s: float = 120) -> list[str]:
+def run_until(controller: Controller, done: set[Phase], timeout_s: float = 120, tick_s: float = 0.2,
+              ) -> list[str]:
+    """Step ``controller`` every ``tick_s`` (deployer_settings' tick) until a phase of ``done``."""
     phases: list[str] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -35,7 +37,7 @@ def run_until(controller: Controller, done: set[Phase], timeout_s: float = 120) 
             phases.append(status.phase.value)
         if status.phase in done:
             return phases
-        time.sleep(controller.settings.deployer.tick_s)
+        time.sleep(tick_s)
     raise AssertionError(f"no {done} within {timeout_s}s; phases so far {phases}")
 
 

@@ -121,7 +121,7 @@ def test_a_decision_reaches_the_receiver_signed(settings: Settings, mlflow_serve
     doc = json.loads(data)
     assert doc["event"] == "rtrl.canary.decision" and doc["outcome"] == "promoted"
     assert doc["candidate"] == "2" and doc["stable"] == "1" and doc["decided_by"] == "alice"
-    assert doc["model"] == op.controller.settings.mlflow.registered_model
+    assert doc["model"] == op.controller.config.model_name
     assert doc["reason"] == "promoted by hand by alice"
     assert doc["links"]["v2 in MLflow"] == f"{mlflow_server}/#/models/{doc['model']}/versions/2"
 
