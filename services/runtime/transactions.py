@@ -23,6 +23,7 @@ from typing import Any
 from kafka import KafkaProducer
 
 from ingest.contracts.keys import fenced_key
+from ingest.contracts.transactions import generation_id, generation_of, process_id
 from services.runtime.kafka_io import close_quietly, make_producer
 from services.settings.model import KafkaSettings
 
@@ -31,7 +32,7 @@ log = logging.getLogger("rtrl.exactly_once")
 
 def unique_transactional_id(service: str, group_id: str) -> str:
     """An id unique to this process (no stable replica identity)."""
-    return f"rtrl-{service}.{group_id}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return process_id(service, group_id, socket.gethostname(), os.getpid(), uuid.uuid4().hex[:8])
 
 
 class TransactionalIds:
@@ -52,7 +53,7 @@ class TransactionalIds:
         self.sep = sep
 
     def name(self, generation: int) -> str:
-        return f"{self.prefix}{self.sep}{generation}"
+        return generation_id(self.prefix, self.sep, generation)
 
     def next(self) -> tuple[str, list[str]]:
         """The id to use now and the older ids still to fence, oldest first."""
@@ -63,7 +64,7 @@ class TransactionalIds:
 
     def fenced(self, txn_id: str) -> None:
         """Record that every generation before ``txn_id``'s is fenced."""
-        gen = int(txn_id.rsplit(self.sep, 1)[1])
+        gen = generation_of(txn_id, self.sep)
         self._r.set(self._fenced_key, gen - 1)
 
 

@@ -33,6 +33,7 @@ from ingest.adapters.redis_dedup import RedisDedupStore
 from ingest.auth import AuthPolicy
 from ingest.contracts import prometheus as m
 from ingest.contracts.keys import ingest_txn_generation_key
+from ingest.contracts.transactions import ingest_base
 from ingest.dedup import SOURCE_HEADER, DedupStore, is_duplicate, position_marker
 from ingest.validate import Accepted, Limits, Rejected, validate
 from services.runtime.exactly_once import Batch, ExactlyOnceLoop, FencedError, Output
@@ -192,7 +193,7 @@ def _count(result: IngestCounts) -> None:
 def transactional_ids(client: Any, key_prefix: str, group_id: str, instance_id: str) -> TransactionalIds:
     """``rtrl-ingest.<group>.<instance>.<generation>``, the generation counted in Redis."""
     return TransactionalIds(client, ingest_txn_generation_key(key_prefix, group_id, instance_id),
-                            f"rtrl-ingest.{group_id}.{instance_id}")
+                            ingest_base(group_id, instance_id))
 
 
 # ---------------------------------------------------------------------- entry point
