@@ -15,6 +15,13 @@ from services.local.stack import pid_alive
 REPO = Path(__file__).resolve().parents[2]
 
 
+NO_HOLDOUT_MEASURE = {"RTRL_DEMO__HOLDOUT_MEASURE_S": "0"}
+"""The demo serves ``holdout_measure_s`` (60 s) more once its canaries are decided, so its
+report can compare the last champion with the holdout; no e2e test asserts on that
+comparison (tests/integration/test_holdout_live.py and the unit tier do), so the bounded
+runs skip that minute. The holdout itself (15% of the users) still runs."""
+
+
 def demo_env(demo: Mapping[str, str]) -> dict[str, str]:
     """This process's environment without any RTRL_* setting but the demo's own (the demo
     configures its own stack), plus ``demo``'s RTRL_DEMO__* settings."""

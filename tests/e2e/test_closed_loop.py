@@ -15,7 +15,7 @@ import pytest
 
 from services.local.stack import EmbeddedStack
 from services.local.supervisor import stop_recorded
-from tests.e2e.demo_helpers import demo_env, leftovers, run_demo, story
+from tests.e2e.demo_helpers import NO_HOLDOUT_MEASURE, demo_env, leftovers, run_demo, story
 
 LEDGER_TAGS = ("rtrl.canary.id", "rtrl.candidate_version", "rtrl.stable_version", "rtrl.canary.outcome",
                "rtrl.decision", "rtrl.decision.reason", "rtrl.decided_by", "rtrl.decided_at")
@@ -29,7 +29,7 @@ LEDGER_TAGS = ("rtrl.canary.id", "rtrl.candidate_version", "rtrl.stable_version"
 def test_closed_loop_promotes_and_rolls_back_by_itself(tmp_path: Path) -> None:
     data, reports = tmp_path / "demo", tmp_path / "reports"
     env = demo_env({"RTRL_DEMO__TRAINER_CADENCE_S": os.environ.get("RTRL_E2E_CADENCE_S", "60"),
-                    "RTRL_DEMO__PROGRESS_EVERY_S": "10"})
+                    "RTRL_DEMO__PROGRESS_EVERY_S": "10", **NO_HOLDOUT_MEASURE})
     minutes = os.environ.get("RTRL_E2E_MINUTES", "22")
     stack = EmbeddedStack(data_dir=data / "stack")
     try:
