@@ -19,7 +19,7 @@ import pytest
 
 from services.stack.embedded import EmbeddedStack
 from services.stack.supervisor import stop_recorded
-from tests.e2e.demo_helpers import demo_env, leftovers, run_demo, story
+from tests.e2e.demo_helpers import NO_HOLDOUT_MEASURE, demo_env, leftovers, run_demo, story
 
 ENGINE_REFUSED = "engine: the engine refused the adapter"
 
@@ -71,7 +71,7 @@ def test_the_vllm_demo_loads_increments_into_the_engine_through_the_canary(tmp_p
     args = ["--minutes", minutes, "--increments", "1", "--bad-candidate", "corrupted"]
     # any decision will do (an inconclusive abort too): the canary gets 120 s, not the demo's 360
     demo = {"RTRL_DEMO__TRAINER_CADENCE_S": "45", "RTRL_DEMO__CANARY_MAX_S": "120",
-            "RTRL_DEMO__PROGRESS_EVERY_S": "10"}
+            "RTRL_DEMO__PROGRESS_EVERY_S": "10", **NO_HOLDOUT_MEASURE}
     data, summary, out = run(tmp_path, args, demo, timeout_s=1560)
     bad = summary["bad_version"]
     [refused] = [d for d in summary["decisions"] if d["candidate"] == bad]
