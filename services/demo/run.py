@@ -50,6 +50,7 @@ from services.demo.config import (
 )
 from services.demo.console import say, stdout_to_stderr
 from services.demo.inject import BadCandidateInjector
+from services.demo.load import MAX_LOAD, BusyLoad
 from services.demo.services import (
     LazyRegistry,
     Live,
@@ -95,6 +96,8 @@ class Run:
     summary: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     """Said in the report's Notes section."""
+    loop_started: float | None = None
+    """When the services were up and the loop began (None: it never did)."""
 
     def document(self, code: int) -> dict[str, Any]:
         """What ``rtrl demo --json`` prints: the exit code, the report and its summary (the
@@ -116,7 +119,12 @@ def execute(plan: DemoPlan, run: Run | None = None) -> int:
     run = Run() if run is None else run
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     code = 0
+    load = BusyLoad(plan.demo.load, max_s=60 * plan.demo.minutes + 900)
     try:
+        if load.n:
+            load.start()
+            say(f"load: {load.describe()}, stopped with the demo")
+            run.notes.append(f"Run with {load.describe()} (`--load {load.n}`).")
         code = run_phases(plan, run)
     except (KeyboardInterrupt, DemoInterruptError) as exc:
         say(f"interrupted ({exc or 'Ctrl-C'}): stopping everything")
@@ -129,9 +137,28 @@ def execute(plan: DemoPlan, run: Run | None = None) -> int:
     finally:
         with _signals_ignored(restore_term=old_term):
             finish(plan, run)
+            load.stop()
     if code == 0 and run.chaos_result is not None and not run.chaos_result.ok:
         code = 1
+    if code == 0 and not served(run):
+        say(f"the loop served nothing: {nothing_served(plan, run)}")
+        code = 1
     return code
+
+
+def nothing_served(plan: DemoPlan, run: Run) -> str:
+    """Why a run that ended normally has no reward record, in one line."""
+    budget = f"{plan.demo.minutes:g}-minute budget"
+    if run.loop_started is None:
+        return f"the setup used the whole {budget} and the loop never started; give it more --minutes"
+    setup = (run.loop_started - plan.started) / 60
+    return (f"no reward record was closed (setup took {setup:.1f} min of the {budget}); see the services' "
+            f"logs in {plan.data / 'logs'} or give it more --minutes")
+
+
+def served(run: Run) -> bool:
+    """Whether the loop produced evidence: at least one reward record in the report."""
+    return bool(run.summary and run.summary.get("records"))
 
 
 @contextmanager
@@ -173,6 +200,7 @@ def run_phases(plan: DemoPlan, run: Run) -> int:
     if plan.demo.holdout_share > 0:
         pin_holdout(live, config, run.bootstrap_version, plan.demo.holdout_share)
     start_services(live.supervisor, config.gateway_port, run.notes)
+    run.loop_started = time.time()
     run.bad = BadCandidateInjector(
         plan.demo, plan.data / "bad-candidate", live.world, live.registry,
         candidate_lock(live.redis, config.settings.redis.key_prefix))
@@ -307,6 +335,9 @@ def main(argv: list[str]) -> int:
                              "reconcile the topics and check the ledger at the end")
     parser.add_argument("--chaos-every", type=float, default=base.chaos_every_s, metavar="SECONDS",
                         help="seconds between chaos kills (default %(default)s)")
+    parser.add_argument("--load", type=int, default=base.load, metavar="N",
+                        help="run N busy processes (one core each) beside the demo and stop them with it: "
+                             "a busy machine to try the loop on (default %(default)s)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document on stdout at the end (exit code, report, summary, "
                              "chaos checks); progress and every service's output go to stderr")
@@ -315,8 +346,10 @@ def main(argv: list[str]) -> int:
         "minutes": args.minutes, "increments": args.increments, "data_dir": args.data_dir,
         "until_promoted": args.until_promoted or base.until_promoted,
         "report_dir": args.report_dir, "bad_candidate": args.bad_candidate, "seed": args.seed,
-        "chaos": args.chaos, "chaos_every_s": args.chaos_every, "engine": args.engine,
+        "chaos": args.chaos, "chaos_every_s": args.chaos_every, "engine": args.engine, "load": args.load,
     })
+    if not 0 <= args.load <= MAX_LOAD:
+        parser.error(f"--load takes 0 to {MAX_LOAD} busy processes")
     command = "rtrl demo " + " ".join(argv) if argv else "rtrl demo"
     plan = DemoPlan.create(demo, args.keep_stack, command.strip(), os.environ)
     if not args.json:

@@ -104,6 +104,9 @@ class DemoSettings(Section):
     """Seconds between two kills under ``chaos``."""
     sim_rate_per_s: Annotated[float, Field(ge=0.0)] = 25.0
     """Requests per second of the demo's simulated users (``simulator.rate_per_s``)."""
+    load: Annotated[int, Field(ge=0, le=64)] = 0
+    """Busy processes started beside the demo, each spinning one core, stopped with it
+    (``--load``): a busy machine anyone can reproduce."""
     sim_users: int = 300
     """Simulated users in the demo (``simulator.n_users``)."""
     seed: int = 0
