@@ -151,8 +151,6 @@ class Controller:
                  clock: Callable[[], float] = time.time, holdout: HoldoutPort | None = None,
                  hooks: TickHooks | None = None) -> None:
         self.config, self.ports, self.rewards, self.clock = config, ports, rewards, clock
-        self.policy = config.policy
-        self.judge_policy = config.judge
         self.holdout = holdout
         """Measures the champion against the long-term holdout (None: not in this process)."""
         self.hooks: TickHooks = hooks if hooks is not None else QuietHooks()
@@ -173,7 +171,7 @@ class Controller:
             apply_actions(actions, self.ports.routing, self.ports.registry, self.ports.ledger,
                           self.ports.engine)
 
-        after = tick(before, obs, self.policy, apply, st.save)
+        after = tick(before, obs, cfg.policy, apply, st.save)
         st.remember([c.id for c in checked.accepted if c.id not in dict(before.handled)],
                     2 * cfg.command_max_age_s)
         st.trim({cid for cid, _ in after.handled})
@@ -221,7 +219,7 @@ class Controller:
         try:
             window = rewards.read(status)
             stable, canary = window.cohorts(*rewards.served_counts(status))
-            verdict = judge(stable, canary, self.judge_policy, dict(status.judge_state),
+            verdict = judge(stable, canary, self.config.judge, dict(status.judge_state),
                             elapsed_s=obs.now - status.started_at,
                             boundaries=(status.started_at, *status.step_times))
         except Exception as exc:  # any failure to observe is counted by the state machine

@@ -30,6 +30,8 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy.special import betaincc, betaln
 
+from ingest.contracts.metrics import quantile as quantile  # one definition: the cohort summary's
+
 Arr = NDArray[np.float64]
 
 
@@ -110,12 +112,6 @@ def proportion_var(successes: ArrayLike, trials: ArrayLike) -> tuple[Arr, Arr]:
         shrunk = (x + 0.5) / (n + 1.0)
         var = np.where(n > 0, shrunk * (1.0 - shrunk) / n, np.inf)
     return rate, var
-
-
-def quantile(values: Iterable[float], q: float) -> float:
-    """Empirical quantile (linear interpolation, numpy's default); nan for no values."""
-    arr = np.fromiter(values, dtype=np.float64)
-    return float(np.quantile(arr, q)) if arr.size else float("nan")
 
 
 # --- time strata and capped user weights ----------------------------------------------------

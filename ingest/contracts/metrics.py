@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 PERSISTENCE_HORIZON_S = 600
 """The default spec's primary horizon; a deployment's is its reward spec's."""
 
@@ -94,15 +96,11 @@ def mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def quantile(xs: Sequence[float], q: float) -> float:
-    """Linear interpolation between order statistics (numpy's default); NaN for no values."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+def quantile(values: Iterable[float], q: float) -> float:
+    """Empirical quantile (linear interpolation, numpy's default); NaN for no values. The
+    judge's guardrails use it too (``rollback.stats``)."""
+    arr = np.fromiter(values, dtype=np.float64)
+    return float(np.quantile(arr, q)) if arr.size else math.nan
 
 
 def summarise(outcomes: Sequence[Outcome]) -> Summary:
