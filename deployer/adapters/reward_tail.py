@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from ingest.adapters.idle_poll import IdlePoller
 from ingest.adapters.redis_json import read_json, write_json
 from ingest.contracts import prometheus as m
 from ingest.contracts.keys import holdout_report_key
@@ -55,13 +56,22 @@ class RewardTail:
             else:
                 self.consumer.seek(tp, hit.offset)
 
-    def follow(self, window: cohorts.CohortWindow, polls: int = 100) -> None:
-        """Add what arrived since the last call to ``window`` (bounded: a tick never spins
-        forever on a busy topic; the rest is read on the next one)."""
+    def follow(self, window: cohorts.CohortWindow, polls: int = 100, quiet_polls: int = 3) -> None:
+        """Add what arrived since the last call to ``window``. Bounded: a tick never spins
+        forever on a busy topic (the rest is read on the next one), and stops after
+        ``quiet_polls`` empty non-blocking polls (10, 20, 40 ms apart: time for the fetch
+        the first one sent to come back) rather than spin for ``poll_ms`` on a broker that
+        answers empty fetches at once."""
+        poller = IdlePoller(self.consumer, idle_ms=self.poll_ms)
+        quiet = 0
         for _ in range(polls):
-            batch = self.consumer.poll(timeout_ms=self.poll_ms, max_records=5000)
-            if not batch:
-                break
+            batch = poller.poll(max_records=5000)
+            if not any(batch.values()):
+                quiet += 1
+                if quiet >= quiet_polls:
+                    break
+                continue
+            quiet = 0
             for records in batch.values():
                 for rec in records:
                     try:

@@ -4,7 +4,10 @@ A worker is a member of one consumer group on its input topic with one transacti
 producer. The loop owns the Kafka side; the worker supplies a :class:`Transform` that turns
 a polled batch into output records. One iteration:
 
-1. **poll** at most ``max_records`` records from the partitions this member owns;
+1. **poll** at most ``max_records`` records from the partitions this member owns, without
+   blocking in the client; after an empty poll the loop waits 10 ms, doubling up to
+   ``poll_timeout_ms``, before the next (ingest/adapters/idle_poll.py: a quiet topic costs
+   a few polls per second, whether or not the broker holds empty fetches);
 2. **transform** them (``Transform.transform``): validate, join, decide. The transform may
    read and write its own state store (Redis), but only idempotently: the same batch may
    be transformed again after a failure;
@@ -60,6 +63,7 @@ from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
 from kafka.errors import KafkaError, ProducerFencedError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
+from ingest.adapters.idle_poll import IdlePoller
 from ingest.contracts import prometheus as m
 from services.runtime.health import Health
 from services.runtime.kafka_io import (
@@ -172,6 +176,9 @@ class ExactlyOnceLoop(Generic[R]):
         self.transform = transform
         self.health = health
         self.poll_timeout_ms = poll_timeout_ms
+        self.poller = IdlePoller(consumer, idle_ms=poll_timeout_ms)
+        """Waits between polls of a quiet topic (``run`` makes them the stopper's, so a
+        SIGTERM does not wait for one)."""
         self.max_records = max_records
         self.fault = fault or (lambda _point: None)
         self.producer: KafkaProducer | None = None
@@ -205,6 +212,7 @@ class ExactlyOnceLoop(Generic[R]):
         over the transactional id."""
         backoff = Backoff()
         down_since = 0.0
+        self.poller.wait = stopper.wait
         while not stopper.stopping:
             self.health.beat()
             try:
@@ -233,7 +241,7 @@ class ExactlyOnceLoop(Generic[R]):
     def step(self) -> Batch[R] | None:
         """One poll -> transform -> transaction -> committed. Returns the committed batch
         (None when there was nothing to commit); raises on any failure."""
-        polled = self.consumer.poll(timeout_ms=self.poll_timeout_ms, max_records=self.max_records)
+        polled = self.poller.poll(max_records=self.max_records)
         self.last_broker_ok = time.monotonic()
         t0 = time.perf_counter()
         batch = self.transform.transform(polled, sorted(self.consumer.assignment()))
@@ -288,6 +296,7 @@ class ExactlyOnceLoop(Generic[R]):
     def _reset(self) -> None:
         """After a failure: abort, replace the producer if needed, rewind to the committed
         offsets and recover every owned partition. Raises while a dependency is still down."""
+        self.poller.busy()
         if self._replace_producer:
             self._abort()
             close_quietly(self.producer)

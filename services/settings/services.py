@@ -45,7 +45,9 @@ class IngestSettings(Section):
     max_batch: int = 500
     """Most records per poll; one Kafka transaction covers one polled batch."""
     poll_timeout_ms: int = 500
-    """Longest wait for new raw records in one poll."""
+    """Longest wait between two polls of a quiet raw topic (waits double from 10 ms up to
+    it): how late the first record after a quiet spell is read, at most. An idle worker
+    polls about 1000/this times a second (docs/ingest.md)."""
     max_poll_interval_ms: int = 30_000
     """A worker that does not poll for this long leaves the group. It is also how long a
     rebalance waits for members to rejoin, so it bounds the stall after a worker dies."""
@@ -69,8 +71,9 @@ class RewardSettings(Section):
     max_batch: int = 500
     """Most events per poll; one Kafka transaction covers one polled batch and its closes."""
     poll_timeout_ms: int = 200
-    """Longest wait for new events; due windows are checked after every poll, so this bounds
-    how late a timer fires when no events arrive."""
+    """Longest wait between two polls of a quiet events topic (waits double from 10 ms up to
+    it); due windows are checked after every poll, so this bounds how late a timer fires
+    when no events arrive."""
     max_close_per_batch: int = 2000
     """Most windows closed in one transaction (the rest close on the next loop)."""
     time_scale: float = 1.0
@@ -381,7 +384,8 @@ class DeployerSettings(Section):
     """Minimum detectable effect per judged metric, overriding the judge's defaults (see
     docs/judge.md), e.g. RTRL_DEPLOYER__JUDGE_MDE='{"reward": 0.1, "persistence": 0.05}'."""
     poll_timeout_ms: Annotated[int, Field(ge=1)] = 500
-    """Longest wait for new reward records in one tick."""
+    """Longest wait between two polls of the rewards topic within one tick (a tick stops
+    reading after three empty polls, 30 ms apart in all)."""
     lag_interval_s: Annotated[float, Field(ge=0.0)] = 30.0
     """Seconds between reads of the ingest and reward groups' lag from the broker
     (``rtrl_group_lag_seconds``, which outlives the consumers); 0 turns them off."""

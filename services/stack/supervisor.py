@@ -27,6 +27,7 @@ from typing import Any
 
 from kafka import TopicPartition
 
+from ingest.adapters.idle_poll import IdlePoller
 from services.report.cohorts import Cohort, Row, cohort, row_from_record
 from services.runtime.kafka_io import make_consumer
 from services.settings.model import Settings
@@ -236,8 +237,9 @@ class RewardsTracker:
                 return
             consumer.assign(tps)
             consumer.seek_to_beginning(*tps)
+            poller = IdlePoller(consumer, idle_ms=500, wait=self._stop.wait)
             while not self._stop.is_set():
-                for recs in consumer.poll(timeout_ms=500, max_records=2000).values():
+                for recs in poller.poll(max_records=2000).values():
                     for rec in recs:
                         self.add_bytes(rec.value)
         except Exception as exc:  # the demo keeps going; the report reads the topic again

@@ -27,13 +27,15 @@ class Scale:
     """How long the load soak sustains the pipeline's benchmarked rate."""
     judge_canaries: int
     """Simulated A/A and A/B canaries for the judge's statistical checks."""
+    idle_seconds: float
+    """How long idle ingest and reward workers (lag 0) are measured for their CPU."""
 
 
 SCALES = {
     "ci": Scale("ci", crash_events=12_000, crash_kills=4, fault_events=4_000, fuzz_bad=10_000,
-                fuzz_valid_requests=300, soak_seconds=45, judge_canaries=1_000),
+                fuzz_valid_requests=300, soak_seconds=45, judge_canaries=1_000, idle_seconds=30),
     "soak": Scale("soak", crash_events=100_000, crash_kills=16, fault_events=20_000, fuzz_bad=10_000,
-                  fuzz_valid_requests=2_000, soak_seconds=900, judge_canaries=2_000),
+                  fuzz_valid_requests=2_000, soak_seconds=900, judge_canaries=2_000, idle_seconds=300),
 }
 
 

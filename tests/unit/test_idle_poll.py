@@ -1,0 +1,103 @@
+"""Polling a quiet topic: waits between non-blocking polls, a blocking poll to (re)join."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ingest.adapters.idle_poll import IdlePoller, joining, next_idle_wait
+
+
+def reference_waits(cap_s: float, n: int, first_s: float = 0.01) -> list[float]:
+    out, w = [], 0.0
+    for _ in range(n):
+        w = first_s if w == 0 else w * 2
+        w = min(w, cap_s)
+        out.append(w)
+    return out
+
+
+@pytest.mark.parametrize("cap", [0.005, 0.01, 0.2, 0.5, 3.0])
+def test_waits_double_from_10ms_up_to_the_cap(cap: float) -> None:
+    got, w = [], 0.0
+    for _ in range(12):
+        w = next_idle_wait(w, cap)
+        got.append(w)
+    assert got == pytest.approx(reference_waits(cap, 12))
+
+
+def test_a_zero_cap_never_waits() -> None:
+    assert next_idle_wait(0.0, 0.0) == 0.0
+    assert next_idle_wait(0.4, 0.0) == 0.0
+
+
+class FakeConsumer:
+    def __init__(self, batches: list[dict[str, list[int]]]) -> None:
+        self.batches = batches
+        self.timeouts: list[int] = []
+
+    def poll(self, timeout_ms: int = 0, max_records: int | None = None) -> dict[str, list[int]]:
+        self.timeouts.append(timeout_ms)
+        return self.batches.pop(0) if self.batches else {}
+
+
+def test_a_quiet_topic_is_polled_without_blocking_and_with_growing_waits() -> None:
+    empty: dict[str, list[int]] = {"p0": []}
+    consumer = FakeConsumer([{"p0": [1, 2]}, empty, empty, empty, {"p0": [3]}, empty])
+    waits: list[float] = []
+    poller = IdlePoller(consumer, idle_ms=25, wait=waits.append)
+    got = [sum(len(v) for v in poller.poll(10).values()) for _ in range(6)]
+    assert got == [2, 0, 0, 0, 1, 0]
+    assert consumer.timeouts == [0] * 6  # a consumer without a group never blocks
+    # no wait after records; 10 ms, 20 ms, then the 25 ms cap; records reset it
+    assert waits == pytest.approx([0.01, 0.02, 0.025])
+
+
+def test_busy_drops_the_wait() -> None:
+    consumer = FakeConsumer([])
+    waits: list[float] = []
+    poller = IdlePoller(consumer, idle_ms=1000, wait=waits.append)
+    poller.poll()
+    poller.poll()
+    poller.busy()
+    poller.poll()
+    assert waits == pytest.approx([0.01])
+
+
+class Coordinator:
+    def __init__(self, group_id: str | None, rejoin: bool = False, unknown: bool = False) -> None:
+        self.group_id = group_id
+        self.rejoin = rejoin
+        self.unknown = unknown
+
+    def need_rejoin(self) -> bool:
+        return self.rejoin
+
+    def coordinator_unknown(self) -> bool:
+        return self.unknown
+
+
+class GroupConsumer(FakeConsumer):
+    def __init__(self, coordinator: Coordinator, assigned: set[Any]) -> None:
+        super().__init__([])
+        self._coordinator = coordinator
+        self.assigned = assigned
+
+    def assignment(self) -> set[Any]:
+        return self.assigned
+
+
+@pytest.mark.parametrize(("coordinator", "assigned", "expected"), [
+    (Coordinator("g"), set(), True),                 # not a member yet
+    (Coordinator("g", rejoin=True), {"p0"}, True),   # a rebalance asks it to rejoin
+    (Coordinator("g", unknown=True), {"p0"}, True),  # the coordinator moved
+    (Coordinator("g"), {"p0"}, False),               # a stable member
+    (Coordinator(None), set(), False),               # assigns its partitions itself
+])
+def test_a_member_that_must_join_blocks_so_the_join_completes(
+        coordinator: Coordinator, assigned: set[Any], expected: bool) -> None:
+    consumer = GroupConsumer(coordinator, assigned)
+    assert joining(consumer) is expected
+    IdlePoller(consumer, idle_ms=100, join_timeout_ms=321, wait=lambda _s: None).poll()
+    assert consumer.timeouts == [321 if expected else 0]
