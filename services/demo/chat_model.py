@@ -12,12 +12,20 @@ on. No hub download.
 :func:`chat_pairs` writes world pairs as the model's token ids (``rtrl bootstrap``'s corpus
 format), as the engine renders them: ``apply_chat_template`` for the prompt.
 
+:func:`cached_demo_model` keeps each built model in a cache directory, keyed by everything
+that shapes it (seed, sizes, the source of the modules that build it, torch and transformers
+versions), so a second demo with the same seed starts its engine at once.
+
 transformers, tokenizers and torch are imported inside the functions (heavy).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -111,3 +119,61 @@ def word_tokens(tokenizer: Any) -> dict[str, list[int]]:
     as :func:`build_demo_model` does)."""
     return {w: [int(t) for t in tokenizer.encode(" " + w, add_special_tokens=False)]
             for w in (*CONTENT_WORDS, ASK_WORD)}
+
+
+BUILDER_SOURCES = ("services/demo/chat_model.py", "services/stack/tiny_llm.py", "services/sim/chat_world.py",
+                   "services/sim/users.py", "trainer/hf_policy.py", "trainer/loop.py")
+"""The modules whose code shapes the demo model: a change to any of them makes a new cache key."""
+CACHE_DONE = "rtrl-cache.json"
+"""Written last into a cached model: a directory without it is an interrupted build."""
+
+
+def model_key(seed: int, epochs: int = PRETRAIN_EPOCHS, n_pairs: int = PRETRAIN_PAIRS,
+              root: Path | None = None) -> str:
+    """What the model built by :func:`build_demo_model` depends on, as a short hash."""
+    import torch
+    import transformers
+
+    root = root or Path(__file__).resolve().parents[2]
+    h = hashlib.sha256(json.dumps({
+        "seed": seed, "epochs": epochs, "pairs": n_pairs, "vocab": VOCAB, "lr": PRETRAIN_LR,
+        "questions": QUESTION_SHARE, "torch": torch.__version__, "transformers": transformers.__version__,
+    }, sort_keys=True).encode())
+    for rel in BUILDER_SOURCES:
+        h.update(rel.encode())
+        h.update((root / rel).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached_demo_model(dst: Path, seed: int, cache: Path | None, epochs: int = PRETRAIN_EPOCHS,
+                      n_pairs: int = PRETRAIN_PAIRS, say: Callable[[str], None] = print,
+                      build: Callable[..., Path] | None = None) -> Path:
+    """The demo model under ``dst``: copied from ``cache`` when a finished build with the same
+    key is there, else built (:func:`build_demo_model`) and then stored in ``cache`` (None: no
+    cache). A cache that cannot be written costs only the copy: the model is still built."""
+    build = build or build_demo_model
+    if cache is None:
+        return build(dst, seed, epochs=epochs, n_pairs=n_pairs, say=say)
+    cache = cache.expanduser()
+    key = model_key(seed, epochs, n_pairs)
+    hit = cache / key
+    if (hit / CACHE_DONE).exists():
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(hit, dst, ignore=shutil.ignore_patterns(CACHE_DONE))
+        say(f"base model {key} from the cache {cache} (delete it to build again)")
+        return dst
+    build(dst, seed, epochs=epochs, n_pairs=n_pairs, say=say)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
+        shutil.copytree(dst, tmp, dirs_exist_ok=True)
+        (tmp / CACHE_DONE).write_text(json.dumps({"key": key, "seed": seed, "built_at": time.time()}) + "\n")
+        try:
+            tmp.rename(hit)
+        except OSError:  # another demo stored the same key meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+        say(f"base model {key} stored in the cache {cache}")
+    except OSError as exc:
+        say(f"base model not cached ({type(exc).__name__}: {exc})")
+    return dst

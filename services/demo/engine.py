@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from services.demo.chat_model import LORA_TARGETS, build_demo_model, chat_pairs
+from services.demo.chat_model import LORA_TARGETS, cached_demo_model, chat_pairs
 from services.demo.console import say
 from services.sim.users import bootstrap_corpus, make_world
 from services.stack.engine import EngineError, default_venv, server_argv, server_env, wait_engine
@@ -84,12 +84,13 @@ def engine_spec(model: Path, port: int) -> ProcSpec:
                     env=server_env({}), unset=("PYTHONPATH",))
 
 
-def prepare(data: Path, seed: int, supervisor: Supervisor, port: int) -> Path:
-    """Build the base model, start the engine on it, and write the bootstrap corpus in its
-    token ids; the corpus's path (the engine is still starting: :func:`await_engine`)."""
-    say("building the demo's base model (a tiny Llama and its tokenizer, trained to answer the "
+def prepare(data: Path, seed: int, supervisor: Supervisor, port: int, cache: Path | None = None) -> Path:
+    """Build the base model (or copy it from ``cache``), start the engine on it, and write the
+    bootstrap corpus in its token ids; the corpus's path (the engine is still starting:
+    :func:`await_engine`)."""
+    say("the demo's base model (a tiny Llama and its tokenizer, trained to answer the "
         "simulated users badly) ...")
-    model = build_demo_model(model_dir(data), seed, say=say)
+    model = cached_demo_model(model_dir(data), seed, cache, say=say)
     supervisor.start(engine_spec(model, port))
     say(f"vLLM starting on {engine_url(port)} (log: {supervisor.log_dir / (ENGINE + '.log')})")
     from transformers import AutoTokenizer

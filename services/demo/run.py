@@ -188,7 +188,8 @@ def run_phases(plan: DemoPlan, run: Run) -> int:
     corpus = config.corpus
     bootstrap_args: tuple[str, ...] = ("--epochs", "2")
     if config.engine_port is not None:
-        corpus = demo_engine.prepare(plan.data, plan.demo.seed, live.supervisor, config.engine_port)
+        corpus = demo_engine.prepare(plan.data, plan.demo.seed, live.supervisor, config.engine_port,
+                                     plan.demo.model_cache_dir)
         bootstrap_args = tuple(demo_engine.bootstrap_args(plan.data))
         run.notes.append("Served by vLLM's CPU build: a tiny Llama-architecture model built by the demo, "
                          "chat users, LoRA increments loaded into the engine before their canaries.")

@@ -86,6 +86,10 @@ class DemoSettings(Section):
     """``builtin``: the built-in token-id policy in the gateway (fast); ``vllm``: a tiny Llama
     built by the demo, served by vLLM's CPU build (``scripts/vllm-env``), chat users, LoRA
     increments loaded into the engine through the canary (docs/demo.md)."""
+    model_cache_dir: Path | None = Path("~/.cache/rtrl/demo-models")
+    """Where ``--engine vllm`` keeps the base models it built, one per seed and builder version
+    (``~`` is the user's home): a second run copies it instead of training it again.
+    ``null``: build every time."""
     canary_max_s: Annotated[float, Field(gt=0.0)] | None = None
     """A canary's longest run before the deployer aborts it as inconclusive (unset: 210 s on the
     built-in policy, 360 s on vLLM, whose latency on a busy 2-core machine is noisier)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from services.demo.chat_model import CACHE_DONE
 from services.stack.embedded import EmbeddedStack
 from services.stack.supervisor import stop_recorded
 from tests.e2e.demo_helpers import NO_HOLDOUT_MEASURE, demo_env, leftovers, run_demo, story
@@ -52,7 +53,9 @@ def run(tmp_path: Path, args: list[str], demo: dict[str, str],
         timeout_s: float) -> tuple[Path, dict[str, Any], str]:
     data, reports = tmp_path / "demo", tmp_path / "reports"
     try:
-        proc, out = run_demo(["--engine", "vllm", *args], data, reports, demo_env(demo), timeout_s)
+        cache = tmp_path / "model-cache"  # a fresh user's first run: the model is built, then cached
+        proc, out = run_demo(["--engine", "vllm", *args], data, reports,
+                             demo_env({"RTRL_DEMO__MODEL_CACHE_DIR": str(cache), **demo}), timeout_s)
         assert proc.returncode == 0, out[-4000:]
         assert not leftovers(data), "a process (the engine included) outlived the demo"
         summary = summary_of(reports, out)
@@ -61,6 +64,7 @@ def run(tmp_path: Path, args: list[str], demo: dict[str, str],
         EmbeddedStack(data_dir=data / "stack").down()
         stop_recorded(data / "pids.json")
     assert "vLLM serves the base model" in out, out[-4000:]
+    assert len(list(cache.glob(f"*/{CACHE_DONE}"))) == 1, "the built model was not cached"
     assert set(kinds.values()) == {"hf-lora"}, f"every version is a LoRA adapter: {kinds}"
     return data, summary, out
 
