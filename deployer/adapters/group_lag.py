@@ -6,6 +6,12 @@ reads each pipeline group's committed offsets and the partitions' ends from the 
 exports, per group and topic, the backlog in messages and its age in seconds: how long the
 oldest record not yet committed by the group has waited (``rtrl_group_lag_seconds``). An
 empty backlog is 0 seconds, whatever the age of the last record.
+
+The age needs the timestamp of each partition's first uncommitted record, read from the
+broker with a deadline. A head read that times out (a busy machine) must not make a growing
+backlog look fresh, so the heads read are remembered (:func:`known_heads`): a group that has
+not moved since keeps its exact age without a read, and one whose read timed out keeps the
+age of the head last read for it, an older record (an upper bound), never 0.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ingest.adapters.idle_poll import IdlePoller
 from ingest.contracts import prometheus as m
 from kafka import TopicPartition
 
@@ -64,6 +71,37 @@ def summarise(group: str, topic: str, lags: list[PartitionLag]) -> GroupLag:
     return GroupLag(group, topic, sum(x.messages for x in lags), max((x.seconds for x in lags), default=0.0))
 
 
+HeadCache = dict[tuple[str, str, int], tuple[int, float]]
+"""(group, topic, partition) -> (offset of the group's first uncommitted record, its timestamp)."""
+
+
+def known_heads(cache: HeadCache, group: str, topic: str, first: Mapping[int, int], behind: list[int],
+                read: Callable[[list[int]], Mapping[int, float]]) -> dict[int, float]:
+    """The head timestamp of each partition in ``behind`` (those with a backlog): from
+    ``cache`` when the group's first uncommitted offset is the one read before (the same
+    record), else from ``read``; a partition ``read`` found nothing for keeps the head last
+    read for it (an older record: its age is an upper bound). Updates ``cache``, and forgets
+    the partitions without a backlog."""
+    heads: dict[int, float] = {}
+    to_read = []
+    for p in behind:
+        hit = cache.get((group, topic, p))
+        if hit is not None and hit[0] == first[p]:
+            heads[p] = hit[1]
+        else:
+            to_read.append(p)
+    got = read(to_read) if to_read else {}
+    for p in to_read:
+        if p in got:
+            heads[p] = got[p]
+            cache[(group, topic, p)] = (first[p], got[p])
+        elif (hit := cache.get((group, topic, p))) is not None:
+            heads[p] = hit[1]
+    for key in [k for k in cache if k[0] == group and k[1] == topic and k[2] not in behind]:
+        del cache[key]
+    return heads
+
+
 def committed_offsets(admin: Any, group: str, topic: str) -> dict[int, int]:
     """The group's committed offset per partition of ``topic`` ({} when it has none)."""
     try:
@@ -78,9 +116,11 @@ class BrokerOffsets:
     """Reads offsets and head timestamps with kafka-python (an admin client and an
     unassigned consumer, ``group_id=None``, so reading never joins or moves a group)."""
 
-    def __init__(self, admin: Any, consumer: Any) -> None:
+    def __init__(self, admin: Any, consumer: Any, heads: HeadCache | None = None) -> None:
         self.admin = admin
         self.consumer = consumer
+        self.heads: HeadCache = {} if heads is None else heads
+        """Heads read so far (:func:`known_heads`); the monitor keeps it across reconnects."""
 
     def group_lag(self, group: str, topic: str, now: float) -> GroupLag:
         parts = self.consumer.partitions_for_topic(topic) or set()
@@ -91,9 +131,10 @@ class BrokerOffsets:
         starts = {tp.partition: off for tp, off in self.consumer.beginning_offsets(tps).items()}
         committed = committed_offsets(self.admin, group, topic)
         first = {p: max(committed.get(p, starts[p]), starts[p]) for p in ends}
-        behind = [tp for tp in tps if first[tp.partition] < ends[tp.partition]]
-        return summarise(group, topic, partition_lags(committed, starts, ends,
-                                                      self._head_ts(behind, first), now))
+        behind = [tp.partition for tp in tps if first[tp.partition] < ends[tp.partition]]
+        heads = known_heads(self.heads, group, topic, first, behind,
+                            lambda ps: self._head_ts([TopicPartition(topic, p) for p in ps], first))
+        return summarise(group, topic, partition_lags(committed, starts, ends, heads, now))
 
     def _head_ts(self, tps: list[Any], first: Mapping[int, int], timeout_s: float = 2.0) -> dict[int, float]:
         """The timestamp of the record at ``first[p]`` (or the next readable one) per partition."""
@@ -104,8 +145,9 @@ class BrokerOffsets:
             self.consumer.seek(tp, first[tp.partition])
         found: dict[int, float] = {}
         deadline = time.monotonic() + timeout_s
+        poller = IdlePoller(self.consumer, idle_ms=200)  # a broker answering at once: no spin
         while len(found) < len(tps) and time.monotonic() < deadline:
-            for tp, records in self.consumer.poll(timeout_ms=200, max_records=100).items():
+            for tp, records in poller.poll(max_records=100).items():
                 if records and tp.partition not in found:
                     found[tp.partition] = records[0].timestamp / 1000.0
                     self.consumer.pause(tp)
@@ -131,12 +173,14 @@ class GroupLagMonitor:
         self.interval_s = interval_s
         self.clock = clock
         self._offsets: BrokerOffsets | None = None
+        self._heads: HeadCache = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="group-lag", daemon=True)
 
     def read_once(self) -> list[GroupLag]:
         if self._offsets is None:
             self._offsets = self.connect()
+            self._offsets.heads = self._heads
         out = []
         for group, topic in self.groups:
             lag = self._offsets.group_lag(group, topic, self.clock())

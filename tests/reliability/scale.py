@@ -29,13 +29,17 @@ class Scale:
     """Simulated A/A and A/B canaries for the judge's statistical checks."""
     idle_seconds: float
     """How long idle ingest and reward workers (lag 0) are measured for their CPU."""
+    scale_out_events: int
+    """Events streamed while ingest and reward workers join and die on 8 partitions."""
 
 
 SCALES = {
     "ci": Scale("ci", crash_events=12_000, crash_kills=4, fault_events=4_000, fuzz_bad=10_000,
-                fuzz_valid_requests=300, soak_seconds=45, judge_canaries=1_000, idle_seconds=30),
+                fuzz_valid_requests=300, soak_seconds=45, judge_canaries=1_000, idle_seconds=30,
+                scale_out_events=6_000),
     "soak": Scale("soak", crash_events=100_000, crash_kills=16, fault_events=20_000, fuzz_bad=10_000,
-                  fuzz_valid_requests=2_000, soak_seconds=900, judge_canaries=2_000, idle_seconds=300),
+                  fuzz_valid_requests=2_000, soak_seconds=900, judge_canaries=2_000, idle_seconds=300,
+                  scale_out_events=40_000),
 }
 
 

@@ -7,7 +7,15 @@ import random
 
 import pytest
 
-from deployer.adapters.group_lag import GroupLag, GroupLagMonitor, PartitionLag, partition_lags, summarise
+from deployer.adapters.group_lag import (
+    GroupLag,
+    GroupLagMonitor,
+    HeadCache,
+    PartitionLag,
+    known_heads,
+    partition_lags,
+    summarise,
+)
 from ingest.contracts import prometheus as m
 
 pytestmark = pytest.mark.unit
@@ -98,3 +106,49 @@ def test_a_failed_read_is_counted_and_the_next_one_reconnects() -> None:
     assert readers[0].closed
     assert mon.tick()
     assert len(readers) == 2
+
+
+class _Heads:
+    """A head reader that answers from ``ts`` (offset -> timestamp) unless told to time out."""
+
+    def __init__(self, ts: dict[int, dict[int, float]]) -> None:
+        self.ts = ts
+        self.first: dict[int, int] = {}
+        self.timeout: set[int] = set()
+        self.reads: list[list[int]] = []
+
+    def __call__(self, parts: list[int]) -> dict[int, float]:
+        self.reads.append(parts)
+        return {p: self.ts[p][self.first[p]] for p in parts if p not in self.timeout}
+
+
+def test_a_stalled_groups_age_keeps_growing_when_head_reads_time_out() -> None:
+    heads = _Heads({0: {5: 100.0, 9: 300.0}, 1: {2: 50.0}})
+    cache: HeadCache = {}
+    heads.first = {0: 5, 1: 2}
+    got = known_heads(cache, "g", "t", heads.first, [0, 1], heads)
+    assert got == {0: 100.0, 1: 50.0} and heads.reads == [[0, 1]]
+    # nothing moved: the same records, no read at all
+    assert known_heads(cache, "g", "t", heads.first, [0, 1], heads) == {0: 100.0, 1: 50.0}
+    assert heads.reads == [[0, 1]]
+    # partition 0 moved on and its read times out: the older head stays (an upper bound), never none
+    heads.first = {0: 9, 1: 2}
+    heads.timeout = {0}
+    assert known_heads(cache, "g", "t", heads.first, [0, 1], heads) == {0: 100.0, 1: 50.0}
+    lags = partition_lags({0: 9, 1: 2}, {0: 0, 1: 0}, {0: 20, 1: 10},
+                          known_heads(cache, "g", "t", heads.first, [0, 1], heads), now=1000.0)
+    assert [x.seconds for x in lags] == [900.0, 950.0]
+    # the next read that answers replaces it with the true head
+    heads.timeout = set()
+    assert known_heads(cache, "g", "t", heads.first, [0, 1], heads)[0] == 300.0
+    # a partition whose backlog is gone is forgotten; another group's heads are its own
+    assert known_heads(cache, "g", "t", heads.first, [1], heads) == {1: 50.0}
+    assert ("g", "t", 0) not in cache and ("g", "t", 1) in cache
+    assert known_heads(cache, "other", "t", {1: 2}, [1], heads) == {1: 50.0}
+    assert ("other", "t", 1) in cache
+
+
+def test_a_head_never_read_has_no_age_yet() -> None:
+    heads = _Heads({0: {3: 10.0}})
+    heads.first, heads.timeout = {0: 3}, {0}
+    assert known_heads({}, "g", "t", heads.first, [0], heads) == {}
