@@ -286,8 +286,10 @@ class Effect:
 
     @property
     def relative(self) -> float:
-        """estimate / holdout mean (NaN when the holdout's mean is 0)."""
-        return self.estimate / self.holdout_mean if self.holdout_mean else math.nan
+        """estimate / |holdout mean|: its sign is the change's direction, also on a negative
+        baseline (a reward rising from -1.5 to -1.1 is +27%, not -27%); NaN when the holdout's
+        mean is 0."""
+        return self.estimate / abs(self.holdout_mean) if self.holdout_mean else math.nan
 
 
 def comparison_policy(policy: JudgePolicy) -> JudgePolicy:

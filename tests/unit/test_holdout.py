@@ -251,6 +251,20 @@ def test_effects_are_champion_minus_holdout_with_the_relative_change() -> None:
     assert doc["effects"]["persistence"]["lower"] == pytest.approx(0.09)
 
 
+@pytest.mark.parametrize(("base", "champ", "expected"), [
+    (-1.531, -1.078, "+29.6%"),  # a negative reward that rose: an improvement, shown as a rise
+    (-1.078, -1.531, "-42.0%"),
+    (0.5, 0.6, "+20.0%"),
+    (600.0, 540.0, "-10.0%"),
+])
+def test_the_relative_change_keeps_the_direction_of_the_change_on_any_baseline(
+        base: float, champ: float, expected: str) -> None:
+    (effect,) = holdout.effects([evidence("reward", base, champ)])
+    assert math.copysign(1, effect.relative) == math.copysign(1, champ - base)
+    text = holdout.description({}, holdout.step_metrics([effect]))
+    assert f"({expected}, interval" in text, text
+
+
 # ---------------------------------------------------------------------------- what operators read
 def test_status_and_holdout_cli_render_the_holdout_and_its_effect() -> None:
     from services.cli.holdout import render
