@@ -303,7 +303,8 @@ def main(argv: list[str]) -> int:
                         help="vllm: a stand-in engine that costs no CPU (bench/fake_engine.py), to measure "
                              "the gateway's own relay cost apart from an engine sharing its cores")
     parser.add_argument("--fake-token-ms", type=float, default=1.0, help="--fake-engine: time per token")
-    parser.add_argument("--tick-s", type=float, default=2.0, help="vllm-canary: the deployer's tick")
+    parser.add_argument("--tick-s", type=float, default=None,
+                        help="vllm-canary: the deployer's tick (default: the deployer's default, 30 s)")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="N concurrent keep-alive clients on the gateway path alone (no direct calls)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")

@@ -33,6 +33,10 @@ RESTING = frozenset({Phase.IDLE, Phase.SUCCEEDED, Phase.ROLLED_BACK, Phase.ABORT
 """Phases without a canary in flight: a new candidate may start."""
 TRANSIENT = frozenset({Phase.PROMOTING, Phase.ROLLING_BACK})
 """Phases that finish on their next tick; the controller runs it at once."""
+SOON = frozenset({Phase.PENDING})
+"""Phases whose next tick should come within a second, not a whole tick later: routing is in
+place at weight 0 and the candidate is being loaded into the engine; users reach it once a
+tick sees it ready."""
 JUDGED = frozenset({Phase.PROGRESSING, Phase.AWAITING_APPROVAL})
 """Phases in which the controller reads the cohorts and asks the judge every tick."""
 RESULT_PHASE = {"promoted": Phase.SUCCEEDED, "rolled_back": Phase.ROLLED_BACK, "aborted": Phase.ABORTED}

@@ -2,9 +2,10 @@
 
 Every ``deployer.tick_s`` seconds, one :meth:`deployer.controller.Controller.step` (while it
 holds the controller lease in Redis, so at most one controller, hence one canary, acts at a
-time). The controller, its ports and policies are built from settings by
-``services/wiring/deployer.py``. SIGTERM finishes the current tick, releases the lease and
-exits 0.
+time), and at once (within a second) when the trainer offers a new candidate or an operator
+queues a command (``deployer:wake``, deployer/adapters/redis_state.py). The controller, its
+ports and policies are built from settings by ``services/wiring/deployer.py``. SIGTERM
+finishes the current tick, releases the lease and exits 0.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from deployer.adapters.redis_state import Wakeup
 from deployer.adapters.webhook import WebhookNotifier
 from ingest.contracts import prometheus as m
 from services.runtime.flags import deprecated_alias
@@ -26,7 +28,7 @@ from services.wiring.deployer import (
     build_ports,
     holdout_monitor,
     reward_reader,
-    run_tick,
+    serve_loop,
     start_lag_monitor,
 )
 
@@ -57,15 +59,11 @@ def main(argv: list[str]) -> int:
     port = args.port if args.port is not None else settings.http.port
     http = HttpEndpoints(health, settings.http.host, port, m.registry_for(SERVICE)).start()
     lag = start_lag_monitor(settings)
+    wakeup = Wakeup(ports.state.r, settings.redis.key_prefix)
     log.info("deployer %s: tick every %.1fs, steps %s, bake %.0fs", ports.state.owner, tick_s,
              settings.deployer.steps, settings.deployer.bake_s)
     try:
-        while not stopper.stopping:
-            run_tick(controller)
-            health.beat()
-            if args.once:
-                break
-            stopper.wait(tick_s)
+        serve_loop(controller, wakeup, tick_s, stopper.wait, lambda _status: health.beat(), once=args.once)
     finally:
         ports.state.release()
         rewards.close()

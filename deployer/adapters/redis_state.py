@@ -7,6 +7,7 @@ the controller lease and the operator command queue. Keys (``p`` = ``key_prefix`
     {p}deployer:lease      owner id of the one controller allowed to act (expires)
     {p}deployer:commands   list of JSON operator commands, oldest first
     {p}deployer:executed:<id>  ids of accepted operator commands (expire): replays are refused
+    {p}deployer:wake       hash: a counter writers bump so the controller ticks at once
     {p}registry:candidate-lock  held while a writer checks and moves the candidate alias
 """
 
@@ -16,6 +17,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, cast
 
 import redis
@@ -201,3 +203,58 @@ class RedisLock:
 def candidate_lock(client: redis.Redis, prefix: str) -> RedisLock:
     """The lock every writer of the ``candidate`` alias holds while it checks and moves it."""
     return RedisLock(client, keys.candidate_lock_key(prefix))
+
+
+# ---------------------------------------------------------------------------- waking the deployer
+def wake_deployer(client: redis.Redis, prefix: str, reason: str) -> None:
+    """Ask every deployer replica to tick now (a new candidate, an operator command): bumps the
+    ``deployer:wake`` counter. Best effort: a deployer that misses it ticks on its schedule."""
+    key = keys.deployer_wake_key(prefix)
+    try:
+        pipe = client.pipeline()
+        pipe.hincrby(key, "n", 1)
+        pipe.hset(key, "reason", reason[:200])
+        pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("could not wake the deployer (%s: %s); it ticks on its schedule", type(exc).__name__, exc)
+
+
+class Wakeup:
+    """The controller's wait between ticks: ``tick_s`` at most, cut short when a writer bumps
+    ``deployer:wake`` (read every ``poll_s``; one small HGETALL, so each replica sees every
+    bump) or an operator command is queued."""
+
+    def __init__(self, client: redis.Redis, prefix: str, poll_s: float = 1.0) -> None:
+        self.client = client
+        self.key = keys.deployer_wake_key(prefix)
+        self.commands = keys.deployer_commands_key(prefix)
+        self.poll_s = poll_s
+        self.seen: bytes | None = self._count()
+
+    def _count(self) -> bytes | None:
+        try:
+            return cast(bytes | None, self.client.hget(self.key, "n"))
+        except redis.RedisError:
+            return None
+
+    def wait(self, tick_s: float, sleep: Callable[[float], bool]) -> str | None:
+        """Sleep (``sleep`` returns True when the process is stopping) until ``tick_s`` has
+        passed or a wake-up came; the wake-up's reason, or None."""
+        deadline = time.monotonic() + tick_s
+        while (left := deadline - time.monotonic()) > 0:
+            if sleep(min(self.poll_s, left)):
+                return None
+            try:
+                pipe = self.client.pipeline()
+                pipe.hgetall(self.key)
+                pipe.llen(self.commands)
+                doc, queued = pipe.execute()
+            except redis.RedisError:  # Redis is down: the tick will say so; keep the schedule
+                continue
+            n = doc.get(b"n")
+            if n is not None and n != self.seen:
+                self.seen = n
+                return (doc.get(b"reason") or b"wake-up").decode(errors="replace")
+            if queued:
+                return "operator command"
+        return None

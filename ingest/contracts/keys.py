@@ -13,6 +13,7 @@ key                                    type        written by              read 
 ``deployer:status``                    string      deployer                CLI, demo
 ``deployer:lease``                     string      deployer                deployer
 ``deployer:commands``                  list        CLI (operator)          deployer
+``deployer:wake``                      hash        trainer, demo           deployer
 ``deployer:executed:<command id>``     string      deployer                deployer
 ``registry:candidate-lock``            string      trainer                 trainer
 ``trainer:cadence``                    string      trainer                 CLI
@@ -67,6 +68,12 @@ def deployer_lease_key(prefix: str) -> str:
 def deployer_commands_key(prefix: str) -> str:
     """``deployer:commands``: signed operator commands waiting for the controller."""
     return f"{prefix}deployer:commands"
+
+
+def deployer_wake_key(prefix: str) -> str:
+    """``deployer:wake``: a counter (``n``) and the last reason (``reason``) that writers bump
+    after changing what the deployer acts on (a new candidate), so it ticks at once."""
+    return f"{prefix}deployer:wake"
 
 
 def deployer_executed_key(prefix: str, command_id: str = "") -> str:

@@ -56,7 +56,7 @@ class BadCandidateInjector:
 
     def __init__(self, demo: DemoSettings, work_dir: Path, world: World,
                  registry: Callable[[], Registry], lock: AbstractContextManager[object],
-                 build: BuildBad | None = None) -> None:
+                 build: BuildBad | None = None, wake: Callable[[str], None] | None = None) -> None:
         self.demo = demo
         self.work_dir = work_dir
         """Where the champion is downloaded and the bad policy written (wiped per try)."""
@@ -66,6 +66,8 @@ class BadCandidateInjector:
         """The lock of the ``candidate`` alias every writer of it holds."""
         self.build = build
         """Makes the bad policy; None: :func:`services.demo.candidates.make_bad_candidate`."""
+        self.wake = wake or (lambda _reason: None)
+        """Tells the deployer to tick now (deployer/adapters/redis_state.py: wake_deployer)."""
         self.version: str | None = None
         """The bad candidate of the current try (None: not registered yet)."""
         self.offered = False
@@ -123,6 +125,7 @@ class BadCandidateInjector:
             say(f"bad candidate v{version} waits: v{held} holds the candidate alias")
             return
         self.offered = True
+        self.wake(f"bad candidate v{version} offered")
         say(f"bad candidate v{version} ({self.demo.bad_candidate}) now holds the candidate alias")
 
     def register(self) -> str | None:

@@ -38,7 +38,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from deployer.adapters.redis_state import candidate_lock
+from deployer.adapters.redis_state import candidate_lock, wake_deployer
 from ingest.contracts.registry import Tag
 from services.demo import engine as demo_engine
 from services.demo.chaos import Chaos, ChaosResult, verify
@@ -202,9 +202,10 @@ def run_phases(plan: DemoPlan, run: Run) -> int:
         pin_holdout(live, config, run.bootstrap_version, plan.demo.holdout_share)
     start_services(live.supervisor, config.gateway_port, run.notes)
     run.loop_started = time.time()
+    prefix = config.settings.redis.key_prefix
     run.bad = BadCandidateInjector(
-        plan.demo, plan.data / "bad-candidate", live.world, live.registry,
-        candidate_lock(live.redis, config.settings.redis.key_prefix))
+        plan.demo, plan.data / "bad-candidate", live.world, live.registry, candidate_lock(live.redis, prefix),
+        wake=lambda reason: wake_deployer(live.redis, prefix, reason))
     if plan.demo.chaos:
         run.chaos = Chaos(live.supervisor, plan.demo.chaos_every_s, plan.demo.seed)
         say(f"chaos: a random service is killed (SIGKILL) and restarted every {plan.demo.chaos_every_s:g}s")

@@ -16,13 +16,13 @@ from typing import Any
 from deployer.actions import LedgerStep
 from deployer.adapters.canary_metrics import export_metrics
 from deployer.adapters.group_lag import BrokerOffsets, GroupLagMonitor
-from deployer.adapters.redis_state import ControllerState, RedisRouting
+from deployer.adapters.redis_state import ControllerState, RedisRouting, Wakeup
 from deployer.adapters.reward_tail import HoldoutMonitor, RewardReader, RewardTail
 from deployer.adapters.vllm_engine import VllmEngine
 from deployer.adapters.webhook import WebhookNotifier
 from deployer.controller import Controller, ControllerConfig, Ports
 from deployer.engine import EnginePort
-from deployer.status import CanaryPolicy, CanaryStatus, Observations
+from deployer.status import SOON, CanaryPolicy, CanaryStatus, Observations
 from ingest.contracts import prometheus as m
 from ingest.contracts.metrics import PERSISTENCE_HORIZON_S
 from ingest.reward.spec import load_spec
@@ -203,3 +203,24 @@ def run_tick(controller: Controller) -> CanaryStatus | None:
     except Exception as exc:
         retry_later(SERVICE, "tick", exc, log)
         return None
+
+
+SOON_S = 1.0
+"""The wait before the next tick in a :data:`deployer.status.SOON` phase."""
+
+
+def serve_loop(controller: Controller, wakeup: Wakeup, tick_s: float, sleep: Callable[[float], bool],
+               ticked: Callable[[CanaryStatus | None], None] = lambda _s: None, once: bool = False) -> None:
+    """Tick, then wait ``tick_s`` (:data:`SOON_S` in a phase that should move on at once), cut
+    short by a wake-up (a new candidate, an operator command); until ``sleep`` says stop."""
+    while True:
+        status = run_tick(controller)
+        ticked(status)
+        if once:
+            return
+        wait_s = min(tick_s, SOON_S) if status is not None and status.phase in SOON else tick_s
+        reason = wakeup.wait(wait_s, sleep)
+        if reason is None and sleep(0):
+            return
+        if reason:
+            log.info("woken before the tick was due: %s", reason)

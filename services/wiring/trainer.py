@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deployer.adapters.redis_state import candidate_lock
+from deployer.adapters.redis_state import candidate_lock, wake_deployer
 from deployer.registry import manifest_tags
 from ingest.contracts import prometheus as metrics
 from ingest.contracts.registry import CHAMPION, PREVIOUS, RUN_VERSION, Tag
@@ -148,6 +148,8 @@ def run_once(settings: Settings, job: TrainJob | None = None) -> Outcome:
                 offer_lock=candidate_lock(r, settings.redis.key_prefix),
                 on_registry_retry=lambda _exc: metrics.DEPENDENCY_RETRIES.labels("trainer", "mlflow").inc(),
             )
+            if outcome.status == "success":
+                wake_deployer(r, settings.redis.key_prefix, f"candidate v{outcome.version} registered")
         except BaseException:
             metrics.TRAIN_INCREMENTS.labels(outcome="failed").inc()
             raise
