@@ -175,7 +175,6 @@ class ExactlyOnceLoop(Generic[R]):
         self.open_producer = open_producer
         self.transform = transform
         self.health = health
-        self.poll_timeout_ms = poll_timeout_ms
         self.poller = IdlePoller(consumer, idle_ms=poll_timeout_ms)
         """Waits between polls of a quiet topic (``run`` makes them the stopper's, so a
         SIGTERM does not wait for one)."""
