@@ -89,7 +89,7 @@ def test_sigkills_lose_and_duplicate_nothing(settings: Settings, tmp_path: Path)
             while time.monotonic() - streamer.started_at < t_kill:
                 rewards.poll(100)
             victim = rng.choice(workers[kind])
-            assert victim.alive(), f"{victim.instance} died on its own; see {victim.log}"
+            assert victim.alive(), f"died on its own:\n{victim.obituary()}"
             parts = victim.partitions()
             assert parts, f"{victim.instance} owned no partition; see {victim.log}"
             victim.kill()

@@ -143,7 +143,7 @@ def _restart_under_load(name: str, p: Private, tmp_path: Path) -> None:
             windows_checked = len(before)
         r.close()
         for w in workers:
-            assert w.alive(), f"{w.instance} died while {name} was down; see {w.log}"
+            assert w.alive(), f"died while {name} was down:\n{w.obituary()}"
         streamer.join()
         assert streamer.error is None, streamer.error
         drain_s, codes = drain_and_stop(workers, rewards, len(wl.requests), max(60.0, stream_s))

@@ -43,6 +43,7 @@ from tests.reliability.workload import (
     Worker,
     build,
     chunks,
+    deaths,
     env_for,
     kill_alive,
     rss_of,
@@ -149,7 +150,7 @@ def test_memory_flat_and_lag_bounded_at_a_sustained_rate(stack: tuple[int, Setti
                     "broker_rss": float(rss_of(broker_pid) or 0), "ingest_lag": lag_i, "reward_lag": lag_r,
                     "sent": streamer.sent,
                 })
-                assert all(w.alive() for w in workers), f"a worker died during the soak; see {tmp_path}"
+                assert all(w.alive() for w in workers), f"died during the soak:\n{deaths(workers)}"
         assert streamer.error is None, streamer.error
         stream_s = streamer.finished_at - streamer.started_at
         # 3. back near zero after the stream

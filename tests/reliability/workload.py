@@ -318,6 +318,19 @@ class Worker:
     def rss_bytes(self) -> int | None:
         return rss_of(self.pid)
 
+    def obituary(self, lines: int = 40) -> str:
+        """Why it is not running, for a failure message: its exit code and its log's last lines
+        (a test that only names the log leaves nothing to read once the run's files are gone)."""
+        code = None if self.proc is None else self.proc.poll()
+        text = self.log.read_text(errors="replace") if self.log.exists() else "(no log)"
+        tail = "\n".join(text.splitlines()[-lines:])
+        return f"--- {self.instance} (exit {code}, started {self.starts}x), {self.log}:\n{tail}"
+
+
+def deaths(workers: Iterable[Worker]) -> str:
+    """The obituaries of whichever of ``workers`` are not running ('' when all are)."""
+    return "\n".join(w.obituary() for w in workers if not w.alive())
+
 
 # ---------------------------------------------------------------------- progress and lag
 def wait_up(workers: Iterable[Worker], timeout_s: float = 120.0) -> None:
@@ -325,8 +338,7 @@ def wait_up(workers: Iterable[Worker], timeout_s: float = 120.0) -> None:
     workers = list(workers)
     deadline = time.monotonic() + timeout_s
     while not all(w.log.exists() and "worker up" in w.log.read_text() for w in workers):
-        dead = [w.instance for w in workers if not w.alive()]
-        assert not dead, f"{dead} exited at start-up; see {workers[0].log.parent}"
+        assert not deaths(workers), f"exited at start-up:\n{deaths(workers)}"
         assert time.monotonic() < deadline, f"workers did not start; see {workers[0].log.parent}"
         time.sleep(0.2)
 
@@ -411,8 +423,7 @@ def drain_and_stop(workers: list[Worker], rewards: RewardCounter, requests: int,
     drain time and each worker's exit code. A worker that dies meanwhile fails the test."""
     t0 = time.monotonic()
     while rewards.poll(200) < requests and time.monotonic() < t0 + timeout_s:
-        dead = [w.instance for w in workers if not w.alive()]
-        assert not dead, f"{dead} died; see {[str(w.log) for w in workers if w.instance in dead]}"
+        assert not deaths(workers), f"died while draining:\n{deaths(workers)}"
     drain_s = time.monotonic() - t0
     settle = time.monotonic() + 3
     while time.monotonic() < settle:
