@@ -214,7 +214,7 @@ def _record(status: CanaryStatus, obs: Observations) -> Result:
     step = status.ticks + 1
     status = replace(
         status, ticks=step, verdict=j.decision, reasons=tuple(j.reasons), judge_state=dict(j.state),
-        cohorts=dict(obs.cohorts),
+        cohorts=dict(obs.cohorts), judged_on=dict(j.judged_on),
     )
     metrics = ledger.step_metrics(status.weight, j.decision, obs.cohorts, j.stats, status.paused)
     assert status.canary_id is not None
@@ -271,7 +271,7 @@ def _close(status: CanaryStatus, now: float, actions: list[Action]) -> Result:
     by = status.decided_by or ledger.CONTROLLER
     tagged = status.stable if status.kind == "manual_rollback" else cand
     summary = ledger.summary(cid, cand, status.stable, outcome, status.reason, by, status.started_at, now,
-                             status.reasons, status.cohorts)
+                             status.reasons, status.cohorts, status.judged_on)
     if tagged is not None:
         actions.append(WriteTags(tagged, ledger.version_tags(cid, outcome, status.reason, by, now)))
     actions += fate_tags(status, now)

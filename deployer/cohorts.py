@@ -6,21 +6,38 @@ version, or ``arm == "canary"`` and the candidate version. Everything else (earl
 a different stable during a manual change, the long-term holdout's users) is left out, so both
 arms cover the same window. :class:`HoldoutWindow` does the same for the champion against the
 long-term holdout.
+
+Every caller judges a window the same way, through :func:`judge_window` with a
+:class:`JudgedOn`: the deployer at each tick, the holdout comparison, and ``rtrl replay``
+re-judging a past canary from what its decision recorded (the boundaries, the gateway's
+counts and how far the rewards topic had been read), so a replay reproduces the live verdict.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, NamedTuple
 
 from deployer.status import Judgement
 from ingest.contracts.metrics import PERSISTENCE_HORIZON_S, summarise
 from ingest.events import RewardRecord
-from rollback.types import CohortData, ErrorCount, RequestOutcome, Verdict, outcome_from_reward
+from rollback.judge import judge
+from rollback.types import (
+    CohortData,
+    ErrorCount,
+    JudgePolicy,
+    JudgeState,
+    RequestOutcome,
+    Verdict,
+    outcome_from_reward,
+)
 
 ARMS = ("stable", "canary")
+
+UserErrors = Mapping[str, Iterable[tuple[str, float, int]]]
+"""arm -> (user, time bucket, errors) of the gateway's errors by user."""
 
 
 @dataclass
@@ -35,6 +52,9 @@ class CohortWindow:
     """request ids already counted (a record read twice after a rebalance counts once)."""
     horizon_s: int = PERSISTENCE_HORIZON_S
     """Edit persistence is judged at this horizon (the judge policy's)."""
+    read_to: dict[int, int] = field(default_factory=dict)
+    """rewards partition -> the offset after the last record read into the window (whether
+    or not it belonged): with the start time, exactly which records the window had seen."""
 
     SIDES: ClassVar[Mapping[str, str]] = {"stable": "stable", "canary": "canary"}
     """The served arm whose records each judged side holds (arm -> side)."""
@@ -63,9 +83,13 @@ class CohortWindow:
     def add_all(self, records: Iterable[RewardRecord]) -> int:
         return sum(self.add(r) for r in records)
 
+    def read(self, partition: int, offset: int) -> None:
+        """The record at ``offset`` of the rewards topic's ``partition`` has been read."""
+        self.read_to[partition] = max(self.read_to.get(partition, 0), offset + 1)
+
     def cohorts(
         self, requests: Mapping[str, int] | None = None, errors: Mapping[str, int] | None = None,
-        user_errors: Mapping[str, Iterable[tuple[str, float, int]]] | None = None,
+        user_errors: UserErrors | None = None,
     ) -> tuple[CohortData, CohortData]:
         """(stable, canary) for ``rollback.judge.judge``; ``requests``/``errors`` are the
         gateway's per-arm counts when known (failed requests never make a reward record) and
@@ -78,6 +102,80 @@ class CohortWindow:
             for arm in ARMS
         )
         return stable, canary
+
+
+@dataclass(frozen=True)
+class JudgedOn:
+    """What a verdict is judged on besides the window's records: the time strata's boundaries,
+    the time of the judgement, the gateway's counts (failed requests make no reward record)
+    and how far the rewards topic had been read. The deployer records it with each decision
+    (the ledger's ``decision.json``, key ``judged_on``) so ``rtrl replay`` can judge the same
+    records the same way."""
+
+    started_at: float
+    at: float
+    """When the judgement was made (the deployer's tick); ``elapsed_s`` counts from the start."""
+    step_times: tuple[float, ...] = ()
+    """When each weight step began: with the start, the boundaries of the time strata."""
+    requests: Mapping[str, int] = field(default_factory=dict)
+    errors: Mapping[str, int] = field(default_factory=dict)
+    user_errors: UserErrors = field(default_factory=dict)
+    read_to: Mapping[int, int] = field(default_factory=dict)
+    """rewards partition -> offset after the last record read (:attr:`CohortWindow.read_to`)."""
+    verdict: str | None = None
+    """The decision the judge reached on these inputs (recorded, for a replay to compare)."""
+
+    @property
+    def boundaries(self) -> tuple[float, ...]:
+        """The start, then each weight change: each begins a new time stratum."""
+        return (self.started_at, *self.step_times)
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.at - self.started_at
+
+    def to_doc(self) -> dict[str, Any]:
+        """JSON-safe (partitions as strings, user errors as lists)."""
+        return {
+            "started_at": self.started_at, "at": self.at, "step_times": list(self.step_times),
+            "requests": dict(self.requests), "errors": dict(self.errors),
+            "user_errors": {arm: [list(e) for e in errs] for arm, errs in self.user_errors.items()},
+            "read_to": {str(p): o for p, o in self.read_to.items()}, "verdict": self.verdict,
+        }
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> JudgedOn:
+        """The inverse of :meth:`to_doc`; raises ``KeyError``/``ValueError``/``TypeError`` on a
+        document that is not one."""
+        return cls(
+            started_at=float(doc["started_at"]), at=float(doc["at"]),
+            step_times=tuple(float(t) for t in doc.get("step_times") or ()),
+            requests={str(k): int(v) for k, v in (doc.get("requests") or {}).items()},
+            errors={str(k): int(v) for k, v in (doc.get("errors") or {}).items()},
+            user_errors={str(arm): tuple((str(u), float(ts), int(n)) for u, ts, n in errs)
+                         for arm, errs in (doc.get("user_errors") or {}).items()},
+            read_to={int(p): int(o) for p, o in (doc.get("read_to") or {}).items()},
+            verdict=None if doc.get("verdict") is None else str(doc["verdict"]),
+        )
+
+    def saw(self, partition: int, offset: int) -> bool:
+        """Whether the judged window had read this record of the rewards topic."""
+        return offset < self.read_to.get(partition, 0)
+
+
+class Judged(NamedTuple):
+    verdict: Verdict
+    stable: CohortData
+    canary: CohortData
+
+
+def judge_window(window: CohortWindow, policy: JudgePolicy, on: JudgedOn,
+                 state: JudgeState | None = None) -> Judged:
+    """The judge on ``window`` as every caller runs it: the gateway's counts, the elapsed time
+    and the time strata's boundaries from ``on``."""
+    stable, canary = window.cohorts(on.requests, on.errors, on.user_errors)
+    verdict = judge(stable, canary, policy, state, elapsed_s=on.elapsed_s, boundaries=on.boundaries)
+    return Judged(verdict, stable, canary)
 
 
 @dataclass
@@ -114,8 +212,9 @@ def cohort_metrics(stable: CohortData, canary: CohortData) -> dict[str, float]:
     return {f"{c.arm}.{k}": v for c in (stable, canary) for k, v in summary(c).items()}
 
 
-def judgement(verdict: Verdict) -> Judgement:
-    """The judge's verdict in the controller's terms, with flat statistics for the ledger."""
+def judgement(verdict: Verdict, on: JudgedOn | None = None) -> Judgement:
+    """The judge's verdict in the controller's terms, with flat statistics for the ledger
+    and what it was judged on (``on``, recorded with the verdict's decision)."""
     stats = dict(verdict.stats())
     stats["users.stable"], stats["users.canary"] = float(verdict.users_stable), float(verdict.users_canary)
     for g in verdict.guardrails:
@@ -128,4 +227,5 @@ def judgement(verdict: Verdict) -> Judgement:
         reasons=tuple(verdict.reasons),
         stats=stats,
         state=dict(verdict.state),
+        judged_on=replace(on, verdict=verdict.decision.value).to_doc() if on is not None else {},
     )

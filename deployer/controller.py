@@ -31,7 +31,6 @@ from deployer.registry import Registry
 from deployer.routing import Holdout, parse_holdout
 from deployer.status import JUDGED, TRANSIENT, CanaryPolicy, CanaryStatus, Command, Observations
 from ingest.contracts.registry import CANDIDATE, CHAMPION, PREVIOUS
-from rollback.judge import judge
 from rollback.types import JudgePolicy
 
 log = logging.getLogger("rtrl.deployer")
@@ -218,14 +217,15 @@ class Controller:
     def _judged(self, status: CanaryStatus, obs: Observations, rewards: RewardsPort) -> Observations:
         try:
             window = rewards.read(status)
-            stable, canary = window.cohorts(*rewards.served_counts(status))
-            verdict = judge(stable, canary, self.config.judge, dict(status.judge_state),
-                            elapsed_s=obs.now - status.started_at,
-                            boundaries=(status.started_at, *status.step_times))
+            requests, errors, user_errors = rewards.served_counts(status)
+            on = cohorts.JudgedOn(status.started_at, obs.now, status.step_times, requests, errors,
+                                  user_errors, dict(window.read_to))
+            verdict, stable, canary = cohorts.judge_window(window, self.config.judge, on,
+                                                           dict(status.judge_state))
         except Exception as exc:  # any failure to observe is counted by the state machine
             log.exception("observing canary %s failed", status.canary_id)
             return replace(obs, error=f"{type(exc).__name__}: {exc}")
-        return replace(obs, judgement=cohorts.judgement(verdict),
+        return replace(obs, judgement=cohorts.judgement(verdict, on),
                        cohorts=cohorts.cohort_metrics(stable, canary))
 
     def _tags(self, version: str) -> dict[str, str]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from deployer.actions import Action, EngineLoad, LedgerClose, LedgerOpen, SetHoldout
-from deployer.cohorts import HoldoutWindow
+from deployer.cohorts import HoldoutWindow, JudgedOn, judge_window
 from deployer.engine import FAILED
 from deployer.ledger import CONTROLLER, TAG_DECIDED_BY, TAG_OUTCOME, TAG_REASON, clip, iso
 from deployer.routing import MAX_HOLDOUT_SHARE as MAX_SHARE
@@ -44,7 +44,6 @@ from ingest.contracts.registry import (
     TAG_HOLDOUT_VERSION,
     TAG_KIND,
 )
-from rollback.judge import judge
 from rollback.types import JudgePolicy
 
 ID_PREFIX = "holdout-"
@@ -313,10 +312,8 @@ def measure(window: HoldoutWindow, policy: JudgePolicy, now: float) -> Measured:
     """The champion against the holdout over ``window`` until ``now``: the judge on the
     window's two sides (holdout as stable), time strata from the window's start, with
     :func:`comparison_policy`. Shared by the deployer and the demo report."""
-    base, champ = window.cohorts()
     policy = comparison_policy(policy)
-    start = window.started_at
-    verdict = judge(base, champ, policy, None, elapsed_s=now - start, boundaries=(start,))
+    verdict, base, champ = judge_window(window, policy, JudgedOn(window.started_at, now))
     level = 1.0 - 2.0 * policy.alpha_per_test()
     return Measured(effects(verdict.metrics), level, base.users(), champ.users())
 

@@ -172,8 +172,11 @@ def summary(
     ts: float,
     reasons: tuple[str, ...],
     cohorts: Mapping[str, float],
+    judged_on: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
-    """The ``decision.json`` artifact: the decision in one readable document."""
+    """The ``decision.json`` artifact: the decision in one readable document, with what the
+    last verdict was judged on besides the records (``judged_on``: deployer/cohorts.py's
+    ``JudgedOn``; ``rtrl replay`` judges the canary again from it)."""
     return {
         "canary_id": cid,
         "candidate_version": candidate,
@@ -186,4 +189,5 @@ def summary(
         "decided_at": iso(ts),
         "judge_reasons": list(reasons),
         "last_cohorts": dict(cohorts),
+        "judged_on": dict(judged_on or {}),
     }

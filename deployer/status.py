@@ -82,6 +82,8 @@ class Judgement:
     """Flat statistics for the ledger and metrics, e.g. ``reward.effect``, ``reward.p_value``."""
     state: Mapping[str, Any] = field(default_factory=dict)
     """The judge's serialisable state to carry to the next tick."""
+    judged_on: Mapping[str, Any] = field(default_factory=dict)
+    """What the verdict was judged on besides the records (``deployer.cohorts.JudgedOn.to_doc``)."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,9 @@ class CanaryStatus:
     reasons: tuple[str, ...] = ()
     cohorts: Mapping[str, float] = field(default_factory=dict)
     judge_state: Mapping[str, Any] = field(default_factory=dict)
+    judged_on: Mapping[str, Any] = field(default_factory=dict)
+    """The latest verdict's inputs besides the records (``deployer.cohorts.JudgedOn``), for
+    the ledger's decision record: ``rtrl replay`` judges the canary again from it."""
     note: str = ""
     """Why the controller is waiting, e.g. a candidate that failed its gate."""
     handled: tuple[tuple[str, str], ...] = ()
@@ -189,6 +194,7 @@ class CanaryStatus:
         out["handled"] = [list(h) for h in self.handled]
         out["step_times"] = list(self.step_times)
         out["cohorts"], out["judge_state"] = dict(self.cohorts), dict(self.judge_state)
+        out["judged_on"] = dict(self.judged_on)
         return out
 
     @classmethod

@@ -9,7 +9,9 @@ content, and ending a finished run again changes nothing.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ingest.contracts.registry import TAG_CANARY_ID, TAG_CANDIDATE, TAG_DECIDED_AT, TAG_KIND, TAG_STABLE
@@ -196,6 +198,20 @@ class MlflowLedger:
             [self.experiment_id()], order_by=["attributes.start_time DESC"], max_results=limit
         )
         return [_row(r.info, r.data.tags, r.data.params) for r in runs]
+
+    def decision(self, run_id: str) -> dict[str, Any] | None:
+        """The run's ``decision.json`` (deployer/ledger.py's ``summary``); None when the run has
+        none (still running, not a canary) or it is not a JSON object."""
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                path = self.client.download_artifacts(run_id, SUMMARY_ARTIFACT, tmp)
+            except (MlflowException, OSError):
+                return None
+            try:
+                doc = json.loads(Path(path).read_text())
+            except (ValueError, OSError):
+                return None
+        return doc if isinstance(doc, dict) else None
 
 
 def _row(info: Any, tags: Mapping[str, str], params: Mapping[str, str]) -> dict[str, Any]:

@@ -74,6 +74,7 @@ class RewardTail:
             quiet = 0
             for records in batch.values():
                 for rec in records:
+                    window.read(rec.partition, rec.offset)
                     try:
                         window.add(RewardRecord.model_validate_json(rec.value))
                     except ValidationError:

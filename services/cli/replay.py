@@ -11,6 +11,12 @@ request's live window with the same join and closes it under the new spec
   much they move and how many flip sign;
 - **past canaries** (from the MLflow ledger): the judge re-run on each decided canary's window
   with the live and with the replayed rewards, and whether its verdict would have changed.
+  A canary whose decision recorded what it was judged on (``judged_on`` in its
+  ``decision.json``: the strata boundaries, the decision tick's time, the gateway's counts and
+  how far the rewards topic had been read) is judged on exactly the records and inputs the
+  deployer judged, through the same call (``deployer.cohorts.judge_window``), so the live
+  side reproduces the recorded verdict (``reproduces``); an older record without it is judged
+  on its start alone (``exact: false``).
 
 The replayed records go to a JSON-lines file (default ``replay-<version>.jsonl``) or to a
 Kafka topic of their own (``--topic``; never the live rewards topic), and each carries the new
@@ -30,11 +36,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from deployer.cohorts import CohortWindow
+from deployer.cohorts import CohortWindow, JudgedOn, judge_window
 from ingest.events import Event, RewardRecord, parse_event
 from ingest.reward.replay import Pair, ReplayResult, advantage_shift, replay, reproduced, summarize
 from ingest.reward.spec import RewardSpec, SpecError, load_spec
-from rollback.judge import judge
 from rollback.types import JudgePolicy
 from services.cli import exit_codes
 from services.cli.backends import (
@@ -63,11 +68,16 @@ def _time(text: str) -> float:
     return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
 
 
-def read_inputs(settings: Settings, start: float | None, end: float | None,
-                ) -> tuple[list[tuple[float, Event]], list[RewardRecord], dict[str, int]]:
-    """The events with their append times, the live records served in [start, end), and
-    counts of what could not be read."""
+Position = tuple[int, int]
+"""(partition, offset) of a live record on the rewards topic."""
+Inputs = tuple[list[tuple[float, Event]], list[RewardRecord], dict[str, int], dict[str, Position]]
+
+
+def read_inputs(settings: Settings, start: float | None, end: float | None) -> Inputs:
+    """The events with their append times, the live records served in [start, end), counts
+    of what could not be read, and where each live record is (request id -> position)."""
     unreadable = {"events": 0, "rewards": 0}
+    where: dict[str, Position] = {}
     events: list[tuple[float, Event]] = []
     for rec in read_topic(settings.kafka, settings.topics.events):
         try:
@@ -84,7 +94,8 @@ def read_inputs(settings: Settings, start: float | None, end: float | None,
         served = r.served_ts.timestamp()
         if (start is None or served >= start) and (end is None or served < end):
             live.append(r)
-    return events, live, unreadable
+            where.setdefault(r.request_id, (rec.partition, rec.offset))
+    return events, live, unreadable, where
 
 
 def advantages(pairs: Sequence[Pair], settings: Settings) -> dict[str, float]:
@@ -98,37 +109,72 @@ def advantages(pairs: Sequence[Pair], settings: Settings) -> dict[str, float]:
     return advantage_shift(live, new)
 
 
+def judged(row: dict[str, Any]) -> bool:
+    """Whether a ledger row is a canary the judge decided on (not a holdout, a refused command
+    or a manual change, and not still running)."""
+    return bool(row.get("decided_at") and row.get("started_ms") and row.get("candidate")
+                and (row.get("kind") or "") in ("", "canary"))
+
+
 def ledger_rows(settings: Settings, limit: int = 50) -> list[dict[str, Any]]:
-    """The latest canaries of the MLflow ledger (``rtrl history``'s rows)."""
+    """The latest canaries of the MLflow ledger (``rtrl history``'s rows), each decided
+    canary's with what its decision was judged on (``judged_on``, None when not recorded)."""
     from deployer.adapters.ledger_mlflow import MlflowLedger  # mlflow
 
-    return MlflowLedger(settings.mlflow.tracking_uri, settings.mlflow.deployments_experiment).history(limit)
+    led = MlflowLedger(settings.mlflow.tracking_uri, settings.mlflow.deployments_experiment)
+    rows = led.history(limit)
+    for row in rows:
+        if judged(row):
+            doc = led.decision(row["run_id"]) or {}
+            row["judged_on"] = doc.get("judged_on") or None
+    return rows
+
+
+def recorded_inputs(row: dict[str, Any]) -> JudgedOn | None:
+    """The row's recorded ``judged_on``; None when absent or unreadable."""
+    doc = row.get("judged_on")
+    if not isinstance(doc, dict):
+        return None
+    try:
+        return JudgedOn.from_doc(doc)
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def canaries(pairs: Sequence[Pair], rows: Sequence[dict[str, Any]], policy: JudgePolicy,
-             ) -> list[dict[str, Any]]:
-    """Each decided canary, judged once on its whole window (start to decision) with the live
-    and with the replayed rewards: would its verdict have been another?"""
+             where: dict[str, Position] | None = None) -> list[dict[str, Any]]:
+    """Each decided canary judged again with the live and with the replayed rewards: would its
+    verdict have been another? With its recorded inputs (and ``where``: the live records'
+    positions) on exactly the records the deployer had read at its decision; without them on
+    every record served from its start to its decision, boundaries its start alone."""
     out = []
     for row in rows:
-        if not row.get("decided_at") or not row.get("started_ms") or not row.get("candidate"):
+        if not judged(row):
             continue
-        if (row.get("kind") or "") not in ("", "canary"):  # a holdout, a refused command, a manual change
-            continue
-        started = row["started_ms"] / 1000.0
-        decided = datetime.fromisoformat(row["decided_at"]).timestamp()
+        on = recorded_inputs(row)
+        exact = on is not None and where is not None
+        if on is None or where is None:
+            started = row["started_ms"] / 1000.0
+            decided = datetime.fromisoformat(row["decided_at"]).timestamp()
+            on = JudgedOn(started, decided)
+            chosen = [p for p in pairs if p.live.served_ts.timestamp() <= decided]
+        else:
+            seen = on.saw
+            chosen = [p for p in pairs if (pos := where.get(p.live.request_id)) is not None and seen(*pos)]
         verdicts = {}
         for side in ("live", "replayed"):
-            window = CohortWindow(row["stable"], row["candidate"], started,
+            window = CohortWindow(row["stable"], row["candidate"], on.started_at,
                                   horizon_s=policy.persistence_horizon_s)
-            window.add_all(getattr(p, side) for p in pairs if p.live.served_ts.timestamp() <= decided)
-            v = judge(*window.cohorts(), policy, elapsed_s=decided - started, boundaries=(started,))
+            window.add_all(getattr(p, side) for p in chosen)
+            v = judge_window(window, policy, on).verdict
             reward = next((e for e in v.metrics if e.metric == "reward"), None)
             verdicts[side] = {"verdict": v.decision.value, "users": [v.users_stable, v.users_canary],
                               "reward_difference": reward.estimate if reward else None}
         out.append({"canary_id": row["canary_id"], "candidate": row["candidate"], "stable": row["stable"],
                     "outcome": row["outcome"], "live": verdicts["live"], "replayed": verdicts["replayed"],
-                    "changed": verdicts["live"]["verdict"] != verdicts["replayed"]["verdict"]})
+                    "changed": verdicts["live"]["verdict"] != verdicts["replayed"]["verdict"],
+                    "exact": exact, "recorded_verdict": on.verdict if exact else None,
+                    "reproduces": (verdicts["live"]["verdict"] == on.verdict) if exact else None})
     return out
 
 
@@ -177,8 +223,14 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"advantages: mean |change| {adv['mean_abs_change']:.4f}, "
                      f"{adv['sign_flip_share']:.1%} change sign")
     for k in doc.get("canaries") or []:
+        if k["reproduces"] is None:
+            how = " (judged on its start alone: its decision recorded no inputs)"
+        elif k["reproduces"]:
+            how = f" (the deployer's verdict, {k['recorded_verdict']}, reproduced)"
+        else:
+            how = f" (NOT the deployer's verdict, {k['recorded_verdict']}: were records deleted?)"
         lines.append(f"canary {k['canary_id']} ({k['outcome']}): judge {k['live']['verdict']} with the live "
-                     f"rewards, {k['replayed']['verdict']} with the replayed ones"
+                     f"rewards{how}, {k['replayed']['verdict']} with the replayed ones"
                      + ("  <- CHANGED" if k["changed"] else ""))
     lines.append(f"records written to {doc['written_to']}")
     return "\n".join(lines)
@@ -220,7 +272,7 @@ def main(argv: list[str]) -> int:
         return exit_codes.USAGE
     try:
         preflight(settings, ("kafka",) if args.no_canaries else ("kafka", "mlflow"))
-        events, live, unreadable = read_inputs(settings, args.start, args.end)
+        events, live, unreadable, where = read_inputs(settings, args.start, args.end)
         check, new = replay(events, live, live_spec), replay(events, live, spec)
         doc = report(check, new, live_spec, spec, unreadable)
         doc["advantages"] = advantages(new.pairs, settings) if new.pairs else None
@@ -229,7 +281,7 @@ def main(argv: list[str]) -> int:
             from services.wiring.deployer import judge_policy, persistence_horizon  # the deployer's own
 
             doc["canaries"] = canaries(new.pairs, ledger_rows(settings),
-                                         judge_policy(settings.deployer, persistence_horizon(settings)))
+                                       judge_policy(settings.deployer, persistence_horizon(settings)), where)
         doc["written_to"] = write(new, settings, args.out, args.topic, spec.version)
     except BackendUnavailableError as exc:
         print(message("replay", exc.failure, settings, settings.cli.timeout_s), file=sys.stderr)

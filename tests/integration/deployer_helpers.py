@@ -75,9 +75,10 @@ def register_versions(settings: Settings, tmp: Path, n: int = 2) -> MlflowRegist
     return reg
 
 
-def reward_record(arm: str, version: str, quality: str, i: int, rng: random.Random) -> RewardRecord:
+def reward_record(arm: str, version: str, quality: str, i: int, rng: random.Random,
+                  served_at: datetime | None = None) -> RewardRecord:
     reward, p_acc, persist, latency = QUALITY[quality]
-    now = datetime.now(UTC)
+    now = served_at or datetime.now(UTC)
     rid = f"{arm}-{version}-{i}-{uuid.uuid4().hex[:6]}"
     return RewardRecord(
         request_id=rid, served_event_id=f"{rid}-s", session_id="s", user_key=f"u-{arm}-{i}",
@@ -97,15 +98,17 @@ def feed_rewards(settings: Settings, stable: str, canary: str, quality: str, n: 
     feed_arms(settings, [("stable", stable, "stable"), ("canary", canary, quality)], n, seed)
 
 
-def feed_arms(settings: Settings, arms: list[tuple[str, str, str]], n: int = 500, seed: int = 0) -> None:
-    """n records for each (arm, version, quality) on the rewards topic, served now."""
+def feed_arms(settings: Settings, arms: list[tuple[str, str, str]], n: int = 500, seed: int = 0,
+              served_at: datetime | None = None) -> None:
+    """n records for each (arm, version, quality) on the rewards topic, served now (or at
+    ``served_at``)."""
     ensure_topics(settings, [settings.topics.rewards])
     rng = random.Random(seed)
     producer = make_producer(settings.kafka)
     try:
         for i in range(n):
             for arm, version, q in arms:
-                rec = reward_record(arm, version, q, i, rng)
+                rec = reward_record(arm, version, q, i, rng, served_at)
                 producer.send(settings.topics.rewards, key=rec.request_id.encode(),
                               value=rec.model_dump_json().encode())
         producer.flush(30)

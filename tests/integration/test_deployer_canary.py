@@ -147,3 +147,45 @@ def test_canary_failing_at_the_gateway_is_rolled_back_by_the_error_guardrail(
     assert phases[-1] == "rolled_back", phases
     reason = controller.ports.registry.get_tags("2")[TAG_REASON]
     assert "error" in reason.lower(), reason
+
+
+@pytest.mark.parametrize(("quality", "n", "outcome", "late"), [
+    ("better", 400, "promoted", "worse"), ("worse", 100, "rolled_back", "better")])
+def test_replay_judges_a_recorded_canary_as_the_deployer_did(
+    deploy: Settings, tmp_path: Path, quality: str, n: int, outcome: str, late: str
+) -> None:
+    """``rtrl replay``'s re-judging of a past canary (services/cli/replay.py) on the real ledger
+    and rewards topic reproduces the deployer's verdict, although records of the canary's window
+    arrived after the decision; judged on every record served in the window instead, the late
+    records change the verdict (which is why the decision records what it was judged on)."""
+    from datetime import UTC, datetime
+
+    from deployer_helpers import feed_arms
+
+    from ingest.reward.replay import Pair
+    from services.cli.replay import canaries, ledger_rows, read_inputs
+    from services.wiring.deployer import judge_policy, persistence_horizon
+
+    controller, status = start_canary(deploy, tmp_path)
+    feed_rewards(deploy, "1", "2", quality, n=n)
+    run_until(controller, {Phase.ROLLED_BACK, Phase.SUCCEEDED, Phase.ABORTED})
+    assert controller.ports.state.load().outcome == outcome
+    served = datetime.fromtimestamp(status.started_at + 0.01, UTC)  # in the window, read too late
+    feed_arms(deploy, [("stable", "1", "stable"), ("canary", "2", late)], n=1000, seed=7, served_at=served)
+
+    [row] = ledger_rows(deploy)
+    assert row["judged_on"] is not None, "the decision recorded no inputs"
+    _events, live, _unreadable, where = read_inputs(deploy, None, None)
+    assert len(live) == 2 * n + 2000
+    pairs = [Pair(r, r) for r in live]
+    policy = judge_policy(deploy.deployer, persistence_horizon(deploy))
+    [again] = canaries(pairs, [row], policy, where)
+    decision = {"promoted": "promote", "rolled_back": "rollback"}[outcome]
+    assert again["exact"] and again["reproduces"], again
+    assert again["recorded_verdict"] == again["live"]["verdict"] == decision
+    assert again["live"]["users"] == [n, n]
+
+    decided = datetime.fromtimestamp(row["judged_on"]["at"], UTC).isoformat()
+    [naive] = canaries(pairs, [{**row, "judged_on": None, "decided_at": decided}], policy, where)
+    assert not naive["exact"] and naive["live"]["users"] == [1000, 1000]  # the same user keys u-<arm>-<i>
+    assert naive["live"]["verdict"] != decision, naive
