@@ -341,7 +341,13 @@ def targets(rows: list[Row], base: SimConfig, alpha: float) -> dict[str, bool]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="rtrl bench judge", description=__doc__.split("\n")[0])
+    if "--scale" in argv:  # the judge's cost per tick as a window grows (bench/judge_scale.py)
+        from bench import judge_scale
+
+        return judge_scale.main([a for a in argv if a != "--scale"])
+    ap = argparse.ArgumentParser(prog="rtrl bench judge", description=__doc__.split("\n")[0],
+                                 epilog="--scale: the judge's CPU per tick up to 1M requests "
+                                        "(rtrl bench judge --scale --help)")
     ap.add_argument("--canaries", type=int, default=1000, help="canaries per scenario (default 1000)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--ticks", type=int, default=SimConfig.ticks)

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, NamedTuple
 from deployer.status import Judgement
 from ingest.contracts.metrics import PERSISTENCE_HORIZON_S, summarise
 from ingest.events import RewardRecord
+from rollback.columns import ColumnBuilder
 from rollback.judge import judge
 from rollback.types import (
     CohortData,
@@ -52,6 +53,10 @@ class CohortWindow:
     """request ids already counted (a record read twice after a rebalance counts once)."""
     horizon_s: int = PERSISTENCE_HORIZON_S
     """Edit persistence is judged at this horizon (the judge policy's)."""
+    columns: dict[str, ColumnBuilder] = field(
+        default_factory=lambda: {a: ColumnBuilder() for a in ARMS}, repr=False, compare=False)
+    """The same outcomes as columns, kept as they arrive: the judge's tick then costs its new
+    records plus vector passes, not a Python pass over the whole window (rollback/columns.py)."""
     read_to: dict[int, int] = field(default_factory=dict)
     """rewards partition -> the offset after the last record read into the window (whether
     or not it belonged): with the start time, exactly which records the window had seen."""
@@ -77,7 +82,9 @@ class CohortWindow:
         if record.request_id in self.seen or side is None:
             return False
         self.seen.add(record.request_id)
-        self.outcomes[side].append(outcome_from_reward(record, self.horizon_s))
+        outcome = outcome_from_reward(record, self.horizon_s)
+        self.outcomes[side].append(outcome)
+        self.columns[side].add(outcome)
         return True
 
     def add_all(self, records: Iterable[RewardRecord]) -> int:
@@ -97,7 +104,7 @@ class CohortWindow:
         req, err, by_user = requests or {}, errors or {}, user_errors or {}
         stable, canary = (
             CohortData(arm=arm, outcomes=tuple(self.outcomes[arm]), requests=req.get(arm, 0),  # type: ignore[arg-type]
-                       errors=err.get(arm, 0),
+                       errors=err.get(arm, 0), columns=self.columns[arm].columns(),
                        user_errors=tuple(ErrorCount(u, ts, n) for u, ts, n in by_user.get(arm, ())))
             for arm in ARMS
         )

@@ -23,12 +23,11 @@ from typing import Literal
 
 from rollback.metrics import (
     LABELS,
-    METRICS,
     IndexedArm,
-    cells_for,
     compare,
     fmt_delta,
     fmt_value,
+    metric_cells,
     ratio_cells,
 )
 from rollback.stats import stratified_difference
@@ -100,10 +99,10 @@ def run_detectors(
         if name not in DETECTORS:
             raise ValueError(f"unknown detector {name!r}; known: {sorted(DETECTORS)}")
         if name == "invalid_tool_rate":
-            s_cells, c_cells = (ratio_cells(a, lambda o: float(o.invalid_tool_calls),
-                                            lambda o: float(o.tool_calls)) for a in (stable, canary))
+            s_cells, c_cells = (ratio_cells(a, a.cols.invalid_tool_calls, a.cols.tool_calls)
+                                for a in (stable, canary))
         else:
-            s_cells, c_cells = cells_for(stable, METRICS[name]), cells_for(canary, METRICS[name])
+            s_cells, c_cells = metric_cells(stable, name), metric_cells(canary, name)
         st = stratified_difference(s_cells, c_cells, strata, policy.user_weight_cap)
         tol = tolerance(name, policy, st.stable_mean)
         suspicious = DETECTORS[name]

@@ -16,27 +16,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
+from numpy.typing import NDArray
 
 from rollback.detectors import run_detectors
 from rollback.metrics import (
     LABELS,
     METRICS,
     IndexedArm,
-    cells_for,
+    cells_of,
+    columns_of,
     compare_cells,
     error_cells,
     fmt_delta,
     fmt_duration,
     fmt_value,
     index_arms,
+    metric_cells,
 )
 from rollback.stats import (
     Cells,
     design_effect,
     exceedance_log_lr,
-    quantile,
     ratio_mean_var,
     stratified_difference,
 )
@@ -68,6 +71,7 @@ def judge(
     canary's weight changed, its start first (each starts a new time stratum).
     """
     policy = policy or JudgePolicy()
+    stable, canary = _with_columns(stable), _with_columns(canary)
     st: JudgeState = dict(state or {})
     st["ticks"] = st.get("ticks", 0.0) + 1.0
     users_s, users_c = stable.users(), canary.users()
@@ -122,6 +126,11 @@ def judge(
     return Verdict(Decision.CONTINUE, tuple(reasons), evidence, guards, detectors, users_s, users_c, st)
 
 
+def _with_columns(c: CohortData) -> CohortData:
+    """``c`` carrying its columns (built once here when the caller kept none)."""
+    return c if c.columns is not None else replace(c, columns=columns_of(c))
+
+
 def guardrails(stable: CohortData, canary: CohortData, policy: JudgePolicy,
                arms: tuple[IndexedArm, IndexedArm] | None = None,
                strata: int = 1) -> tuple[GuardrailResult, ...]:
@@ -152,11 +161,10 @@ def guardrails(stable: CohortData, canary: CohortData, policy: JudgePolicy,
 
     err = (error_cells(arms[0], stable.unattributed_errors()),
            error_cells(arms[1], canary.unattributed_errors()))
-    slow = tuple(cells_for(a, lambda o: float(o.latency_ms > g.max_p99_latency_ms)) for a in arms)
+    slow = tuple(cells_of(a, (a.cols.latency_ms > g.max_p99_latency_ms).astype(np.float64)) for a in arms)
     err_rates = (stable.error_count() / max(1, stable.request_count()),
                  canary.error_count() / max(1, canary.request_count()))
-    p99 = (quantile((o.latency_ms for o in stable.outcomes), 0.99),
-           quantile((o.latency_ms for o in canary.outcomes), 0.99))
+    p99 = (_quantile(arms[0].cols.latency_ms, 0.99), _quantile(arms[1].cols.latency_ms, 0.99))
     return (
         result("error_rate", err, canary.error_count(), canary.request_count(), g.max_error_rate,
                err_rates, g.max_error_rate),
@@ -196,13 +204,18 @@ def _metric(spec: MetricSpec, stable: CohortData, canary: CohortData,
 
 def _cells(name: str, stable: IndexedArm, canary: IndexedArm) -> tuple[Cells, Cells]:
     if name == "latency_tail":
-        threshold = quantile((o.latency_ms for o in (*stable.outcomes, *canary.outcomes)), 0.95)
-        fn = lambda o: float(o.latency_ms > threshold)  # noqa: E731
-        return cells_for(stable, fn), cells_for(canary, fn)
+        threshold = _quantile(np.concatenate([stable.cols.latency_ms, canary.cols.latency_ms]), 0.95)
+        return tuple(cells_of(a, (a.cols.latency_ms > threshold).astype(np.float64))  # type: ignore[return-value]
+                     for a in (stable, canary))
     if name not in METRICS:
         known = sorted([*METRICS, "latency_tail", "error_rate"])
         raise ValueError(f"unknown metric {name!r}; known: {known}")
-    return cells_for(stable, METRICS[name]), cells_for(canary, METRICS[name])
+    return metric_cells(stable, name), metric_cells(canary, name)
+
+
+def _quantile(values: NDArray[np.float64], q: float) -> float:
+    """``ingest.contracts.metrics.quantile`` on an array (NaN for none)."""
+    return float(np.quantile(values, q)) if values.size else math.nan
 
 
 def _is_primary(e: MetricEvidence, specs: tuple[MetricSpec, ...]) -> bool:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from rollback.stats import Cells, mixture_radius, msprt_p_value, stratified_difference
-from rollback.types import CohortData, Direction, JudgeState, MetricEvidence, RequestOutcome, Status
+from rollback.columns import columns_from, metric_values
+from rollback.stats import CellIndex, Cells, cell_index, mixture_radius, msprt_p_value, stratified_difference
+from rollback.types import CohortData, Columns, Direction, JudgeState, MetricEvidence, RequestOutcome, Status
 
 ValueFn = Callable[[RequestOutcome], float | None]
 
@@ -27,7 +28,9 @@ METRICS: dict[str, ValueFn] = {
 }
 """Metric name -> per-request value (None: the request does not count for this metric).
 ``latency_tail`` (share of requests slower than the pooled p95), ``invalid_tool_rate`` (a ratio
-of invalid to all tool calls) and ``error_rate`` (gateway counts) are computed in the judge."""
+of invalid to all tool calls) and ``error_rate`` (gateway counts) are computed in the judge.
+This is the plain definition; the judge computes the same values on columns
+(``rollback.columns.metric_values``)."""
 
 LABELS = {
     "persistence": "edit persistence",
@@ -82,10 +85,11 @@ def fmt_delta(metric: str, x: float, sign: bool = True) -> str:
 
 @dataclass(frozen=True)
 class IndexedArm:
-    """An arm's outcomes with each request's user and time stratum as integer indices, built
-    once per tick. Error events (the gateway's per-user error counts) are indexed alongside."""
+    """An arm's outcomes (as columns) with each request's user and time stratum as integer
+    indices, built once per tick. Error events (the gateway's per-user error counts) are
+    indexed alongside."""
 
-    outcomes: tuple[RequestOutcome, ...]
+    cols: Columns
     user: NDArray[np.int64]
     stratum: NDArray[np.int64]
     users: int
@@ -93,6 +97,8 @@ class IndexedArm:
     error_user: NDArray[np.int64]
     error_stratum: NDArray[np.int64]
     error_count: NDArray[np.float64]
+    cells: CellIndex | None = None
+    """Each request's (user, stratum) cell, shared by the arm's metrics."""
 
 
 class Strata:
@@ -120,51 +126,61 @@ class Strata:
         return np.searchsorted(self.keys, self._raw(times)).astype(np.int64)
 
 
+def columns_of(c: CohortData) -> Columns:
+    """The arm's columns: those it carries, else built from its outcomes."""
+    return c.columns if c.columns is not None else columns_from(c.outcomes)
+
+
 def index_arms(stable: CohortData, canary: CohortData, boundaries: Sequence[float] = (),
                stratum_s: float = math.inf) -> tuple[IndexedArm, IndexedArm, int]:
     """Both arms indexed against the same strata; returns (stable, canary, number of strata)."""
-    times = [np.fromiter((o.ts for o in c.outcomes), dtype=np.float64, count=len(c.outcomes))
-             for c in (stable, canary)]
+    cols = (columns_of(stable), columns_of(canary))
+    times = [c.ts for c in cols]
     err_times = [np.fromiter((e.ts for e in c.user_errors), dtype=np.float64, count=len(c.user_errors))
                  for c in (stable, canary)]
     strata = Strata(np.concatenate([*times, *err_times]), boundaries, stratum_s)
-    stable_arm = _index(stable, strata, times[0], err_times[0])
-    canary_arm = _index(canary, strata, times[1], err_times[1])
+    stable_arm = _index(stable, cols[0], strata, err_times[0])
+    canary_arm = _index(canary, cols[1], strata, err_times[1])
     return stable_arm, canary_arm, strata.count
 
 
-def _index(c: CohortData, strata: Strata, times: NDArray[np.float64],
-           err_times: NDArray[np.float64]) -> IndexedArm:
-    ids: dict[str, int] = {}
-    user = np.fromiter((ids.setdefault(o.user_key, len(ids)) for o in c.outcomes), dtype=np.int64,
-                       count=len(c.outcomes))
+def _index(c: CohortData, cols: Columns, strata: Strata, err_times: NDArray[np.float64]) -> IndexedArm:
+    """Users are numbered in order of first appearance (the columns'), then users seen only
+    in error events."""
+    ids = {key: i for i, key in enumerate(cols.user_keys)}
     error_user = np.fromiter((ids.setdefault(e.user_key, len(ids)) for e in c.user_errors),
                              dtype=np.int64, count=len(c.user_errors))
     count = np.fromiter((e.count for e in c.user_errors), dtype=np.float64, count=len(c.user_errors))
-    return IndexedArm(c.outcomes, user, strata.of(times), len(ids), error_user, strata.of(err_times), count)
+    stratum = strata.of(cols.ts)
+    return IndexedArm(cols, cols.user, stratum, len(ids), error_user, strata.of(err_times), count,
+                      cell_index(cols.user, stratum, strata.count))
 
 
-def cells_for(arm: IndexedArm, fn: ValueFn) -> Cells:
-    """A per-request metric's cells (requests where ``fn`` is None do not count)."""
-    raw = [fn(o) for o in arm.outcomes]
-    counted = np.fromiter((v is not None for v in raw), dtype=bool, count=len(raw))
-    values = np.fromiter((0.0 if v is None else v for v in raw), dtype=np.float64, count=len(raw))
-    return Cells(arm.user[counted], arm.stratum[counted], values[counted],
-                 np.ones(int(counted.sum())), arm.users)
+def cells_of(arm: IndexedArm, values: NDArray[np.float64], counted: NDArray[np.bool_] | None = None) -> Cells:
+    """A per-request metric's cells from its values (requests where ``counted`` is False do
+    not count; None: all do)."""
+    if counted is None:
+        return Cells(arm.user, arm.stratum, values, np.ones(values.size), arm.users, arm.cells)
+    cells = None if arm.cells is None else arm.cells._replace(cell=arm.cells.cell[counted])
+    return Cells(arm.user[counted], arm.stratum[counted], values[counted], np.ones(int(counted.sum())),
+                 arm.users, cells)
 
 
-def ratio_cells(arm: IndexedArm, num: ValueFn, den: ValueFn) -> Cells:
+def metric_cells(arm: IndexedArm, name: str) -> Cells:
+    """The cells of a metric of ``METRICS``."""
+    return cells_of(arm, *metric_values(arm.cols, name))
+
+
+def ratio_cells(arm: IndexedArm, num: NDArray[np.float64], den: NDArray[np.float64]) -> Cells:
     """Cells of a ratio of two per-request quantities (e.g. invalid tool calls / tool calls)."""
-    n = np.fromiter((den(o) or 0.0 for o in arm.outcomes), dtype=np.float64, count=len(arm.outcomes))
-    s = np.fromiter((num(o) or 0.0 for o in arm.outcomes), dtype=np.float64, count=len(arm.outcomes))
-    return Cells(arm.user, arm.stratum, s, n, arm.users)
+    return Cells(arm.user, arm.stratum, num, den, arm.users, arm.cells)
 
 
 def error_cells(arm: IndexedArm, unattributed: int = 0) -> Cells:
     """The error rate's cells: every served request with a reward record counts as one success,
     every gateway error as one failure of the user it failed for. ``unattributed`` errors (no
     user known) count as one user each, in the latest stratum."""
-    n_ok = len(arm.outcomes)
+    n_ok = int(arm.cols.user.size)
     last = int(max(arm.stratum.max(initial=0), arm.error_stratum.max(initial=0)))
     extra = np.arange(arm.users, arm.users + unattributed, dtype=np.int64)
     return Cells(

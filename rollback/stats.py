@@ -140,6 +140,24 @@ class Cells(NamedTuple):
     num: Arr
     den: Arr
     users: int
+    cells: CellIndex | None = None
+    """The (user, stratum) cell of each request when the caller indexed them already (once per
+    arm and tick, shared by every metric); None: computed here."""
+
+
+class CellIndex(NamedTuple):
+    """Requests' (user, stratum) cells: request i is in cell ``cell[i]``, whose key is
+    ``key[cell[i]] = user * strata + stratum``; ``key`` is sorted and unique."""
+
+    cell: NDArray[np.int64]
+    key: NDArray[np.int64]
+    strata: int
+
+
+def cell_index(user: NDArray[np.int64], stratum: NDArray[np.int64], strata: int) -> CellIndex:
+    key = user.astype(np.int64) * strata + stratum.astype(np.int64)
+    uniq, inv = np.unique(key, return_inverse=True)
+    return CellIndex(inv.astype(np.int64).reshape(-1), uniq.astype(np.int64), strata)
 
 
 class Stratified(NamedTuple):
@@ -186,8 +204,10 @@ IntArr = NDArray[np.int64]
 
 def _cell_sums(c: Cells, strata: int, cap: float | None) -> tuple[IntArr, IntArr, Arr, Arr]:
     """(user, stratum, S, N) per (user, stratum) cell with N > 0, after the per-user cap."""
-    key = c.user.astype(np.int64) * strata + c.stratum.astype(np.int64)
-    uniq, inv = np.unique(key, return_inverse=True)
+    idx = c.cells
+    if idx is None or idx.strata != strata:
+        idx = cell_index(c.user, c.stratum, strata)
+    uniq, inv = idx.key, idx.cell
     s = np.bincount(inv, weights=c.num, minlength=uniq.size)
     n = np.bincount(inv, weights=c.den, minlength=uniq.size)
     cu, cs = uniq // strata, uniq % strata

@@ -17,6 +17,9 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
+from numpy.typing import NDArray
+
 from ingest.contracts.metrics import PERSISTENCE_HORIZON_S, edit_persistence
 
 if TYPE_CHECKING:
@@ -106,6 +109,32 @@ class ErrorCount:
     count: int
 
 
+@dataclass(frozen=True, eq=False)
+class Columns:
+    """One arm's outcomes as one array per field, in order (built by rollback/columns.py, which
+    says what each holds). ``user`` indexes ``user_keys``, users in order of first appearance."""
+
+    user: NDArray[np.int64]
+    user_keys: tuple[str, ...]
+    kind: NDArray[np.int8]
+    ts: NDArray[np.float64]
+    reward: NDArray[np.float64]
+    latency_ms: NDArray[np.float64]
+    persistence: NDArray[np.float64]
+    accepted: NDArray[np.float64]
+    dissatisfied: NDArray[np.float64]
+    tool_calls: NDArray[np.float64]
+    invalid_tool_calls: NDArray[np.float64]
+    completion_tokens: NDArray[np.float64]
+    has_persistence: NDArray[np.bool_]
+    has_accepted: NDArray[np.bool_]
+    error: NDArray[np.bool_]
+
+    @property
+    def users(self) -> int:
+        return len(self.user_keys)
+
+
 @dataclass(frozen=True, slots=True)
 class CohortData:
     """One arm's observations over the judged window."""
@@ -124,11 +153,15 @@ class CohortData:
     """The same failures by user and time, so that the error rate is clustered by user like
     every other metric (one user's burst of retries is one user's evidence). Errors counted in
     ``errors`` but missing here are treated as one user each."""
+    columns: Columns | None = field(default=None, compare=False, repr=False)
+    """The outcomes as columns, when the caller keeps them (the deployer's window does)."""
 
     def request_count(self) -> int:
         return max(self.requests, len(self.outcomes))
 
     def error_count(self) -> int:
+        if self.columns is not None:
+            return self.errors + int(self.columns.error.sum())
         return self.errors + sum(1 for o in self.outcomes if o.error)
 
     def unattributed_errors(self) -> int:
@@ -136,6 +169,8 @@ class CohortData:
         return max(0, self.error_count() - sum(e.count for e in self.user_errors))
 
     def users(self) -> int:
+        if self.columns is not None:
+            return self.columns.users
         return len({o.user_key for o in self.outcomes})
 
 
