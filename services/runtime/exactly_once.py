@@ -41,6 +41,12 @@ Recovery protocol:
   producer's broker connections closed is therefore aborted instead of committed, and one
   whose commit itself spanned a reconnect is followed by the rewind above (the
   ``recover`` step reconciles whichever way the commit went).
+- *A rebalance*: the loop owns exactly the partitions of the last ``on_partitions_assigned``
+  not revoked since, and hands only those to the transform. kafka-python keeps revoked
+  partitions in ``assignment()`` until the rejoin completes, and a non-blocking poll returns
+  during the rejoin; a transform that closed timers on them would commit outputs for
+  partitions another member already recovered (a broker that checks the group generation in
+  ``TxnOffsetCommit`` rejects such a commit; the embedded one does not).
 - *FencedError* (``ProducerFencedError``): another process opened our transactional id, i.e. a
   second replica runs with the same identity. The loop raises :class:`FencedError`; the
   process exits 3 rather than fight it.
@@ -183,6 +189,9 @@ class ExactlyOnceLoop(Generic[R]):
         self.producer: KafkaProducer | None = None
         self.in_transaction = False
         self.assignment_known = False
+        self.owned: set[TopicPartition] = set()
+        """The partitions this member owns: assigned by the last rebalance and not revoked
+        since (``consumer.assignment()`` still lists revoked ones until the rejoin completes)."""
         self.last_broker_ok = 0.0
         self.failing: str | None = None
         """The dependency whose failure the loop is recovering from (None: healthy)."""
@@ -243,7 +252,8 @@ class ExactlyOnceLoop(Generic[R]):
         polled = self.poller.poll(max_records=self.max_records)
         self.last_broker_ok = time.monotonic()
         t0 = time.perf_counter()
-        batch = self.transform.transform(polled, sorted(self.consumer.assignment()))
+        polled = {tp: recs for tp, recs in polled.items() if tp in self.owned}
+        batch = self.transform.transform(polled, sorted(self.owned))
         offsets = next_offsets(polled)
         if not (batch.outputs or offsets):
             self.transform.committed(batch, [])  # nothing to commit: the batch is done as it is
@@ -305,7 +315,7 @@ class ExactlyOnceLoop(Generic[R]):
             self.log.info("%s worker reconnected with a new transactional producer", self.service)
         elif self.in_transaction:
             self._abort()
-        owned = sorted(self.consumer.assignment())
+        owned = sorted(self.owned)
         for tp in owned:
             committed = self.consumer.committed(tp)
             if committed is None:
@@ -329,6 +339,7 @@ class ExactlyOnceLoop(Generic[R]):
         if self.in_transaction:
             self.log.warning("partitions revoked during a transaction: aborting it")
             self._abort()
+        self.owned -= set(revoked)
         for tp in revoked:
             try:
                 m.CONSUMER_LAG.remove(self.service, tp.topic, str(tp.partition))
@@ -338,6 +349,7 @@ class ExactlyOnceLoop(Generic[R]):
 
     def on_assigned(self, assigned: list[TopicPartition]) -> None:
         self.assignment_known = True
+        self.owned = set(assigned)  # eager rebalancing: each assignment is the whole of it
         self.log.info("assigned %s", _fmt(assigned))
         self.transform.recover(sorted(assigned))
 

@@ -32,6 +32,7 @@ class Echo:
         if self.fail:
             raise self.fail.pop(0)
         outs = [Output("out", r.value or b"", r.key) for recs in polled.values() for r in recs]
+        self.owned = list(assigned)
         self.calls.append(("transform", len(outs)))
         return Batch(outs, len(outs))
 
@@ -152,3 +153,20 @@ def test_fault_points_come_after_the_sends_before_and_after_the_commit() -> None
 
 def test_next_offsets_is_one_past_each_partitions_last_record() -> None:
     assert next_offsets({TP0: [Rec(4, b""), Rec(9, b"")], TP1: []}) == {TP0: 10}
+
+
+def test_revoked_partitions_are_not_the_transforms_until_assigned_again() -> None:
+    """kafka-python keeps revoked partitions in ``assignment()`` until the rejoin completes, and
+    a non-blocking poll returns meanwhile: a transform that closed timers on them would commit
+    rewards for partitions another member owns already (the embedded broker accepts the stale
+    generation's offsets)."""
+    loop, consumer, producers, echo = make_loop()
+    consumer.listener.on_partitions_revoked([TP0, TP1])
+    assert consumer.assignment() == {TP0, TP1}, "the double keeps them, as kafka-python does"
+    consumer.batches.append({TP0: [Rec(4, b"late")]})  # fetched before the revocation
+    assert loop.step() is None
+    assert echo.owned == [] and producers[0].committed == [] and producers[0].offsets == []
+    consumer.listener.on_partitions_assigned([TP1])
+    consumer.batches.append({TP1: [Rec(0, b"x")]})
+    assert loop.step() is not None
+    assert echo.owned == [TP1] and [v for _, v, _, _ in producers[0].committed] == [b"x"]
