@@ -88,3 +88,17 @@ def test_the_verdict_is_the_same_with_columns_or_outcomes(seed: int) -> None:
     assert repr(a) == repr(b)
     assert a.users_stable == plain[0].users() == kept[0].users()
     assert plain[1].error_count() == kept[1].error_count()
+
+
+def test_the_scale_benchmark_grows_one_window_through_its_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import judge_scale
+
+    points = judge_scale.run((400, 2000), seed=5, ticks_per_size=4)
+    assert [p.requests for p in points] == [400, 2000]
+    assert points[0].tick_requests == 100 and points[1].tick_requests == 500
+    assert all(p.judge_cpu_s >= 0 and p.baseline_cpu_s > 0 for p in points)
+    assert judge_scale.main(["--sizes", "300,600", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "judge() per tick at 600 requests" in out and "\n300 | " in out
+    with pytest.raises(SystemExit):
+        judge_scale.main(["--sizes", "ten"])
