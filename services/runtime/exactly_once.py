@@ -349,7 +349,7 @@ class ExactlyOnceLoop(Generic[R]):
 
     def on_assigned(self, assigned: list[TopicPartition]) -> None:
         self.assignment_known = True
-        self.owned = set(assigned)  # eager rebalancing: each assignment is the whole of it
+        self.owned |= set(assigned)  # eager: after revoking all; cooperative: what was added
         self.log.info("assigned %s", _fmt(assigned))
         self.transform.recover(sorted(assigned))
 
