@@ -47,6 +47,8 @@ Recovery protocol:
   during the rejoin; a transform that closed timers on them would commit outputs for
   partitions another member already recovered (a broker that checks the group generation in
   ``TxnOffsetCommit`` rejects such a commit; the embedded one does not).
+  The rewind after a failure skips a partition revoked while its committed offset was
+  fetched (kafka-python refuses to seek it with a ``ValueError``, which stopped the worker).
 - *FencedError* (``ProducerFencedError``): another process opened our transactional id, i.e. a
   second replica runs with the same identity. The loop raises :class:`FencedError`; the
   process exits 3 rather than fight it.
@@ -315,14 +317,18 @@ class ExactlyOnceLoop(Generic[R]):
             self.log.info("%s worker reconnected with a new transactional producer", self.service)
         elif self.in_transaction:
             self._abort()
-        owned = sorted(self.owned)
-        for tp in owned:
-            committed = self.consumer.committed(tp)
-            if committed is None:
-                self.consumer.seek_to_beginning(tp)
-            else:
-                self.consumer.seek(tp, committed)
-        self.transform.recover(owned)
+        for tp in sorted(self.owned):
+            committed = self.consumer.committed(tp)  # blocking: a rejoin under way may complete
+            try:
+                if committed is None:
+                    self.consumer.seek_to_beginning(tp)
+                else:
+                    self.consumer.seek(tp, committed)
+            except ValueError:
+                # kafka-python's "Unassigned partition": revoked meanwhile; whoever owns it
+                # next starts from the committed offset anyway
+                self.log.info("%s was revoked during the rewind", _fmt([tp]))
+        self.transform.recover(sorted(self.owned))
 
     def _abort(self) -> None:
         try:

@@ -115,9 +115,14 @@ class FakeConsumer:
         return self.committed_offsets.get(tp)
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
+        if tp not in self.partitions:  # kafka-python's message
+            raise ValueError("Unassigned partition")
         self.seeks.append((tp, offset))
 
     def seek_to_beginning(self, *tps: TopicPartition) -> None:
+        for tp in tps:
+            if tp not in self.partitions:
+                raise ValueError(f"Unassigned partition: {tp}")
         self.seeks += [(tp, 0) for tp in tps]
 
     def group_metadata(self) -> str:

@@ -170,3 +170,28 @@ def test_revoked_partitions_are_not_the_transforms_until_assigned_again() -> Non
     consumer.batches.append({TP1: [Rec(0, b"x")]})
     assert loop.step() is not None
     assert echo.owned == [TP1] and [v for _, v, _, _ in producers[0].committed] == [b"x"]
+
+
+def test_a_rebalance_during_the_rewind_does_not_stop_the_worker() -> None:
+    """After a failure the loop rewinds each owned partition to its committed offset. Fetching
+    that offset is a blocking call during which a rejoin in progress can complete and take a
+    partition away; kafka-python then refuses to seek it (ValueError, not a Kafka error), which
+    stopped the worker. Its next owner starts from the committed offset anyway."""
+    loop, consumer, producers, echo = make_loop()
+    consumer.committed_offsets = {TP0: 3, TP1: 5}
+    real_committed = consumer.committed
+
+    def committed(tp: TopicPartition) -> int | None:
+        if tp == TP0:  # the rejoin completes while the offset is fetched: TP0 went elsewhere
+            consumer.partitions = [TP1]
+            consumer.listener.on_partitions_revoked([TP0, TP1])
+            consumer.listener.on_partitions_assigned([TP1])
+        return real_committed(tp)
+
+    consumer.committed = committed  # type: ignore[method-assign]
+    consumer.poll_error = KafkaConnectionError("broker restarting")
+    consumer.batches.append({TP1: [Rec(5, b"z")]})
+    run_until_idle(loop, consumer)
+    assert loop.failing is None and (TP1, 5) in consumer.seeks and (TP0, 3) not in consumer.seeks
+    assert [v for _, v, _, _ in producers[-1].committed] == [b"z"]
+    assert echo.owned == [TP1]
