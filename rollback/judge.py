@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
-from numpy.typing import NDArray
 
 from rollback.detectors import run_detectors
 from rollback.metrics import (
@@ -40,6 +39,7 @@ from rollback.stats import (
     Cells,
     design_effect,
     exceedance_log_lr,
+    quantile,
     ratio_mean_var,
     stratified_difference,
 )
@@ -164,7 +164,7 @@ def guardrails(stable: CohortData, canary: CohortData, policy: JudgePolicy,
     slow = tuple(cells_of(a, (a.cols.latency_ms > g.max_p99_latency_ms).astype(np.float64)) for a in arms)
     err_rates = (stable.error_count() / max(1, stable.request_count()),
                  canary.error_count() / max(1, canary.request_count()))
-    p99 = (_quantile(arms[0].cols.latency_ms, 0.99), _quantile(arms[1].cols.latency_ms, 0.99))
+    p99 = (quantile(arms[0].cols.latency_ms, 0.99), quantile(arms[1].cols.latency_ms, 0.99))
     return (
         result("error_rate", err, canary.error_count(), canary.request_count(), g.max_error_rate,
                err_rates, g.max_error_rate),
@@ -204,7 +204,7 @@ def _metric(spec: MetricSpec, stable: CohortData, canary: CohortData,
 
 def _cells(name: str, stable: IndexedArm, canary: IndexedArm) -> tuple[Cells, Cells]:
     if name == "latency_tail":
-        threshold = _quantile(np.concatenate([stable.cols.latency_ms, canary.cols.latency_ms]), 0.95)
+        threshold = quantile(np.concatenate([stable.cols.latency_ms, canary.cols.latency_ms]), 0.95)
         return tuple(cells_of(a, (a.cols.latency_ms > threshold).astype(np.float64))  # type: ignore[return-value]
                      for a in (stable, canary))
     if name not in METRICS:
@@ -212,10 +212,6 @@ def _cells(name: str, stable: IndexedArm, canary: IndexedArm) -> tuple[Cells, Ce
         raise ValueError(f"unknown metric {name!r}; known: {known}")
     return metric_cells(stable, name), metric_cells(canary, name)
 
-
-def _quantile(values: NDArray[np.float64], q: float) -> float:
-    """``ingest.contracts.metrics.quantile`` on an array (NaN for none)."""
-    return float(np.quantile(values, q)) if values.size else math.nan
 
 
 def _is_primary(e: MetricEvidence, specs: tuple[MetricSpec, ...]) -> bool:

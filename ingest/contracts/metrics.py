@@ -98,8 +98,9 @@ def mean(xs: Sequence[float]) -> float:
 
 def quantile(values: Iterable[float], q: float) -> float:
     """Empirical quantile (linear interpolation, numpy's default); NaN for no values. The
-    judge's guardrails use it too (``rollback.stats``)."""
-    arr = np.fromiter(values, dtype=np.float64)
+    judge's guardrails use it too (on arrays, taken as they are, not element by element)."""
+    arr = np.asarray(values, dtype=np.float64) if isinstance(values, np.ndarray) \
+        else np.fromiter(values, dtype=np.float64)
     return float(np.quantile(arr, q)) if arr.size else math.nan
 
 
