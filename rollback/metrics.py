@@ -90,15 +90,19 @@ class IndexedArm:
     indexed alongside."""
 
     cols: Columns
-    user: NDArray[np.int64]
     stratum: NDArray[np.int64]
     users: int
     """Distinct user indices, including users seen only in error events."""
     error_user: NDArray[np.int64]
     error_stratum: NDArray[np.int64]
     error_count: NDArray[np.float64]
-    cells: CellIndex | None = None
+    cells: CellIndex
     """Each request's (user, stratum) cell, shared by the arm's metrics."""
+
+    @property
+    def user(self) -> NDArray[np.int64]:
+        """Each request's user index (the columns')."""
+        return self.cols.user
 
 
 class Strata:
@@ -152,7 +156,7 @@ def _index(c: CohortData, cols: Columns, strata: Strata, err_times: NDArray[np.f
                              dtype=np.int64, count=len(c.user_errors))
     count = np.fromiter((e.count for e in c.user_errors), dtype=np.float64, count=len(c.user_errors))
     stratum = strata.of(cols.ts)
-    return IndexedArm(cols, cols.user, stratum, len(ids), error_user, strata.of(err_times), count,
+    return IndexedArm(cols, stratum, len(ids), error_user, strata.of(err_times), count,
                       cell_index(cols.user, stratum, strata.count))
 
 
@@ -161,7 +165,7 @@ def cells_of(arm: IndexedArm, values: NDArray[np.float64], counted: NDArray[np.b
     not count; None: all do)."""
     if counted is None:
         return Cells(arm.user, arm.stratum, values, np.ones(values.size), arm.users, arm.cells)
-    cells = None if arm.cells is None else arm.cells._replace(cell=arm.cells.cell[counted])
+    cells = arm.cells._replace(cell=arm.cells.cell[counted])
     return Cells(arm.user[counted], arm.stratum[counted], values[counted], np.ones(int(counted.sum())),
                  arm.users, cells)
 
