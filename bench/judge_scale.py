@@ -86,26 +86,24 @@ def run(sizes: tuple[int, ...], seed: int, ticks_per_size: int = 20) -> list[Poi
     builders = {"stable": ColumnBuilder(), "canary": ColumnBuilder()}
     points = []
     have = 0
-    for size in sizes:
-        tick = max(1, size // ticks_per_size)  # the last tick before the checkpoint
-        grow = size - tick - have
-        for arm, share in (("stable", 0.75), ("canary", 0.25)):
-            batch = traffic(round(grow * share), rng, arm, t0)
+
+    def arrivals(n: int) -> dict[str, list[RequestOutcome]]:
+        """``n`` new requests, three quarters on stable."""
+        return {arm: traffic(round(n * share), rng, arm, t0)
+                for arm, share in (("stable", 0.75), ("canary", 0.25))}
+
+    def append(news: dict[str, list[RequestOutcome]]) -> None:
+        for arm, batch in news.items():
             outcomes[arm] += batch
             for o in batch:
                 builders[arm].add(o)
-            builders[arm].columns()  # the earlier ticks' appends, not timed
-        news = {arm: traffic(round(tick * share), rng, arm, t0)
-                for arm, share in (("stable", 0.75), ("canary", 0.25))}
+            builders[arm].columns()
 
-        def append(news: dict[str, list[RequestOutcome]] = news) -> None:
-            for arm, batch in news.items():
-                outcomes[arm] += batch
-                for o in batch:
-                    builders[arm].add(o)
-                builders[arm].columns()
-
-        append_s, _ = cpu(append)
+    for size in sizes:
+        tick = max(1, size // ticks_per_size)  # the last tick before the checkpoint
+        append(arrivals(size - tick - have))  # the earlier ticks' appends, not timed
+        news = arrivals(tick)
+        append_s, _ = cpu(partial(append, news))
         have = sum(len(v) for v in outcomes.values())
         kept = [CohortData(arm, tuple(outcomes[arm]), columns=builders[arm].columns())
                 for arm in ("stable", "canary")]
