@@ -9,6 +9,11 @@ their own clock (10 ms, doubling up to ``idle_ms``), then poll with ``timeout_ms
 takes what the fetch sent by the previous poll brought. On either broker an idle consumer
 then sends about ``1000 / idle_ms`` fetches per second, and a record that ends a quiet spell
 waits at most ``idle_ms`` longer than it would have.
+
+A loop with timers (the reward join's window closes) tells the poller when the next one is
+due (:meth:`IdlePoller.wake_at`): no wait runs past it, so a timer fires on time however
+long the waits have grown, and while nothing at all is pending the waits may grow to a
+longer ``quiet_ms``.
 """
 
 from __future__ import annotations
@@ -39,29 +44,49 @@ class IdlePoller:
     """``poll`` for a long-running loop: non-blocking polls, and after an empty one a wait on
     ``wait`` (e.g. a stopper's, so shutdown stays prompt) of 10 ms doubling up to ``idle_ms``.
 
+    With ``quiet_ms`` (longer than ``idle_ms``) the waits grow on up to it while the loop has
+    said that nothing is pending (``wake_at(None)``); a timer it announces (``wake_at(t)``,
+    ``t`` on ``clock``) caps the waits at ``idle_ms`` and ends the wait that reaches ``t``.
+
     A group member that has to (re)join its group polls with ``join_timeout_ms`` instead:
     joining takes broker round trips that a non-blocking poll never waits for."""
 
     def __init__(self, consumer: Pollable, idle_ms: int, join_timeout_ms: int = 500,
-                 wait: Callable[[float], object] = time.sleep) -> None:
+                 wait: Callable[[float], object] = time.sleep, quiet_ms: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.consumer = consumer
         self.idle_s = max(0, idle_ms) / 1000.0
-        """The longest wait between two polls of a quiet topic."""
+        """The longest wait between two polls of a quiet topic while a timer is pending."""
+        self.quiet_s = max(self.idle_s, (quiet_ms or 0) / 1000.0)
+        """The longest wait while nothing is pending."""
         self.join_timeout_ms = join_timeout_ms
         self.wait = wait
+        self.clock = clock
         self.waiting_s = 0.0
         """The current wait (0: the last poll brought records)."""
+        self.timer: float | None = None
+        """When the loop's next timer is due, on ``clock`` (None: nothing pending)."""
 
     def poll(self, max_records: int | None = None) -> Mapping[Any, Sequence[Any]]:
-        if self.waiting_s > 0:
-            self.wait(self.waiting_s)
+        wait_s = self.waiting_s
+        if self.timer is not None:
+            wait_s = min(wait_s, max(0.0, self.timer - self.clock()))
+        if wait_s > 0:
+            self.wait(wait_s)
         timeout_ms = self.join_timeout_ms if joining(self.consumer) else 0
         got = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
         if any(got.values()):
             self.waiting_s = 0.0
         else:
-            self.waiting_s = next_idle_wait(self.waiting_s, self.idle_s)
+            self.waiting_s = next_idle_wait(self.waiting_s, self.idle_s if self.timer is not None
+                                            else self.quiet_s)
         return got
+
+    def wake_at(self, at: float | None) -> None:
+        """The loop's next timer is due at ``at`` on ``clock`` (None: nothing is pending)."""
+        self.timer = at
+        if at is not None:
+            self.waiting_s = min(self.waiting_s, self.idle_s)
 
     def busy(self) -> None:
         """Poll without waiting next time (e.g. after a rebalance or an error)."""

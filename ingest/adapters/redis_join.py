@@ -15,12 +15,23 @@ is one Redis round trip (pipelines), whatever the batch size.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
 from ingest.contracts.keys import reward_join_prefix
 from ingest.reward.join import Window
+
+
+class Due(NamedTuple):
+    """What :meth:`RedisJoinState.save_and_due` found on the partitions it was asked about."""
+
+    rows: list[tuple[int, str, float]]
+    """(partition, request_id, close time) of the windows due by ``now``, earliest first
+    (at most ``limit``)."""
+    next_at: float | None
+    """When the next window closes: the earliest close time after ``now`` (``now`` itself
+    when more than ``limit`` are due; None when no window is open)."""
 
 
 class RedisJoinState:
@@ -58,27 +69,32 @@ class RedisJoinState:
 
     def due(self, partitions: Iterable[int], now: float, limit: int) -> list[tuple[int, str, float]]:
         """(partition, request_id, close time) of windows due by ``now``, earliest first."""
-        return self.save_and_due({}, {}, {}, partitions, now, limit)
+        return self.save_and_due({}, {}, {}, partitions, now, limit).rows
 
     def save_and_due(self, windows: Mapping[str, Window], partition_of: Mapping[str, int],
                      close_times: Mapping[str, float], partitions: Iterable[int], now: float,
-                     limit: int) -> list[tuple[int, str, float]]:
+                     limit: int) -> Due:
         """Store changed windows and their close times, then list the windows due by ``now``
-        on ``partitions`` (earliest first), in one atomic round trip (MULTI: a window is never
-        stored without its timer, which a replay could not repair since it changes nothing)."""
+        on ``partitions`` (earliest first) and the next close time, in one atomic round trip
+        (MULTI: a window is never stored without its timer, which a replay could not repair
+        since it changes nothing)."""
         parts = sorted(partitions)
         pipe = self.r.pipeline(transaction=True)
         self._queue_save(pipe, windows, partition_of, close_times)
         for p in parts:
-            pipe.zrangebyscore(self._due(p), "-inf", now, start=0, num=limit, withscores=True)
+            pipe.zrangebyscore(self._due(p), "-inf", now, start=0, num=limit + 1, withscores=True)
+            pipe.zrangebyscore(self._due(p), f"({now!r}", "+inf", start=0, num=1, withscores=True)
         if not len(pipe):
-            return []
+            return Due([], None)
         res = pipe.execute()
-        out = []
-        for p, rows in zip(parts, res[len(res) - len(parts):], strict=True):
+        res = res[len(res) - 2 * len(parts):]
+        out, later = [], []
+        for p, rows, after in zip(parts, res[0::2], res[1::2], strict=True):
             out += [(p, m.decode() if isinstance(m, bytes) else str(m), float(s)) for m, s in rows]
+            later += [float(s) for _, s in after]
         out.sort(key=lambda t: t[2])
-        return out[:limit]
+        next_at = now if len(out) > limit else min(later, default=None)
+        return Due(out[:limit], next_at)
 
     def open_stats(self, partitions: Iterable[int], now: float) -> tuple[int, float]:
         """(open windows, seconds the most overdue one is past its close time) for partitions."""

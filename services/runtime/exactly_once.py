@@ -6,8 +6,9 @@ a polled batch into output records. One iteration:
 
 1. **poll** at most ``max_records`` records from the partitions this member owns, without
    blocking in the client; after an empty poll the loop waits 10 ms, doubling up to
-   ``poll_timeout_ms``, before the next (ingest/adapters/idle_poll.py: a quiet topic costs
-   a few polls per second, whether or not the broker holds empty fetches);
+   ``poll_timeout_ms`` (``quiet_poll_ms`` while the transform has no timer pending), and
+   never past the transform's next timer (``Batch.wake_at``) (ingest/adapters/idle_poll.py:
+   a quiet topic costs a few polls per second, whether or not the broker holds empty fetches);
 2. **transform** them (``Transform.transform``): validate, join, decide. The transform may
    read and write its own state store (Redis), but only idempotently: the same batch may
    be transformed again after a failure;
@@ -117,6 +118,9 @@ class Batch(Generic[R]):
 
     outputs: list[Output]
     result: R
+    wake_at: float | None = None
+    """When (``time.time()``) the transform next needs a step though no record comes (its
+    next timer); None: nothing pending (the loop may poll less often)."""
 
 
 class Transform(Protocol[R]):
@@ -176,6 +180,7 @@ class ExactlyOnceLoop(Generic[R]):
         poll_timeout_ms: int,
         max_records: int,
         fault: Callable[[str], None] | None = None,
+        quiet_poll_ms: int | None = None,
     ) -> None:
         self.service = service
         self.log = logging.getLogger(f"rtrl.{service}")
@@ -183,9 +188,9 @@ class ExactlyOnceLoop(Generic[R]):
         self.open_producer = open_producer
         self.transform = transform
         self.health = health
-        self.poller = IdlePoller(consumer, idle_ms=poll_timeout_ms)
-        """Waits between polls of a quiet topic (``run`` makes them the stopper's, so a
-        SIGTERM does not wait for one)."""
+        self.poller = IdlePoller(consumer, idle_ms=poll_timeout_ms, quiet_ms=quiet_poll_ms)
+        """Waits between polls of a quiet topic (module doc; ``run`` makes them the
+        stopper's, so a SIGTERM does not wait for one)."""
         self.max_records = max_records
         self.fault = fault or (lambda _point: None)
         self.producer: KafkaProducer | None = None
@@ -256,6 +261,7 @@ class ExactlyOnceLoop(Generic[R]):
         t0 = time.perf_counter()
         polled = {tp: recs for tp, recs in polled.items() if tp in self.owned}
         batch = self.transform.transform(polled, sorted(self.owned))
+        self.poller.wake_at(batch.wake_at)
         offsets = next_offsets(polled)
         if not (batch.outputs or offsets):
             self.transform.committed(batch, [])  # nothing to commit: the batch is done as it is

@@ -71,9 +71,13 @@ class RewardSettings(Section):
     max_batch: int = 500
     """Most events per poll; one Kafka transaction covers one polled batch and its closes."""
     poll_timeout_ms: int = 200
-    """Longest wait between two polls of a quiet events topic (waits double from 10 ms up to
-    it); due windows are checked after every poll, so this bounds how late a timer fires
-    when no events arrive."""
+    """Longest wait between two polls of a quiet events topic while a window is open on the
+    worker's partitions (waits double from 10 ms up to it): how late an event of an open
+    window is read, at most. Timers do not wait for it: the worker wakes at each close time."""
+    idle_poll_ms: int = 1000
+    """Longest wait between two polls while no window is open on the worker's partitions:
+    how late the first event after a quiet spell is read, at most. An idle worker polls
+    about 1000/this times a second (docs/ingest.md). Values below ``poll_timeout_ms`` act as it."""
     max_close_per_batch: int = 2000
     """Most windows closed in one transaction (the rest close on the next loop)."""
     time_scale: float = 1.0

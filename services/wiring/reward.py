@@ -9,7 +9,8 @@ Per polled batch of the events topic, :class:`RewardJoin`:
    counted, never re-emitted.
 2. **Close** the windows that are due (or closable early) on the partitions this worker
    owns, read from the per-partition due sets in Redis. Timers fire without new events:
-   the poll waits at most ``poll_timeout_ms``.
+   the loop wakes at the next close time, and polls at least every ``poll_timeout_ms``
+   while a window is open (``idle_poll_ms`` while none is).
 3. returns the reward records (for the rewards topic, same partition number as the
    events partition, key = request_id), which the loop commits in one Kafka transaction
    with the consumed offsets of the events topic;
@@ -128,9 +129,9 @@ class RewardJoin:
         ready = [p for p in owned if p not in self.pending_recovery]
         due = self.state.save_and_due(changed, partition_of, closes, ready, now, self.cfg.max_close_per_batch)
         self.fault("after_apply")
-        result, outputs = self._close_due(due, changed, now)
+        result, outputs = self._close_due(due.rows, changed, now)
         self._gauges(owned, now)
-        return Batch(outputs, result)
+        return Batch(outputs, result, wake_at=due.next_at)
 
     def committed(self, batch: Batch[JoinResult], delivered: Sequence[Any]) -> None:
         result = batch.result
@@ -282,7 +283,7 @@ class RewardWorker:
                           self.fault or (lambda _point: None))
         self.loop = ExactlyOnceLoop(SERVICE, consumer, producers.open, join, self.health,
                                     poll_timeout_ms=cfg.poll_timeout_ms, max_records=cfg.max_batch,
-                                    fault=self.fault)
+                                    fault=self.fault, quiet_poll_ms=cfg.idle_poll_ms)
         self.loop.start([s.topics.events])
         log.info("reward worker up: spec %s, group %s, transactional id %s, time scale %g",
                  self.spec.version, cfg.group_id, producers.txn_id, cfg.time_scale)

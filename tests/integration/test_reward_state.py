@@ -18,7 +18,11 @@ def test_save_due_finish_and_checkpoints(settings: Settings) -> None:
     w1 = apply(None, served("a"), 100.0, SPEC)
     w2 = apply(apply(None, served("b"), 100.0, SPEC), accepted("b"), 101.0, SPEC)
     due = st.save_and_due({"a": w1, "b": w2}, {"a": 0, "b": 1}, {"a": 150.0, "b": 120.0}, [0, 1], 130.0, 10)
-    assert due == [(1, "b", 120.0)]
+    assert due.rows == [(1, "b", 120.0)] and due.next_at == 150.0
+    assert st.save_and_due({}, {}, {}, [1], 130.0, 10).next_at is None  # nothing open later on 1
+    assert st.save_and_due({}, {}, {}, [0], 150.0, 10) == ([(0, "a", 150.0)], None)  # due at its time
+    more = st.save_and_due({}, {}, {}, [0, 1], 200.0, 1)  # more due than one batch closes
+    assert more.rows == [(1, "b", 120.0)] and more.next_at == 200.0
     assert st.due([0, 1], 200.0, 10) == [(1, "b", 120.0), (0, "a", 150.0)]
     assert st.due([0], 200.0, 10) == [(0, "a", 150.0)]
     windows, emitted = st.load(["a", "b", "c"])

@@ -48,7 +48,9 @@ def test_cpu_share_reads_what_the_process_burns() -> None:
 
 def test_idle_workers_use_at_most_two_percent_of_a_core(settings: Settings, tmp_path: Path) -> None:
     sc = scale.current()
-    env = env_for(settings, tmp_path, RTRL_INGEST__POLL_TIMEOUT_MS="500", RTRL_REWARD__POLL_TIMEOUT_MS="200")
+    env = env_for(settings, tmp_path)
+    for name in ("RTRL_INGEST__POLL_TIMEOUT_MS", "RTRL_REWARD__POLL_TIMEOUT_MS", "RTRL_REWARD__IDLE_POLL_MS"):
+        env.pop(name, None)  # the defaults a deployment gets
     ensure_topics(settings)
     workers = [Worker(kind, f"{kind}-idle", env, tmp_path / f"{kind}.log") for kind in ("ingest", "reward")]
     prog = Progress(settings)

@@ -101,3 +101,60 @@ def test_a_member_that_must_join_blocks_so_the_join_completes(
     assert joining(consumer) is expected
     IdlePoller(consumer, idle_ms=100, join_timeout_ms=321, wait=lambda _s: None).poll()
     assert consumer.timeouts == [321 if expected else 0]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def test_with_nothing_pending_the_waits_grow_to_the_quiet_cap() -> None:
+    clock = Clock()
+    waits: list[float] = []
+    poller = IdlePoller(FakeConsumer([]), idle_ms=40, quiet_ms=300, clock=clock,
+                        wait=lambda s: (waits.append(s), clock.sleep(s)))
+    for _ in range(8):
+        poller.poll()
+        poller.wake_at(None)
+    assert waits == pytest.approx(reference_waits(0.3, 7))
+
+
+def test_a_pending_timer_caps_the_waits_and_ends_the_wait_that_reaches_it() -> None:
+    clock = Clock()
+    waits: list[float] = []
+    poller = IdlePoller(FakeConsumer([]), idle_ms=200, quiet_ms=5000, clock=clock,
+                        wait=lambda s: (waits.append(s), clock.sleep(s)))
+    for _ in range(10):  # grown to the quiet cap: 10 ms ... 2.56 s
+        poller.poll()
+        poller.wake_at(None)
+    assert waits[-1] == pytest.approx(2.56)
+    timer = clock.t + 0.05
+    poller.wake_at(timer)  # a window opened: its close is due in 50 ms
+    poller.poll()
+    assert waits[-1] == pytest.approx(0.05) and clock.t == pytest.approx(timer)
+    poller.wake_at(clock.t + 10.0)  # the next close is far: poll every idle_ms meanwhile
+    for _ in range(3):
+        poller.poll()
+    assert waits[-3:] == pytest.approx([0.2, 0.2, 0.2])
+
+
+def test_a_timer_already_due_is_not_waited_for() -> None:
+    clock = Clock()
+    waits: list[float] = []
+    consumer = FakeConsumer([])
+    poller = IdlePoller(consumer, idle_ms=200, clock=clock, wait=waits.append)
+    poller.poll()
+    poller.wake_at(clock.t - 1.0)  # more windows are due than one batch closed
+    poller.poll()
+    assert waits == [] and len(consumer.timeouts) == 2
+
+
+def test_a_quiet_cap_below_the_idle_cap_acts_as_the_idle_cap() -> None:
+    poller = IdlePoller(FakeConsumer([]), idle_ms=500, quiet_ms=100)
+    assert poller.quiet_s == poller.idle_s == 0.5
