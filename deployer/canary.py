@@ -214,7 +214,7 @@ def _record(status: CanaryStatus, obs: Observations) -> Result:
     step = status.ticks + 1
     status = replace(
         status, ticks=step, verdict=j.decision, reasons=tuple(j.reasons), judge_state=dict(j.state),
-        cohorts=dict(obs.cohorts), judged_on=dict(j.judged_on),
+        cohorts=dict(obs.cohorts), judged_on=dict(j.judged_on), plan=dict(j.plan),
     )
     metrics = ledger.step_metrics(status.weight, j.decision, obs.cohorts, j.stats, status.paused)
     assert status.canary_id is not None

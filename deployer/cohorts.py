@@ -25,6 +25,7 @@ from ingest.contracts.metrics import PERSISTENCE_HORIZON_S, summarise
 from ingest.events import RewardRecord
 from rollback.columns import ColumnBuilder
 from rollback.judge import judge
+from rollback.plan import CanaryPlan
 from rollback.types import (
     CohortData,
     ErrorCount,
@@ -219,10 +220,11 @@ def cohort_metrics(stable: CohortData, canary: CohortData) -> dict[str, float]:
     return {f"{c.arm}.{k}": v for c in (stable, canary) for k, v in summary(c).items()}
 
 
-def judgement(verdict: Verdict, on: JudgedOn | None = None) -> Judgement:
+def judgement(verdict: Verdict, on: JudgedOn | None = None, plan: CanaryPlan | None = None) -> Judgement:
     """The judge's verdict in the controller's terms, with flat statistics for the ledger
-    and what it was judged on (``on``, recorded with the verdict's decision)."""
-    stats = dict(verdict.stats())
+    (the plan's as ``plan.<metric>.needed`` / ``.eta_s`` and ``plan.eta_s``), what it was
+    judged on (``on``, recorded with the verdict's decision) and the canary's plan."""
+    stats = dict(verdict.stats()) | (plan_stats(plan) if plan is not None else {})
     stats["users.stable"], stats["users.canary"] = float(verdict.users_stable), float(verdict.users_canary)
     for g in verdict.guardrails:
         stats[f"guardrail.{g.name}.canary"] = float(g.canary_value)
@@ -235,4 +237,18 @@ def judgement(verdict: Verdict, on: JudgedOn | None = None) -> Judgement:
         stats=stats,
         state=dict(verdict.state),
         judged_on=replace(on, verdict=verdict.decision.value).to_doc() if on is not None else {},
+        plan=plan.to_doc() if plan is not None else {},
     )
+
+
+def plan_stats(plan: CanaryPlan) -> dict[str, float]:
+    """The plan's figures that are known, flat, for the ledger's step metrics."""
+    out = {"plan.users_per_min": plan.users_per_min}
+    if plan.eta_s is not None:
+        out["plan.eta_s"] = plan.eta_s
+    for mp in plan.metrics:
+        if mp.needed is not None:
+            out[f"plan.{mp.metric}.needed"] = float(mp.needed)
+        if mp.eta_s is not None:
+            out[f"plan.{mp.metric}.eta_s"] = mp.eta_s
+    return out

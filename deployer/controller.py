@@ -31,6 +31,7 @@ from deployer.registry import Registry
 from deployer.routing import Holdout, parse_holdout
 from deployer.status import JUDGED, TRANSIENT, CanaryPolicy, CanaryStatus, Command, Observations
 from ingest.contracts.registry import CANDIDATE, CHAMPION, PREVIOUS
+from rollback.plan import plan_canary
 from rollback.types import JudgePolicy
 
 log = logging.getLogger("rtrl.deployer")
@@ -225,7 +226,12 @@ class Controller:
         except Exception as exc:  # any failure to observe is counted by the state machine
             log.exception("observing canary %s failed", status.canary_id)
             return replace(obs, error=f"{type(exc).__name__}: {exc}")
-        return replace(obs, judgement=cohorts.judgement(verdict, on),
+        policy = self.config.policy
+        plan = plan_canary(verdict, self.config.judge, policy.steps, status.step,
+                           obs.now - status.step_since, obs.now - status.started_at, policy.bake_s)
+        if plan.warning and not status.plan.get("warning"):
+            log.warning("canary %s: %s", status.canary_id, plan.warning)
+        return replace(obs, judgement=cohorts.judgement(verdict, on, plan),
                        cohorts=cohorts.cohort_metrics(stable, canary))
 
     def _tags(self, version: str) -> dict[str, str]:

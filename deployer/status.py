@@ -84,6 +84,8 @@ class Judgement:
     """The judge's serialisable state to carry to the next tick."""
     judged_on: Mapping[str, Any] = field(default_factory=dict)
     """What the verdict was judged on besides the records (``deployer.cohorts.JudgedOn.to_doc``)."""
+    plan: Mapping[str, Any] = field(default_factory=dict)
+    """The canary's plan at this tick (``rollback.plan.CanaryPlan.to_doc``; empty: none)."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,8 @@ class CanaryStatus:
     judged_on: Mapping[str, Any] = field(default_factory=dict)
     """The latest verdict's inputs besides the records (``deployer.cohorts.JudgedOn``), for
     the ledger's decision record: ``rtrl replay`` judges the canary again from it."""
+    plan: Mapping[str, Any] = field(default_factory=dict)
+    """Users each primary metric needs and when they come (``rollback.plan``), latest tick."""
     note: str = ""
     """Why the controller is waiting, e.g. a candidate that failed its gate."""
     handled: tuple[tuple[str, str], ...] = ()
@@ -194,7 +198,7 @@ class CanaryStatus:
         out["handled"] = [list(h) for h in self.handled]
         out["step_times"] = list(self.step_times)
         out["cohorts"], out["judge_state"] = dict(self.cohorts), dict(self.judge_state)
-        out["judged_on"] = dict(self.judged_on)
+        out["judged_on"], out["plan"] = dict(self.judged_on), dict(self.plan)
         return out
 
     @classmethod

@@ -238,7 +238,8 @@ def compare(
     enough = n_s >= min_n and n_c >= min_n and math.isfinite(var) and math.isfinite(est)
     if not enough:
         return MetricEvidence(metric, direction, m_s, m_c, est, -math.inf, math.inf,
-                              state.get(f"p.{metric}", 1.0), int(n_s), int(n_c), mde, "insufficient")
+                              state.get(f"p.{metric}", 1.0), int(n_s), int(n_c), mde, "insufficient",
+                              float(v_s), float(v_c))
     var = max(var, (mde * 1e-3) ** 2)  # two constant arms: keep the bound finite, not zero-width
     r = float(mixture_radius(var, tau, min(0.5, 2 * alpha)))
     p = min(state.get(f"p.{metric}", 1.0), float(msprt_p_value(est, var, tau)))
@@ -246,7 +247,7 @@ def compare(
     lower, upper = est - r, est + r
     status = classify(direction, lower, upper, mde)
     return MetricEvidence(metric, direction, m_s, m_c, est, lower, upper, p, int(n_s), int(n_c), mde,
-                          status)
+                          status, float(v_s), float(v_c))
 
 
 def compare_cells(metric: str, stable: Cells, canary: Cells, strata: int, *, cap: float | None,

@@ -311,8 +311,7 @@ class MetricEvidence:
     direction: Direction
     stable_mean: float
     canary_mean: float
-    estimate: float
-    """canary − stable."""
+    estimate: float  # canary − stable
     ci_lower: float
     """Always-valid lower confidence bound on canary − stable (at the per-test level)."""
     ci_upper: float
@@ -326,6 +325,9 @@ class MetricEvidence:
     status: Status
     """worse: confidently worse (rolls back); non_inferior: confidently no worse than −MDE;
     better: confidently better; undecided: none of these yet; insufficient: too few samples."""
+    var_stable: float = math.nan
+    var_canary: float = math.nan
+    """Variance of each arm's mean (stratified, user-clustered): what rollback/plan.py projects."""
 
 
 @dataclass(frozen=True, slots=True)

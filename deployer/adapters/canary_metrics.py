@@ -4,6 +4,9 @@ calls :func:`export_metrics` once per tick)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from ingest.contracts import prometheus as m
 
 from deployer.ledger import CONTROLLER
@@ -40,8 +43,22 @@ def export_metrics(before: CanaryStatus, after: CanaryStatus, obs: Observations)
 def export_judgement(j: Judgement) -> None:
     m.CANARY_VERDICTS.labels(j.decision).inc()
     for key, value in j.stats.items():
-        metric, _, stat = key.rpartition(".")
-        m.JUDGE_STAT.labels(metric, stat).set(value)
+        if not key.startswith("plan."):
+            metric, _, stat = key.rpartition(".")
+            m.JUDGE_STAT.labels(metric, stat).set(value)
+    export_plan(j.plan)
+
+
+def export_plan(plan: Mapping[str, Any]) -> None:
+    """The plan's gauges (-1 where a figure is unknown); nothing when the tick made no plan."""
+    if not plan:
+        return
+    eta = plan.get("eta_s")
+    m.CANARY_DECISION_ETA.set(-1.0 if eta is None else float(eta))
+    for mp in plan.get("metrics", ()):
+        for stat, key in (("users", "users"), ("needed", "needed"), ("eta_seconds", "eta_s")):
+            value = mp.get(key)
+            m.CANARY_PLAN.labels(mp["metric"], stat).set(-1.0 if value is None else float(value))
 
 
 def export_decision(after: CanaryStatus, j: Judgement | None) -> None:

@@ -141,6 +141,15 @@ CANARY_ABORTS = Counter("rtrl_canary_aborts_total", "Canaries aborted (inconclus
 JUDGE_STAT = Gauge(
     "rtrl_judge_statistic", "The judge's latest statistics per metric", ["metric", "stat"]
 )
+CANARY_PLAN = Gauge(
+    "rtrl_canary_plan",
+    "The canary's plan per primary metric (stat: users, needed = canary users at which it is "
+    "decided with 80% power if no worse, eta_seconds; -1 when unknown)", ["metric", "stat"],
+)
+CANARY_DECISION_ETA = Gauge(
+    "rtrl_canary_decision_eta_seconds",
+    "Seconds until every primary metric has its planned users at the traffic so far (-1: unknown)",
+)
 HOLDOUT_EFFECT = Gauge(
     "rtrl_holdout_effect",
     "The champion minus the long-term holdout per metric, with its always-valid interval "
@@ -238,7 +247,8 @@ OWNERS: dict[str, tuple[Collector, ...]] = {
                 TRAIN_STAT, GATE_RESULTS, TRAIN_STARTS, TRAIN_WAITING, TRAIN_PENDING_RECORDS,
                 TRAIN_PENDING_ESS),
     "deployer": (CANARY_PHASE, CANARY_WEIGHT, CANARY_PHASE_AGE, CANARY_VERDICTS, CANARY_PROMOTIONS,
-                 CANARY_ROLLBACKS, CANARY_ABORTS, JUDGE_STAT, HACKING_DETECTIONS, GROUP_LAG_MESSAGES,
+                 CANARY_ROLLBACKS, CANARY_ABORTS, JUDGE_STAT, CANARY_PLAN, CANARY_DECISION_ETA,
+                 HACKING_DETECTIONS, GROUP_LAG_MESSAGES,
                  GROUP_LAG_SECONDS, GROUP_LAG_READ, OPERATOR_COMMANDS, NOTIFICATIONS, HOLDOUT_EFFECT,
                  HOLDOUT_USERS, HOLDOUT_ACTIVE),
     "gateway": (GATEWAY_REQUESTS, GATEWAY_ERRORS, GATEWAY_SECONDS, GATEWAY_FALLBACKS, GATEWAY_EXPOSURES,

@@ -37,7 +37,7 @@ from deployer.adapters.webhook import WebhookNotifier
 from deployer.ledger import TAG_GATE, iso
 from deployer.operators import sign
 from deployer.routing import Holdout, parse_holdout
-from deployer.status import CanaryStatus, Command
+from deployer.status import JUDGED, CanaryStatus, Command
 from ingest.contracts.registry import CANDIDATE, CHAMPION, PREVIOUS
 from services.cli import exit_codes
 from services.cli.backends import backend_failure, bound_mlflow_env, bounded_settings, message, probe_mlflow
@@ -95,6 +95,8 @@ def render_status(status: CanaryStatus, aliases: Mapping[str, str | None], gates
         rows.append(("last command", f"{status.handled[-1][0]}: {status.handled[-1][1]}"))
     lines = [f"{k:<13}{v}" for k, v in rows]
     lines += [f"  - {r}" for r in status.reasons[:6]]
+    if status.plan and status.phase in JUDGED:
+        lines += ["", *render_plan(status.plan)]
     if status.cohorts:
         lines += ["", f"{'cohort':<20}{'stable':>12}{'canary':>12}"]
         for key in COHORT_ROWS:
@@ -103,6 +105,27 @@ def render_status(status: CanaryStatus, aliases: Mapping[str, str | None], gates
                 lines.append(f"{key:<20}{_fmt(s) if s is not None else '-':>12}"
                              f"{_fmt(c) if c is not None else '-':>12}")
     return "\n".join(lines)
+
+
+def _minutes(eta: float | None) -> str:
+    return "unknown" if eta is None else "now" if eta <= 0 else f"~{max(1.0, eta / 60):,.0f} min"
+
+
+def render_plan(plan: Mapping[str, Any]) -> list[str]:
+    """The canary's plan (rollback/plan.py): per primary metric, canary users so far against
+    what it needs to be decided, and when that comes at the traffic so far."""
+    lines = [f"{'plan':<13}{plan.get('users_per_min', 0.0):,.1f} new users/min; every primary metric "
+             f"decided in {_minutes(plan.get('eta_s'))} ({plan.get('budget_left_s', 0.0) / 60:,.0f} min "
+             "of the budget left)"]
+    for mp in plan.get("metrics", ()):
+        needed = mp.get("needed")
+        want = "decided" if mp.get("decided") else (
+            f"{mp['users']:,} of {needed:,} canary users, in {_minutes(mp.get('eta_s'))}"
+            if needed is not None else f"{mp['users']:,} canary users, no variance seen yet")
+        lines.append(f"  {mp['metric']:<18}{want}")
+    if plan.get("warning"):
+        lines.append(f"  ! {plan['warning']}")
+    return lines
 
 
 def render_history(rows: list[dict[str, Any]]) -> str:

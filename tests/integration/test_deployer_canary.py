@@ -67,8 +67,11 @@ def assert_ledger(deploy: Settings, canary_id: str, decision: str, outcome: str)
     assert tags["rtrl.candidate.reward_spec_version"] == "test-1"
     metrics = run.data.metrics
     for key in ("canary.weight", "judge.verdict", "cohort.stable.reward_mean", "cohort.canary.reward_mean",
-                "judge.reward.p_value", "judge.reward.estimate", "judge.users.canary"):
+                "judge.reward.p_value", "judge.reward.estimate", "judge.users.canary",
+                "judge.plan.users_per_min"):
         assert key in metrics, f"{key} missing from the ledger run"
+    # the canary's plan: the canary users each primary metric needs, from the variance so far
+    assert any(k.startswith("judge.plan.") and k.endswith(".needed") and v >= 1 for k, v in metrics.items())
     assert len(ledger.series(run_id, "judge.reward.p_value")) >= 1
     files = {a.path for a in ledger.client.list_artifacts(run_id)}
     assert {PLOT_ARTIFACT, SUMMARY_ARTIFACT} <= files

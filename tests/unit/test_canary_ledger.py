@@ -8,12 +8,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from deployer import ledger
-from deployer.adapters.canary_metrics import export_metrics, reason_kind
+from deployer.adapters.canary_metrics import export_judgement, export_metrics, reason_kind
 from deployer.cohorts import CohortWindow, HoldoutWindow, cohort_metrics, judgement, summary
 from deployer.status import CanaryStatus, Judgement, Observations, Phase
 from ingest.contracts import prometheus as m
 from ingest.events import ModelRef, RewardRecord
 from rollback.judge import judge
+from rollback.plan import plan_canary
 from rollback.types import CohortData, JudgePolicy, RequestOutcome
 
 T0 = datetime(2027, 1, 15, 8, 0, tzinfo=UTC)
@@ -118,6 +119,27 @@ def test_judgement_carries_decision_state_and_flat_stats() -> None:
     assert j.decision == verdict.decision.value and j.state == verdict.state
     assert j.stats["users.stable"] == 5 and "guardrail.error_rate.tripped" in j.stats
     assert "reward.p_value" in j.stats
+
+
+def test_the_plan_reaches_the_ledger_stats_and_its_own_gauges() -> None:
+    outs = tuple(RequestOutcome(f"u{i}", reward=float(i % 3), latency_ms=100.0 + i, ts=float(i))
+                 for i in range(300))
+    policy = JudgePolicy(min_users=20)
+    verdict = judge(CohortData("stable", outs), CohortData("canary", outs[:60]), policy, None,
+                    elapsed_s=600.0)
+    plan = plan_canary(verdict, policy, (0.1, 0.5), 0, 300.0, 600.0, bake_s=600.0)
+    j = judgement(verdict, plan=plan)
+    assert j.plan == plan.to_doc() and j.stats["plan.users_per_min"] == pytest.approx(36.0)
+    known = [mp for mp in plan.metrics if mp.needed is not None]
+    assert known and all(j.stats[f"plan.{mp.metric}.needed"] == mp.needed for mp in known)
+    step = ledger.step_metrics(0.1, j.decision, {}, j.stats, False)
+    assert step["judge.plan.users_per_min"] == pytest.approx(36.0)
+    export_judgement(j)
+    mp = known[0]
+    assert m.CANARY_PLAN.labels(mp.metric, "needed")._value.get() == mp.needed
+    assert m.CANARY_PLAN.labels(mp.metric, "users")._value.get() == mp.users
+    eta = -1.0 if plan.eta_s is None else plan.eta_s
+    assert m.CANARY_DECISION_ETA._value.get() == pytest.approx(eta)
 
 
 def test_end_of_canary_metrics_count_once_with_low_cardinality_labels() -> None:

@@ -56,3 +56,24 @@ def test_status_says_what_the_trainer_waits_for() -> None:
     started = {**waiting, "start": True, "trigger": "records", "reason": "5123 records (>= 5000)"}
     assert "starting an increment" in render_trainer(started, now)
     assert "no trainer service has reported" in render_trainer(None, now)
+
+
+def test_status_shows_the_canary_plan_per_primary_metric() -> None:
+    plan = {"users_per_min": 42.0, "eta_s": 1500.0, "budget_left_s": 7200.0, "warning": "",
+            "metrics": [{"metric": "persistence", "margin": 0.03, "users": 1234, "needed": 3180,
+                         "eta_s": 1500.0, "decided": False},
+                        {"metric": "latency_ms", "margin": 50.0, "users": 1234, "needed": 800,
+                         "eta_s": 0.0, "decided": True},
+                        {"metric": "dissatisfied", "margin": 0.02, "users": 3, "needed": None,
+                         "eta_s": None, "decided": False}]}
+    status = CanaryStatus(phase=Phase.PROGRESSING, canary_id="c", candidate="2", stable="1", step=2,
+                          weight=0.25, ticks=5, verdict="continue", plan=plan)
+    out = render_status(status, {}, {}, {}, None, now=0.0)
+    assert "42.0 new users/min; every primary metric decided in ~25 min (120 min of the budget left)" in out
+    assert "persistence       1,234 of 3,180 canary users, in ~25 min" in out
+    assert "latency_ms        decided" in out and "3 canary users, no variance seen yet" in out
+    beyond = render_status(CanaryStatus(phase=Phase.PROGRESSING, plan={**plan, "warning": "needs more"}),
+                           {}, {}, {}, None, now=0.0)
+    assert "  ! needs more" in beyond
+    assert "plan" not in render_status(CanaryStatus(phase=Phase.SUCCEEDED, plan=plan), {}, {}, {}, None, 0.0)
+    assert CanaryStatus.from_json(status.to_json()).plan == plan
