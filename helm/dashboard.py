@@ -138,6 +138,15 @@ ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Judge statistics", "short", "The always-valid judge's latest statistics per metric.", [
             ("{{metric}} {{stat}}", "max by (metric, stat) (rtrl_judge_statistic)"),
         ]),
+        Panel("Canary plan: users to a decision", "short",
+              "Per primary metric, the canary users so far and those the judge needs to promote a "
+              "candidate that is no worse (docs/judge.md, Planning); -1: not known yet.", [
+                  ("{{metric}} {{stat}}", 'max by (metric, stat) (rtrl_canary_plan{stat!="eta_seconds"})'),
+              ]),
+        Panel("Canary plan: time to a decision", "s",
+              "When every primary metric has its planned users at the traffic so far (-1: unknown).", [
+                  ("eta", "max(rtrl_canary_decision_eta_seconds)"),
+              ]),
         Panel("Judge verdicts", "short", "Verdicts of the judge per tick.", [
             ("{{verdict}}", f"sum by (verdict) (increase(rtrl_canary_verdicts_total[{RATE}]))"),
         ]),
