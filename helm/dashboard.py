@@ -44,10 +44,10 @@ ROWS: list[tuple[str, list[Panel]]] = [
               ]),
         Panel("Consumer lag (reported by consumers)", "short",
               "Records behind the partitions' ends, as each live consumer sees them.", [
-                  ("{{service}} {{topic}}", "sum by (service, topic) (rtrl_consumer_lag_messages)"),
+                  ("{{rtrl_service}} {{topic}}", "sum by (rtrl_service, topic) (rtrl_consumer_lag_messages)"),
               ]),
         Panel("Batch processing p95", "s", "Time to process one polled batch, per service.", [
-            ("{{service}}", "histogram_quantile(0.95, sum by (service, le) "
+            ("{{rtrl_service}}", "histogram_quantile(0.95, sum by (rtrl_service, le) "
                             f"(rate(rtrl_batch_processing_seconds_bucket[{RATE}])))"),
         ]),
     ]),
@@ -190,7 +190,8 @@ ANNOTATIONS: list[tuple[str, str, str, str, str]] = [
 ]
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-_SELECTOR = re.compile(r"\b(rtrl_[A-Za-z0-9_:]+)(\{([^}]*)\})?")
+_SELECTOR = re.compile(r"\b(?!rtrl_service\b)(rtrl_[A-Za-z0-9_:]+)(\{([^}]*)\})?")
+"""An rtrl series selector (``rtrl_service`` is a label, not a series)."""
 
 
 def scoped(expr: str) -> str:

@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     setup_logging(settings.log_level, SERVICE)
     bound_mlflow_http(settings.mlflow)  # a tick never waits minutes in MLflow's own retries
     tick_s = args.tick_s or settings.deployer.tick_s
-    m.BUILD_INFO.info({"service": SERVICE})
+    m.BUILD_INFO.info({"rtrl_service": SERVICE})
     stopper = Stopper().install()
     wait_for_broker(settings.kafka)
     ensure_topics(settings, [settings.topics.rewards])

@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
         gateway_settings = settings.gateway.model_copy(update={"port": args.port})
         settings = settings.model_copy(update={"gateway": gateway_settings})
     setup_logging(settings.log_level, "gateway")
-    BUILD_INFO.info({"service": "gateway"})
+    BUILD_INFO.info({"rtrl_service": "gateway"})
     gw = settings.gateway
     if gw.key_id is not None and gw.secret is None and gw.key_id not in settings.auth.keys:
         log.error("no signing secret for key id %r: set RTRL_GATEWAY__SECRET (or RTRL_AUTH__KEYS), "

@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
         ingest = settings.ingest.model_copy(update={"instance_id": args.instance_id})
         settings = settings.model_copy(update={"ingest": ingest})
     setup_logging(settings.log_level, SERVICE)
-    m.BUILD_INFO.info({"service": SERVICE})
+    m.BUILD_INFO.info({"rtrl_service": SERVICE})
     stopper = Stopper().install()
 
     def announce(http: HttpEndpoints) -> None:

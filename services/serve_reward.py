@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
         upd["transactional_id"] = settings.reward.transactional_id or args.instance_id
     settings = settings.model_copy(update={"reward": settings.reward.model_copy(update=upd)})
     spec = load_spec(args.spec or settings.reward_spec)
-    m.BUILD_INFO.info({"service": SERVICE, "reward_spec": spec.version})
+    m.BUILD_INFO.info({"rtrl_service": SERVICE, "reward_spec": spec.version})
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     health = Health()
     port = args.port if args.port is not None else settings.http.port

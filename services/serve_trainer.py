@@ -261,7 +261,7 @@ def main(argv: list[str]) -> int:
     # it replaces ours and arms a 3 s abort timer, so a graceful stop died of SIGABRT when the
     # signal came after an increment had started Ray. This process owns SIGTERM.
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-    metrics.BUILD_INFO.info({"service": "trainer"})
+    metrics.BUILD_INFO.info({"rtrl_service": "trainer"})
     metrics.TRAIN_CADENCE.set(settings.trainer.interval_s)
 
     stopper = Stopper().install()

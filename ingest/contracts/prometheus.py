@@ -30,17 +30,17 @@ BUILD_INFO = Info("rtrl_build", "rtrl version and the service this process runs"
 CONSUMER_LAG = Gauge(
     "rtrl_consumer_lag_messages",
     "Messages between the committed/consumed position and the end of the partition",
-    ["service", "topic", "partition"],
+    ["rtrl_service", "topic", "partition"],
 )
 BATCH_SECONDS = Histogram(
-    "rtrl_batch_processing_seconds", "Time to process one polled batch", ["service"],
+    "rtrl_batch_processing_seconds", "Time to process one polled batch", ["rtrl_service"],
     buckets=LATENCY_BUCKETS,
 )
 
 DEPENDENCY_RETRIES = Counter(
     "rtrl_dependency_retries_total",
     "Failed calls to a dependency (Kafka, Redis, MLflow) that the service retries by itself",
-    ["service", "dependency"],
+    ["rtrl_service", "dependency"],
 )
 """Rising steadily: the dependency is down or flapping; the service keeps retrying with backoff."""
 

@@ -332,7 +332,7 @@ def main(argv: list[str]) -> int:
         settings = settings.model_copy(
             update={"simulator": settings.simulator.model_copy(update=overrides)})
     setup_logging(settings.log_level, "simulator")
-    BUILD_INFO.info({"service": "simulator"})
+    BUILD_INFO.info({"rtrl_service": "simulator"})
     stopper = Stopper().install()
     producer = EventProducer(settings, settings.simulator.key_id, _secret(settings))
     sim = Simulator(settings, producer.send)

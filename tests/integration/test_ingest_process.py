@@ -91,9 +91,10 @@ def test_sigterm_finishes_commits_and_exits_zero(settings: Settings, tmp_path: P
         metrics = get(port, "/metrics")[1]
         assert 'rtrl_ingest_events_total{result="valid"} 40.0' in metrics
         assert 'rtrl_ingest_rejected_total{reason="unsigned"} 1.0' in metrics
-        assert 'rtrl_batch_processing_seconds_count{service="ingest"}' in metrics
+        assert 'rtrl_batch_processing_seconds_count{rtrl_service="ingest"}' in metrics
         deadline = time.monotonic() + 10
-        lag_line = f'rtrl_consumer_lag_messages{{partition="0",service="ingest",topic="{s.topics.raw}"}} 0.0'
+        lag_line = (f'rtrl_consumer_lag_messages{{partition="0",rtrl_service="ingest",'
+                    f'topic="{s.topics.raw}"}} 0.0')
         while lag_line not in get(port, "/metrics")[1]:
             assert time.monotonic() < deadline, [
                 ln for ln in get(port, "/metrics")[1].splitlines() if "lag" in ln]

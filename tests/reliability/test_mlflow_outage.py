@@ -17,7 +17,7 @@ deployer controller ticking through ``serve_deployer.run_tick`` as the service l
   stopped in the middle of the decision's registry writes (between moving ``previous`` and
   ``champion`` at a promotion; at the ledger close of a rollback). The ticks during the outage
   fail fast (bounded client: no 4-minute MLflow retries), are counted in
-  ``rtrl_dependency_retries_total{service="deployer",dependency="mlflow"}`` and never cost the
+  ``rtrl_dependency_retries_total{rtrl_service="deployer",dependency="mlflow"}`` and never cost the
   lease; routing and aliases never show two champions, and once MLflow is back the next tick
   finishes the decision: aliases agree with the status and the ledger run is complete.
 
@@ -98,7 +98,7 @@ def bounded_mlflow(monkeypatch: pytest.MonkeyPatch) -> Callable[[Settings], dict
 
 
 def retries(service: str) -> float:
-    labels = {"service": service, "dependency": "mlflow"}
+    labels = {"rtrl_service": service, "dependency": "mlflow"}
     return REGISTRY.get_sample_value("rtrl_dependency_retries_total", labels) or 0.0
 
 
