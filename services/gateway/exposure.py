@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ingest.contracts.prometheus import GATEWAY_EXPOSURES
+from ingest.contracts.prometheus import DEPENDENCY_RETRIES, GATEWAY_EXPOSURES
 from ingest.events import CompletionServed
 from services.runtime.event_producer import EventProducer, EventTooLargeError
 from services.runtime.kafka_io import make_producer
@@ -52,6 +52,8 @@ class _Sender(Protocol):
 
 def _count_metric(result: str, n: int) -> None:
     GATEWAY_EXPOSURES.labels(result).inc(n)
+    if result == "failed":  # the broker did not take it: a failed call to a dependency
+        DEPENDENCY_RETRIES.labels("gateway", "kafka").inc(n)
 
 
 class ExposureLogger:
@@ -234,7 +236,7 @@ class ExposureProcess:
         for i, result in enumerate(RESULTS):
             now = int(self._counts[i])
             if now > self._seen[i]:
-                GATEWAY_EXPOSURES.labels(result).inc(now - self._seen[i])
+                _count_metric(result, now - self._seen[i])
                 self._seen[i] = now
 
     def _sync_loop(self) -> None:

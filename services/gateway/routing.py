@@ -21,7 +21,7 @@ from typing import Protocol
 
 from deployer.routing import RoutingTable, parse_table
 from ingest.contracts.keys import ROUTING_FIELDS, routing_keys
-from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_ROUTING_AGE
+from ingest.contracts.prometheus import DEPENDENCY_RETRIES, GATEWAY_ERRORS, GATEWAY_ROUTING_AGE
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class ChampionCache:
                 self._value = self._lookup()
             except Exception as exc:  # keep the last known champion through a registry blip
                 GATEWAY_ERRORS.labels("stable", self._value or "none", "registry").inc()
+                DEPENDENCY_RETRIES.labels("gateway", "mlflow").inc()
                 log.warning("could not read the champion alias: %s", exc)
         return self._value
 
@@ -92,6 +93,7 @@ class RoutingPoller:
             table = self._source.read()
         except Exception as exc:
             GATEWAY_ERRORS.labels("none", "none", "routing").inc()
+            DEPENDENCY_RETRIES.labels("gateway", "redis").inc()
             log.warning("routing table unreadable, keeping the last one: %s", exc)
         else:
             if table.problems and table.problems != self._last_problems:

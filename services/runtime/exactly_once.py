@@ -47,15 +47,14 @@ Recovery protocol:
   partitions in ``assignment()`` until the rejoin completes, and a non-blocking poll returns
   during the rejoin; a transform that closed timers on them would commit outputs for
   partitions another member already recovered (a broker that checks the group generation in
-  ``TxnOffsetCommit`` rejects such a commit; the embedded one does not).
-  The rewind after a failure skips a partition revoked while its committed offset was
-  fetched (kafka-python refuses to seek it with a ``ValueError``, which stopped the worker).
+  ``TxnOffsetCommit`` rejects such a commit; the embedded one does not). The rewind after a
+  failure skips a partition revoked while its committed offset was fetched (kafka-python
+  refuses to seek it with a ``ValueError``, which stopped the worker).
 - *FencedError* (``ProducerFencedError``): another process opened our transactional id, i.e. a
   second replica runs with the same identity. The loop raises :class:`FencedError`; the
   process exits 3 rather than fight it.
 
 Transactional ids and how each new producer fences its predecessors: services/runtime/transactions.py.
-
 SIGTERM: ``run`` finishes the current iteration, its commit included, and returns.
 """
 
@@ -383,6 +382,7 @@ class ExactlyOnceLoop(Generic[R]):
             positions = {tp: self.consumer.position(tp, timeout_ms=1000) for tp in assigned}
         except Exception as exc:  # lag is best effort; never stop the loop for it
             self.log.info("broker did not answer the lag query: %s", exc)
+            m.DEPENDENCY_RETRIES.labels(self.service, "kafka").inc()  # polls do not raise
             return
         self.last_broker_ok = time.monotonic()
         for tp in assigned:

@@ -195,3 +195,22 @@ def test_a_rebalance_during_the_rewind_does_not_stop_the_worker() -> None:
     assert loop.failing is None and (TP1, 5) in consumer.seeks and (TP0, 3) not in consumer.seeks
     assert [v for _, v, _, _ in producers[-1].committed] == [b"z"]
     assert echo.owned == [TP1]
+
+
+def test_a_broker_that_does_not_answer_the_lag_query_counts_as_a_kafka_failure() -> None:
+    # a non-blocking poll of a dead broker returns nothing and raises nothing: the lag query
+    # is where the loop notices, and on-call must see it (RtrlDependencyOutage)
+    from ingest.contracts import prometheus as m
+
+    loop, consumer, _, _ = make_loop()
+    loop.step()
+
+    def down(*_a: Any, **_k: Any) -> Any:
+        raise TimeoutError("broker down")
+
+    consumer.end_offsets = down  # type: ignore[method-assign]
+    retries = m.DEPENDENCY_RETRIES.labels("test", "kafka")
+    before = retries._value.get()
+    loop._last_lag = 0.0
+    loop.step()
+    assert retries._value.get() == before + 1

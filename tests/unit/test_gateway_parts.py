@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from deployer.routing import RoutingTable
-from ingest.contracts.prometheus import GATEWAY_EXPOSURES
+from ingest.contracts.prometheus import DEPENDENCY_RETRIES, GATEWAY_EXPOSURES
 from services.gateway.exposure import ExposureLogger
 from services.gateway.generation import LOGPROB_FLOOR, UpstreamError
 from services.gateway.models import Backend, Generation, ModelSlots
@@ -186,8 +186,32 @@ def test_poller_uses_the_champion_when_redis_names_no_stable_and_survives_redis_
     source.table = RoutingTable(0.2, "s", "6", "2")
     poller.poll_once()
     source.table = ConnectionError("redis down")
+    retries = DEPENDENCY_RETRIES.labels("gateway", "redis")
+    before = retries._value.get()
     kept = poller.poll_once()
     assert seen == [("5", "2"), ("6", "2"), ("6", "2")] and kept.canary_weight == 0.2
+    assert retries._value.get() == before + 1  # on-call sees the gateway fail on Redis
+
+
+def test_failed_exposures_and_champion_lookups_count_as_dependency_failures() -> None:
+    kafka = DEPENDENCY_RETRIES.labels("gateway", "kafka")
+    mlflow = DEPENDENCY_RETRIES.labels("gateway", "mlflow")
+    k0, m0 = kafka._value.get(), mlflow._value.get()
+
+    class Failing:
+        def send(self, _event: object) -> None:
+            raise TimeoutError("metadata not available after 60 s")
+
+    logger = ExposureLogger(Failing, retry_s=60).start()  # type: ignore[arg-type]
+    logger.log(fields(0))
+    logger.stop(timeout_s=1.0)
+    assert kafka._value.get() == k0 + 1
+
+    def lookup() -> str:
+        raise ConnectionError("registry down")
+
+    ChampionCache(lookup, refresh_s=0.0).get()
+    assert mlflow._value.get() == m0 + 1
 
 
 def test_champion_cache_refreshes_at_most_every_interval() -> None:
