@@ -8,7 +8,7 @@ signs it and hands it to the Kafka producer, which batches. So:
 * a slow or unreachable broker adds no latency to responses;
 * while the broker is unreachable the queue fills; beyond ``maxsize`` events are dropped
   and counted (``rtrl_gateway_exposures_total{result="dropped"}``), the gateway keeps
-  serving, and ``/readyz`` reports ``broker`` failing so on-call sees it;
+  serving, and ``/readyz`` lists ``broker`` as degraded (advisory: still ready) so on-call sees it;
 * a producer that cannot be created at start (broker down) is retried every ``retry_s``;
 * ``stop`` drains the queue and flushes the producer (SIGTERM loses nothing that reached
   the queue, as long as the broker answers within the flush timeout).

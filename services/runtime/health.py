@@ -2,8 +2,10 @@
 
 ``/metrics`` serves the Prometheus registry, ``/healthz`` answers 200 while the process
 loop is alive (it is stale when the loop has not ticked within ``liveness_timeout_s``), and
-``/readyz`` answers 200 only when every readiness check passes (e.g. broker reachable,
-partitions assigned). Each failing check is named in the body so on-call can see why.
+``/readyz`` answers 200 only when every required readiness check passes (e.g. broker
+reachable, partitions assigned). Each failing check is named in the body so on-call can see
+why; an advisory check (``required=False``) is named under ``degraded`` when it fails but
+never takes the process out of its Service (the gateway answers without the broker).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Health:
 
     def __init__(self, liveness_timeout_s: float = 60.0) -> None:
         self._checks: dict[str, Callable[[], bool]] = {}
+        self._advisory: set[str] = set()
         self._last_beat = time.monotonic()
         self.liveness_timeout_s = liveness_timeout_s
 
@@ -32,8 +35,10 @@ class Health:
         """Called by the main loop on every iteration."""
         self._last_beat = time.monotonic()
 
-    def add_check(self, name: str, check: Callable[[], bool]) -> None:
+    def add_check(self, name: str, check: Callable[[], bool], required: bool = True) -> None:
         self._checks[name] = check
+        if not required:
+            self._advisory.add(name)
 
     def live(self) -> tuple[bool, dict[str, object]]:
         age = time.monotonic() - self._last_beat
@@ -48,7 +53,11 @@ class Health:
                 ok = False
             if not ok:
                 failing.append(name)
-        return not failing, {"failing": failing, "checks": sorted(self._checks)}
+        required = [n for n in failing if n not in self._advisory]
+        body: dict[str, object] = {"failing": required, "checks": sorted(self._checks)}
+        if len(required) < len(failing):
+            body["degraded"] = [n for n in failing if n in self._advisory]
+        return not required, body
 
 
 class HttpEndpoints:

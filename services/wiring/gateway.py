@@ -130,7 +130,9 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
         on_table, champion, gw.routing_poll_s, beat=health.beat,
     )
     health.add_check("champion_loaded", lambda: slots.get("stable") is not None)
-    health.add_check("broker", lambda: exposures.healthy)
+    # advisory: the gateway answers without the broker (its served events are lost, counted
+    # and alerted: RtrlExposuresLost); leaving the Service would stop every answer instead
+    health.add_check("broker", lambda: exposures.healthy, required=False)
     counts = ServedCounts(make_redis(settings.redis), settings.redis.key_prefix)
     gateway = Gateway(gw, slots, lambda: poller.table, exposures.log, model_name, health,
                       registry=registry_for("gateway"), count=counts.count,
