@@ -155,7 +155,8 @@ def _warning(plans: list[MetricPlan], eta: float | None, left: float, rate: floa
     over_users = [p for p in plans if p.needed is not None and p.needed > policy.max_users]
     if eta is not None and eta <= left and not over_users:
         return ""
-    slow = max((p for p in plans if p.needed is not None), key=lambda p: p.eta_s or math.inf, default=None)
+    known = [p for p in plans if p.needed is not None]
+    slow = max(known, key=lambda p: math.inf if p.eta_s is None else p.eta_s, default=None)
     if slow is None or slow.needed is None:
         return ""
     when = "never at the traffic so far" if slow.eta_s is None else f"in about {slow.eta_s / 60:,.0f} min"

@@ -15,6 +15,8 @@ import pytest
 from rollback.judge import judge
 from rollback.plan import (
     POWER,
+    MetricPlan,
+    _warning,
     clearing_variance,
     plan_canary,
     time_to_users,
@@ -138,3 +140,11 @@ def test_before_the_canary_has_users_stables_variance_plans_it() -> None:
     mp = plan.metrics[0]
     assert mp.users == 10 and mp.needed is not None and mp.needed > 200 and not mp.decided
     assert mp.eta_s is not None and mp.eta_s > 0
+
+
+def test_the_warning_names_the_metric_that_is_late_not_one_already_decided() -> None:
+    policy = JudgePolicy(max_duration_s=3600.0)
+    decided = MetricPlan("latency_ms", 50.0, 900, 900, 0.0, True)
+    late = MetricPlan("persistence", 0.03, 900, 9_000, 7_200.0, False)
+    text = _warning([decided, late], 7_200.0, 1_800.0, 1.0, policy)
+    assert text.startswith("persistence needs about 9,000 canary users")
