@@ -38,9 +38,9 @@ from deployer.ledger import TAG_GATE
 from services.gateway.engine_backend import engine_body
 from services.gateway.generation import GenRequest
 from services.runtime.redis_io import make_redis
+from services.settings.deployer import DeployerSettings
 from services.settings.engine import EngineSettings
 from services.settings.model import Settings
-from services.settings.services import DeployerSettings
 from services.stack.embedded import EmbeddedStack
 from services.stack.engine import LocalVllm
 from services.stack.tiny_llm import build_lora_adapter, build_tiny_llm, write_engine_check

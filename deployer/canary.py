@@ -23,6 +23,7 @@ rules and operator commands (deployer/commands.py) share are deployer/transition
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from deployer import holdout, ledger, records
@@ -56,6 +57,8 @@ from deployer.status import (
 from deployer.transitions import decide, enter, start
 from ingest.contracts.registry import CANDIDATE, CHAMPION, CHAMPION_SINCE, CHAMPION_UNTIL, FATE, PREVIOUS
 
+BUDGET_TAG = "rtrl.canary.budget_users"
+"""Ledger tag: the canary's budget in canary users when its plan first set it."""
 HANDLED_KEPT = 20
 """Operator commands remembered as handled (a restarted controller skips them)."""
 
@@ -139,8 +142,9 @@ def _pending(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) -> R
 
 # ---------------------------------------------------------------------------- progressing
 def _progressing(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) -> Result:
-    """Judge every tick; roll back at once on a losing verdict; step up after each bake;
-    promote only from the last step, baked, on a promote verdict."""
+    """Judge every tick; roll back at once on a losing verdict; abort once the budget (users
+    or wall clock) is spent; step up on a promote verdict after ``min_bake_s`` or on any
+    other after ``bake_s``; promote only from the last step, on a promote verdict."""
     now = obs.now
     if obs.candidate != status.candidate:
         return decide(status, now, "aborted", _alias_moved(status, obs), ledger.CONTROLLER)
@@ -157,7 +161,20 @@ def _progressing(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) 
     if now - status.started_at > policy.max_duration_s:
         reason = f"inconclusive: no decision within the {policy.max_duration_s:g}s budget"
         return decide(status, now, "aborted", reason, ledger.CONTROLLER, actions)
-    if status.paused or now - status.step_since < policy.bake_s:
+    status, spent, more = _budget(status, obs, policy)
+    actions += more
+    if spent:
+        return decide(status, now, "aborted", spent, ledger.CONTROLLER, actions)
+    return _advance(status, now, policy, verdict, actions)
+
+
+def _advance(status: CanaryStatus, now: float, policy: CanaryPolicy, verdict: str,
+             actions: list[Action]) -> Result:
+    """Step up, or promote from the last step. A promote verdict is the evidence that moves
+    a step after ``min_bake_s``; without it a step moves after ``bake_s``."""
+    baked = now - status.step_since
+    least = min(policy.min_bake_s, policy.bake_s)
+    if status.paused or baked < least or (verdict != "promote" and baked < policy.bake_s):
         return status, actions
     if status.step + 1 < len(policy.steps):
         w = policy.steps[status.step + 1]
@@ -169,6 +186,28 @@ def _progressing(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) 
             return _await_approval(status, now, policy, reason, actions)
         return decide(status, now, "promoted", reason, ledger.CONTROLLER, actions)
     return status, actions
+
+
+def _budget(status: CanaryStatus, obs: Observations,
+            policy: CanaryPolicy) -> tuple[CanaryStatus, str, list[Action]]:
+    """The canary's budget in users, from this tick's plan (rollback/plan.py): the budget is
+    ``budget_factor`` × the largest need of an undecided primary metric seen so far. Spent
+    (a reason) once every undecided metric has ``budget_factor`` × its need and no verdict."""
+    plans = obs.judgement.plan.get("metrics", ()) if obs.judgement is not None else ()
+    open_ = [p for p in plans if not p.get("decided")]
+    if policy.budget_factor is None or not open_ or any(p.get("needed") is None for p in open_):
+        return status, "", []
+    factor = policy.budget_factor
+    budget = max(status.budget_users, math.ceil(factor * max(int(p["needed"]) for p in open_)))
+    actions: list[Action] = []
+    if status.budget_users == 0 and status.canary_id is not None:
+        actions.append(LedgerNote(status.canary_id, BUDGET_TAG, str(budget)))
+    status = replace(status, budget_users=budget)
+    if all(int(p.get("users", 0)) >= factor * int(p["needed"]) for p in open_):
+        names = ", ".join(f"{p.get('metric')} {int(p['users']):,} of {int(p['needed']):,}" for p in open_)
+        return status, (f"inconclusive: the budget of {budget:,} canary users ({factor:g}x the plan) is "
+                        f"spent without a decision (canary users of planned: {names})"), actions
+    return status, "", actions
 
 
 # ---------------------------------------------------------------------------- approval

@@ -87,16 +87,21 @@ def open_tags(cid: str, kind: str, candidate: str, stable: str | None,
 
 
 def open_params(
-    candidate: str, stable: str | None, steps: tuple[float, ...], bake_s: float, max_duration_s: float
+    candidate: str, stable: str | None, steps: tuple[float, ...], bake_s: float, max_duration_s: float,
+    min_bake_s: float | None = None, budget_factor: float | None = None,
 ) -> dict[str, str]:
-    """Run parameters: which versions and which schedule."""
-    return {
+    """Run parameters: which versions and which schedule (and budget)."""
+    out = {
         "candidate_version": candidate,
         "stable_version": stable or "",
         "steps": ",".join(f"{w:g}" for w in steps),
         "bake_s": f"{bake_s:g}",
         "max_duration_s": f"{max_duration_s:g}",
     }
+    if min_bake_s is not None:
+        out["min_bake_s"] = f"{min_bake_s:g}"
+    out["budget_factor"] = "none" if budget_factor is None else f"{budget_factor:g}"
+    return out
 
 
 def step_metrics(

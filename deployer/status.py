@@ -49,9 +49,17 @@ class CanaryPolicy:
     steps: tuple[float, ...] = (0.01, 0.05, 0.25, 0.5)
     """Canary weights in order. Promotion is the final 100%: the candidate becomes stable."""
     bake_s: float = 600.0
-    """Least time on each step before moving on (and before promoting from the last)."""
+    """Longest time a step waits for evidence: after it the canary steps up on a continuing
+    verdict. A promote verdict steps up (or promotes from the last step) after ``min_bake_s``."""
+    min_bake_s: float = 120.0
+    """Least time on each step, whatever the evidence (capped at ``bake_s``): the guardrails
+    and detectors see every weight for at least this long."""
     max_duration_s: float = 6 * 3600.0
-    """Budget: a canary still undecided after this long is aborted (inconclusive)."""
+    """Wall-clock cap: a canary still undecided after this long is aborted (inconclusive)."""
+    budget_factor: float | None = 2.0
+    """Budget in users: a canary still undecided once it has this many times the canary users
+    its plan needs (rollback/plan.py; the largest need seen so far) is aborted as
+    inconclusive. None: only the wall-clock cap and the judge's ``max_users`` end it."""
     max_errors: int = 5
     """Consecutive ticks whose observations failed before the canary is aborted."""
     approval_required: bool = False
@@ -68,6 +76,10 @@ class CanaryPolicy:
             raise ValueError(f"canary steps must increase strictly: {self.steps}")
         if self.bake_s < 0 or self.max_duration_s <= 0 or self.max_errors < 1:
             raise ValueError("bake_s >= 0, max_duration_s > 0 and max_errors >= 1 are required")
+        if self.min_bake_s < 0:
+            raise ValueError(f"min_bake_s must be >= 0, got {self.min_bake_s}")
+        if self.budget_factor is not None and not self.budget_factor >= 1:
+            raise ValueError(f"budget_factor must be >= 1 or None, got {self.budget_factor}")
         if self.approval_timeout_s <= 0:
             raise ValueError(f"approval_timeout_s must be > 0: {self.approval_timeout_s}")
 
@@ -186,6 +198,9 @@ class CanaryStatus:
     the ledger's decision record: ``rtrl replay`` judges the canary again from it."""
     plan: Mapping[str, Any] = field(default_factory=dict)
     """Users each primary metric needs and when they come (``rollback.plan``), latest tick."""
+    budget_users: int = 0
+    """The canary's budget in canary users (``CanaryPolicy.budget_factor`` × the largest need
+    its plans have shown; 0: not planned yet)."""
     note: str = ""
     """Why the controller is waiting, e.g. a candidate that failed its gate."""
     handled: tuple[tuple[str, str], ...] = ()

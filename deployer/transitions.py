@@ -29,7 +29,8 @@ def start(
         paused=status.paused, kind=kind, canary_id=cid, candidate=cand, stable=stable,
         started_at=now, phase_since=now, step_since=now, handled=status.handled,
     )
-    params = ledger.open_params(cand, stable, policy.steps, policy.bake_s, policy.max_duration_s)
+    params = ledger.open_params(cand, stable, policy.steps, policy.bake_s, policy.max_duration_s,
+                                policy.min_bake_s, policy.budget_factor)
     tags = ledger.open_tags(cid, kind, cand, stable, obs.lineage.get(cand, {}))
     actions: list[Action] = [LedgerOpen(cid, params, tags, now)]
     if kind == "canary":

@@ -31,6 +31,7 @@ def export_metrics(before: CanaryStatus, after: CanaryStatus, obs: Observations)
         m.CANARY_PHASE.labels(phase.value).set(1.0 if phase == after.phase else 0.0)
     m.CANARY_WEIGHT.set(after.weight)
     m.CANARY_PHASE_AGE.set(max(0.0, obs.now - after.phase_since) if after.phase_since else 0.0)
+    m.CANARY_BUDGET_USERS.set(float(after.budget_users) if after.phase not in RESTING else 0.0)
     j = obs.judgement
     if j is not None:
         export_judgement(j)

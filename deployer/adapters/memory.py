@@ -203,13 +203,14 @@ class FakeWorld:
         )
 
     def tick(self, decision: str | None = None, dt: float = 60.0, commands: tuple[Command, ...] = (),
-             error: str | None = None, refused: tuple[Refusal, ...] = ()) -> CanaryStatus:
-        """Advance the clock by ``dt`` and run one controller tick with this verdict."""
+             error: str | None = None, refused: tuple[Refusal, ...] = (),
+             plan: Mapping[str, Any] | None = None) -> CanaryStatus:
+        """Advance the clock by ``dt`` and run one controller tick with this verdict (and plan)."""
         self.now += dt
         judgement = None
         if decision is not None:
             judgement = Judgement(decision, (f"judge said {decision}",),  # type: ignore[arg-type]
-                                  {"reward.p_value": 0.5}, {"ticks": 1.0})
+                                  {"reward.p_value": 0.5}, {"ticks": 1.0}, plan=dict(plan or {}))
         obs = self.observe(judgement, commands, error, refused)
 
         def apply(actions: list[Action]) -> None:

@@ -150,6 +150,10 @@ CANARY_DECISION_ETA = Gauge(
     "rtrl_canary_decision_eta_seconds",
     "Seconds until every primary metric has its planned users at the traffic so far (-1: unknown)",
 )
+CANARY_BUDGET_USERS = Gauge(
+    "rtrl_canary_budget_users",
+    "The canary's budget in canary users (deployer budget_factor x its plan's largest need; 0: not planned)",
+)
 HOLDOUT_EFFECT = Gauge(
     "rtrl_holdout_effect",
     "The champion minus the long-term holdout per metric, with its always-valid interval "
@@ -248,7 +252,7 @@ OWNERS: dict[str, tuple[Collector, ...]] = {
                 TRAIN_PENDING_ESS),
     "deployer": (CANARY_PHASE, CANARY_WEIGHT, CANARY_PHASE_AGE, CANARY_VERDICTS, CANARY_PROMOTIONS,
                  CANARY_ROLLBACKS, CANARY_ABORTS, JUDGE_STAT, CANARY_PLAN, CANARY_DECISION_ETA,
-                 HACKING_DETECTIONS, GROUP_LAG_MESSAGES,
+                 CANARY_BUDGET_USERS, HACKING_DETECTIONS, GROUP_LAG_MESSAGES,
                  GROUP_LAG_SECONDS, GROUP_LAG_READ, OPERATOR_COMMANDS, NOTIFICATIONS, HOLDOUT_EFFECT,
                  HOLDOUT_USERS, HOLDOUT_ACTIVE),
     "gateway": (GATEWAY_REQUESTS, GATEWAY_ERRORS, GATEWAY_SECONDS, GATEWAY_FALLBACKS, GATEWAY_EXPOSURES,

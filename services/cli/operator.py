@@ -96,7 +96,7 @@ def render_status(status: CanaryStatus, aliases: Mapping[str, str | None], gates
     lines = [f"{k:<13}{v}" for k, v in rows]
     lines += [f"  - {r}" for r in status.reasons[:6]]
     if status.plan and status.phase in JUDGED:
-        lines += ["", *render_plan(status.plan)]
+        lines += ["", *render_plan(status.plan, status.budget_users)]
     if status.cohorts:
         lines += ["", f"{'cohort':<20}{'stable':>12}{'canary':>12}"]
         for key in COHORT_ROWS:
@@ -111,12 +111,14 @@ def _minutes(eta: float | None) -> str:
     return "unknown" if eta is None else "now" if eta <= 0 else f"~{max(1.0, eta / 60):,.0f} min"
 
 
-def render_plan(plan: Mapping[str, Any]) -> list[str]:
+def render_plan(plan: Mapping[str, Any], budget_users: int = 0) -> list[str]:
     """The canary's plan (rollback/plan.py): per primary metric, canary users so far against
-    what it needs to be decided, and when that comes at the traffic so far."""
+    what it needs to be decided, and when that comes at the traffic so far; and the canary's
+    budget in users (deployer/canary.py), when the plan has set it."""
+    budget = f"{budget_users:,} canary users, " if budget_users else ""
     lines = [f"{'plan':<13}{plan.get('users_per_min', 0.0):,.1f} new users/min; every primary metric "
-             f"decided in {_minutes(plan.get('eta_s'))} ({plan.get('budget_left_s', 0.0) / 60:,.0f} min "
-             "of the budget left)"]
+             f"decided in {_minutes(plan.get('eta_s'))} (budget: {budget}"
+             f"{plan.get('budget_left_s', 0.0) / 60:,.0f} min left of the time cap)"]
     for mp in plan.get("metrics", ()):
         needed = mp.get("needed")
         want = "decided" if mp.get("decided") else (

@@ -27,8 +27,8 @@ from ingest.reward.spec import default_spec_text, load_spec
 from services.demo.console import say
 from services.demo.engine import engine_env
 from services.settings.demo import DemoSettings
+from services.settings.deployer import DeployerSettings
 from services.settings.model import Settings, settings_from_env
-from services.settings.services import DeployerSettings
 from services.sim.users import bootstrap_corpus
 from services.stack.embedded import EmbeddedStack, free_port
 from services.stack.supervisor import stop_recorded

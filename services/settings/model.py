@@ -24,11 +24,11 @@ from pydantic_settings.sources.utils import parse_env_vars
 
 from services.settings.cli import CliSettings
 from services.settings.demo import DemoSettings, SimulatorSettings
+from services.settings.deployer import DeployerSettings
 from services.settings.engine import EngineSettings
 from services.settings.notify import NotifySettings
 from services.settings.operators import OperatorSettings
 from services.settings.services import (
-    DeployerSettings,
     GatewaySettings,
     IngestSettings,
     RewardSettings,

@@ -31,15 +31,16 @@ from services.runtime.kafka_io import make_admin, make_consumer
 from services.runtime.mlflow_http import retry_later
 from services.runtime.operator_keys import authority
 from services.runtime.redis_io import make_redis
+from services.settings.deployer import DeployerSettings
 from services.settings.model import Settings
-from services.settings.services import DeployerSettings
 
 SERVICE = "deployer"
 log = logging.getLogger("rtrl.deployer")
 
 
 def canary_policy(d: DeployerSettings) -> CanaryPolicy:
-    return CanaryPolicy(steps=tuple(d.steps), bake_s=d.bake_s, max_duration_s=d.max_duration_s,
+    return CanaryPolicy(steps=tuple(d.steps), bake_s=d.bake_s, min_bake_s=d.min_bake_s,
+                        max_duration_s=d.max_duration_s, budget_factor=d.budget_factor,
                         max_errors=d.max_errors, approval_required=d.approval.required,
                         approval_timeout_s=d.approval.timeout_s)
 

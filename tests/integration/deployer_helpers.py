@@ -16,9 +16,9 @@ from deployer.operators import key_line, sign
 from deployer.status import Command
 from ingest.events import ModelRef, RewardRecord
 from services.runtime.kafka_io import ensure_topics, make_producer
+from services.settings.deployer import DeployerSettings
 from services.settings.model import MlflowSettings, Settings
 from services.settings.operators import OperatorSettings
-from services.settings.services import DeployerSettings
 
 QUALITY = {
     # arm quality -> (reward mean, acceptance probability, persistence mean, latency mean)

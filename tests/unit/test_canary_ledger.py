@@ -161,7 +161,7 @@ def test_end_of_canary_metrics_count_once_with_low_cardinality_labels() -> None:
 
 
 def test_judge_mde_overrides_and_rejects_unknown_metrics() -> None:
-    from services.settings.services import DeployerSettings
+    from services.settings.deployer import DeployerSettings
     from services.wiring.deployer import judge_policy
 
     policy = judge_policy(DeployerSettings(judge_mde={"reward": 0.2}, judge_alpha=0.05))

@@ -67,13 +67,14 @@ def test_status_shows_the_canary_plan_per_primary_metric() -> None:
                         {"metric": "dissatisfied", "margin": 0.02, "users": 3, "needed": None,
                          "eta_s": None, "decided": False}]}
     status = CanaryStatus(phase=Phase.PROGRESSING, canary_id="c", candidate="2", stable="1", step=2,
-                          weight=0.25, ticks=5, verdict="continue", plan=plan)
+                          weight=0.25, ticks=5, verdict="continue", plan=plan, budget_users=6360)
     out = render_status(status, {}, {}, {}, None, now=0.0)
-    assert "42.0 new users/min; every primary metric decided in ~25 min (120 min of the budget left)" in out
+    assert ("42.0 new users/min; every primary metric decided in ~25 min (budget: 6,360 canary users, "
+            "120 min left of the time cap)") in out
     assert "persistence       1,234 of 3,180 canary users, in ~25 min" in out
     assert "latency_ms        decided" in out and "3 canary users, no variance seen yet" in out
     beyond = render_status(CanaryStatus(phase=Phase.PROGRESSING, plan={**plan, "warning": "needs more"}),
                            {}, {}, {}, None, now=0.0)
-    assert "  ! needs more" in beyond
+    assert "  ! needs more" in beyond and "(budget: 120 min left of the time cap)" in beyond
     assert "plan" not in render_status(CanaryStatus(phase=Phase.SUCCEEDED, plan=plan), {}, {}, {}, None, 0.0)
     assert CanaryStatus.from_json(status.to_json()).plan == plan
