@@ -10,8 +10,9 @@ empty backlog is 0 seconds, whatever the age of the last record.
 The age needs the timestamp of each partition's first uncommitted record, read from the
 broker with a deadline. A head read that times out (a busy machine) must not make a growing
 backlog look fresh, so the heads read are remembered (:func:`known_heads`): a group that has
-not moved since keeps its exact age without a read, and one whose read timed out keeps the
-age of the head last read for it, an older record (an upper bound), never 0.
+not moved since keeps its exact age without a read, one whose read timed out keeps the age of
+the head last read for it (an older record: an upper bound), and one whose head was never
+read counts from when its backlog was first seen (a lower bound that keeps growing), never 0.
 """
 
 from __future__ import annotations
@@ -71,32 +72,41 @@ def summarise(group: str, topic: str, lags: list[PartitionLag]) -> GroupLag:
     return GroupLag(group, topic, sum(x.messages for x in lags), max((x.seconds for x in lags), default=0.0))
 
 
-HeadCache = dict[tuple[str, str, int], tuple[int, float]]
-"""(group, topic, partition) -> (offset of the group's first uncommitted record, its timestamp)."""
+HeadCache = dict[tuple[str, str, int], tuple[int, float, bool]]
+"""(group, topic, partition) -> (offset of the group's first uncommitted record, its timestamp,
+exact). Not exact: the record was never read, and the timestamp is when the backlog was first
+seen at that offset (the record was written before then, so its age is a lower bound)."""
 
 
 def known_heads(cache: HeadCache, group: str, topic: str, first: Mapping[int, int], behind: list[int],
-                read: Callable[[list[int]], Mapping[int, float]]) -> dict[int, float]:
+                read: Callable[[list[int]], Mapping[int, float]],
+                now: float | None = None) -> dict[int, float]:
     """The head timestamp of each partition in ``behind`` (those with a backlog): from
     ``cache`` when the group's first uncommitted offset is the one read before (the same
-    record), else from ``read``; a partition ``read`` found nothing for keeps the head last
-    read for it (an older record: its age is an upper bound). Updates ``cache``, and forgets
-    the partitions without a backlog."""
+    record), else from ``read``. A partition ``read`` found nothing for keeps the head last
+    read for it (an older record: its age is an upper bound); one never read gets the time
+    its backlog was first seen at this offset (given ``now``): a lower bound that grows while
+    the group does not move, so a backlog whose head cannot be read never looks fresh. Updates
+    ``cache``, and forgets the partitions without a backlog."""
     heads: dict[int, float] = {}
     to_read = []
     for p in behind:
         hit = cache.get((group, topic, p))
-        if hit is not None and hit[0] == first[p]:
+        if hit is not None and hit[0] == first[p] and hit[2]:
             heads[p] = hit[1]
         else:
             to_read.append(p)
     got = read(to_read) if to_read else {}
     for p in to_read:
+        hit = cache.get((group, topic, p))
         if p in got:
             heads[p] = got[p]
-            cache[(group, topic, p)] = (first[p], got[p])
-        elif (hit := cache.get((group, topic, p))) is not None:
-            heads[p] = hit[1]
+            cache[(group, topic, p)] = (first[p], got[p], True)
+        elif hit is not None and (hit[2] or hit[0] == first[p]):
+            heads[p] = hit[1]  # an older record read before, or first seen at this offset
+        elif now is not None:
+            heads[p] = now
+            cache[(group, topic, p)] = (first[p], now, False)
     for key in [k for k in cache if k[0] == group and k[1] == topic and k[2] not in behind]:
         del cache[key]
     return heads
@@ -133,7 +143,7 @@ class BrokerOffsets:
         first = {p: max(committed.get(p, starts[p]), starts[p]) for p in ends}
         behind = [tp.partition for tp in tps if first[tp.partition] < ends[tp.partition]]
         heads = known_heads(self.heads, group, topic, first, behind,
-                            lambda ps: self._head_ts([TopicPartition(topic, p) for p in ps], first))
+                            lambda ps: self._head_ts([TopicPartition(topic, p) for p in ps], first), now)
         return summarise(group, topic, partition_lags(committed, starts, ends, heads, now))
 
     def _head_ts(self, tps: list[Any], first: Mapping[int, int], timeout_s: float = 2.0) -> dict[int, float]:

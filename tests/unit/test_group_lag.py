@@ -148,7 +148,30 @@ def test_a_stalled_groups_age_keeps_growing_when_head_reads_time_out() -> None:
     assert ("other", "t", 1) in cache
 
 
-def test_a_head_never_read_has_no_age_yet() -> None:
+def test_a_head_never_read_has_no_age_yet_without_a_clock() -> None:
     heads = _Heads({0: {3: 10.0}})
     heads.first, heads.timeout = {0: 3}, {0}
     assert known_heads({}, "g", "t", heads.first, [0], heads) == {}
+
+
+def test_a_head_whose_first_read_times_out_ages_from_when_the_backlog_was_seen() -> None:
+    # the first read of a partition's head times out (a busy machine): its age is not 0 but
+    # grows from the tick the backlog was first seen, until a read answers with the true head
+    heads = _Heads({0: {3: 10.0, 8: 400.0}})
+    heads.first, heads.timeout = {0: 3}, {0}
+    cache: HeadCache = {}
+    ages = []
+    for now in (100.0, 130.0, 160.0):
+        got = known_heads(cache, "g", "t", heads.first, [0], heads, now)
+        ages.append(partition_lags({0: 3}, {0: 0}, {0: 50}, got, now)[0].seconds)
+    assert ages == [0.0, 30.0, 60.0], "a lower bound that keeps growing, never reset to 0"
+    assert len(heads.reads) == 3, "an unread head is read again every tick"
+    heads.timeout = set()
+    assert known_heads(cache, "g", "t", heads.first, [0], heads, 190.0) == {0: 10.0}
+    assert cache[("g", "t", 0)] == (3, 10.0, True)
+    # the group moves on and the new head cannot be read: the exact older head bounds it above
+    heads.first, heads.timeout = {0: 8}, {0}
+    assert known_heads(cache, "g", "t", heads.first, [0], heads, 220.0) == {0: 10.0}
+    # the backlog gone, the partition is forgotten; a new one starts from when it is seen
+    assert known_heads(cache, "g", "t", heads.first, [], heads, 250.0) == {}
+    assert known_heads(cache, "g", "t", heads.first, [0], heads, 280.0) == {0: 280.0}
