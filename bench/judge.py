@@ -345,9 +345,15 @@ def main(argv: list[str]) -> int:
         from bench import judge_scale
 
         return judge_scale.main([a for a in argv if a != "--scale"])
+    if "--schedule" in argv:  # whole canaries on the deployer's schedule (bench/judge_schedule.py)
+        from bench import judge_schedule
+
+        return judge_schedule.main([a for a in argv if a != "--schedule"])
     ap = argparse.ArgumentParser(prog="rtrl bench judge", description=__doc__.split("\n")[0],
                                  epilog="--scale: the judge's CPU per tick up to 1M requests "
-                                        "(rtrl bench judge --scale --help)")
+                                        "(rtrl bench judge --scale --help); --schedule: whole "
+                                        "canaries on the deployer's schedule and an independent "
+                                        "generator (rtrl bench judge --schedule --help)")
     ap.add_argument("--canaries", type=int, default=1000, help="canaries per scenario (default 1000)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--ticks", type=int, default=SimConfig.ticks)

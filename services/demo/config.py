@@ -42,9 +42,11 @@ DEMO_LR = 2e-3
 """The trainer's learning rate in the demo (after :data:`DEMO_WARMUP_STEPS`): fast enough that
 an increment of about 3,000 records reaches the band's target (:data:`DEMO_BAND`) within a
 pass or two over its window."""
-CANARY_MAX_S = 210.0
-"""A canary's longest run on the built-in policy (``RTRL_DEMO__CANARY_MAX_S`` overrides it;
-the vLLM demo has its own, services/demo/engine.py)."""
+CANARY_MAX_S = 420.0
+"""A canary's wall-clock cap on the built-in policy (``RTRL_DEMO__CANARY_MAX_S`` overrides
+it; the vLLM demo has its own, services/demo/engine.py). The budget that normally ends an
+undecided canary is in users, from its plan (docs/deployer.md): on a busy machine the users
+come slower, and the canary gets the time to have them."""
 DEMO_LATENCY_WEIGHT = 2.0
 """The demo spec's latency weight: at 2.0 a second-slower answer costs as much as an edit
 kept, so one increment moves latency as visibly as persistence (docs/benchmarks.md)."""
@@ -79,7 +81,7 @@ class DemoPlan:
     report_dir: Path
     """This run's report directory, ``<demo.report_dir>/<run>``."""
     started: float
-    """Wall time the run started; the budget ``demo.minutes`` counts from here."""
+    """Wall time the run started; a whole-run budget (``demo.minutes``) counts from here."""
     environ: Mapping[str, str]
     """The environment ``rtrl demo`` was started in; the services inherit it under the demo's
     own settings (:attr:`DemoConfig.env`)."""
@@ -91,10 +93,23 @@ class DemoPlan:
         return cls(demo=demo, keep_stack=keep_stack, command=command, data=demo.data_dir.resolve(),
                    report_dir=demo.report_dir / run_name, started=time.time(), environ=dict(environ))
 
-    @property
-    def loop_deadline(self) -> float:
-        """When the watch loop must end so that stopping and the report fit in the budget."""
+    def loop_deadline(self, loop_started: float) -> float:
+        """When the watch loop ends: ``loop_minutes`` after it started, or, with a whole-run
+        budget (``minutes``), when stopping and the report still fit in it."""
+        if self.demo.minutes is None:
+            return loop_started + self.demo.loop_minutes * 60.0
         return self.started + self.demo.minutes * 60.0 - STOP_RESERVE_S
+
+    def budget(self) -> str:
+        """The run's budget in words, for progress lines and errors."""
+        if self.demo.minutes is None:
+            return f"the loop's own {self.demo.loop_minutes:g} minutes"
+        return f"the {self.demo.minutes:g}-minute budget"
+
+    def longest_s(self) -> float:
+        """A bound on the whole run (for the busy load's own stop): the loop's time plus 30
+        minutes of setup, or the whole-run budget."""
+        return 60.0 * (self.demo.minutes if self.demo.minutes is not None else self.demo.loop_minutes + 30)
 
 
 @dataclass(frozen=True)
@@ -238,6 +253,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_DEPLOYER__TICK_S": "3",
         "RTRL_DEPLOYER__STEPS": "[0.1,0.25,0.5]",
         "RTRL_DEPLOYER__BAKE_S": "15",
+        "RTRL_DEPLOYER__MIN_BAKE_S": "6",  # two ticks: a step moves on a promote verdict after it
         "RTRL_DEPLOYER__MAX_DURATION_S": f"{demo.canary_max_s or CANARY_MAX_S:g}",
         "RTRL_DEPLOYER__JUDGE_ALPHA": "0.05",
         "RTRL_DEPLOYER__LEASE_TTL_S": "10",

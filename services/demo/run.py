@@ -119,7 +119,7 @@ def execute(plan: DemoPlan, run: Run | None = None) -> int:
     run = Run() if run is None else run
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     code = 0
-    load = BusyLoad(plan.demo.load, max_s=60 * plan.demo.minutes + 900)
+    load = BusyLoad(plan.demo.load, max_s=plan.longest_s() + 900)
     try:
         if load.n:
             load.start()
@@ -148,12 +148,12 @@ def execute(plan: DemoPlan, run: Run | None = None) -> int:
 
 def nothing_served(plan: DemoPlan, run: Run) -> str:
     """Why a run that ended normally has no reward record, in one line."""
-    budget = f"{plan.demo.minutes:g}-minute budget"
+    budget = plan.budget()
     if run.loop_started is None:
-        return f"the setup used the whole {budget} and the loop never started; give it more --minutes"
+        return f"the loop never started within {budget}; give it more --minutes, or leave --minutes out"
     setup = (run.loop_started - plan.started) / 60
-    return (f"no reward record was closed (setup took {setup:.1f} min of the {budget}); see the services' "
-            f"logs in {plan.data / 'logs'} or give it more --minutes")
+    return (f"no reward record was closed (setup took {setup:.1f} min; the loop had {budget}); see the "
+            f"services' logs in {plan.data / 'logs'}")
 
 
 def served(run: Run) -> bool:
@@ -313,9 +313,12 @@ def _pct(x: Any) -> str:
 def main(argv: list[str]) -> int:
     base = Settings().demo
     parser = argparse.ArgumentParser(prog="rtrl demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--loop-minutes", type=float, default=base.loop_minutes,
+                        help="the loop's own budget, counted once the stack and the first champion are up "
+                             "(default %(default)s)")
     parser.add_argument("--minutes", type=float, default=base.minutes,
-                        help="time budget of the whole demo, from the stack's start to its stop "
-                             f"(default {base.minutes:g})")
+                        help="a budget for the whole demo instead, from the stack's start to its stop: the "
+                             "loop gets what the setup leaves (default: none)")
     parser.add_argument("--increments", type=int, default=base.increments,
                         help="finish once this many increments were decided (default %(default)s)")
     parser.add_argument("--until-promoted", action="store_true",
@@ -345,13 +348,16 @@ def main(argv: list[str]) -> int:
                              "chaos checks); progress and every service's output go to stderr")
     args = parser.parse_args(argv)
     demo = base.model_copy(update={
-        "minutes": args.minutes, "increments": args.increments, "data_dir": args.data_dir,
+        "minutes": args.minutes, "loop_minutes": args.loop_minutes, "increments": args.increments,
+        "data_dir": args.data_dir,
         "until_promoted": args.until_promoted or base.until_promoted,
         "report_dir": args.report_dir, "bad_candidate": args.bad_candidate, "seed": args.seed,
         "chaos": args.chaos, "chaos_every_s": args.chaos_every, "engine": args.engine, "load": args.load,
     })
     if not 0 <= args.load <= MAX_LOAD:
         parser.error(f"--load takes 0 to {MAX_LOAD} busy processes")
+    if not args.loop_minutes > 0 or (args.minutes is not None and not args.minutes > 0):
+        parser.error("--loop-minutes and --minutes take a positive number of minutes")
     command = "rtrl demo " + " ".join(argv) if argv else "rtrl demo"
     plan = DemoPlan.create(demo, args.keep_stack, command.strip(), os.environ)
     if not args.json:

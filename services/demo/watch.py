@@ -140,14 +140,15 @@ def watch(plan: DemoPlan, live: Live, bad: BadCandidateInjector, notes: list[str
     if "simulator" not in live.supervisor.procs or "gateway" not in live.supervisor.procs:
         say("the loop needs the gateway and the simulator; stopping")
         return
-    deadline = plan.loop_deadline
+    deadline = plan.loop_deadline(time.time())
     what = "promoted" if demo.until_promoted else "decided"
-    say(f"loop running for at most {max(0.0, deadline - time.time()) / 60:.1f} min (the rest of the "
-        f"{demo.minutes:g}-minute budget less {STOP_RESERVE_S:g} s to stop) or "
+    whose = (f"the rest of the {demo.minutes:g}-minute budget less {STOP_RESERVE_S:g} s to stop"
+             if demo.minutes is not None else "its own budget, --loop-minutes")
+    say(f"loop running for at most {max(0.0, deadline - time.time()) / 60:.1f} min ({whose}) or "
         f"{demo.increments} {what} increments (plus the bad candidate)")
     if time.time() >= deadline:
         say(f"the stack start and the bootstrap used the whole {demo.minutes:g}-minute budget; "
-            "no time is left for the loop (raise --minutes)")
+            "no time is left for the loop (raise --minutes, or leave it out: the loop then has its own)")
         notes.append("The loop did not run: the stack start and the bootstrap used the whole time budget.")
     watcher = Watcher(live, plan.started, notes)
     while time.time() < deadline:

@@ -67,9 +67,14 @@ class DemoSettings(Section):
     """The demo's own stack, registry and logs; wiped at the start of each run."""
     report_dir: Path = Path("reports")
     """Where the demo writes its report (figures, decisions, the reconcile result)."""
-    minutes: Annotated[float, Field(gt=0.0)] = 15.0
-    """Wall-clock budget of the whole demo, from the stack's start until it is stopped: the
-    loop gets what the stack start and the bootstrap leave, less a reserve for stopping."""
+    loop_minutes: Annotated[float, Field(gt=0.0)] = 12.0
+    """The loop's own budget: it runs this long once the stack, the bootstrap (and, with
+    ``--engine vllm``, the engine) are up, however long they took; stopping and the report
+    follow (about a minute)."""
+    minutes: Annotated[float, Field(gt=0.0)] | None = None
+    """A budget for the whole demo instead, from the stack's start until it is stopped: the
+    loop then gets what the setup leaves (at most that less a reserve for stopping), not
+    ``loop_minutes``. Unset: the loop has its own ``loop_minutes``."""
     increments: Annotated[int, Field(ge=1)] = 4
     """Stop early once this many trainer increments have been decided by the deployer."""
     until_promoted: bool = False
@@ -91,8 +96,9 @@ class DemoSettings(Section):
     (``~`` is the user's home): a second run copies it instead of training it again.
     ``null``: build every time."""
     canary_max_s: Annotated[float, Field(gt=0.0)] | None = None
-    """A canary's longest run before the deployer aborts it as inconclusive (unset: 210 s on the
-    built-in policy, 360 s on vLLM, whose latency on a busy 2-core machine is noisier)."""
+    """A canary's wall-clock cap before the deployer aborts it as inconclusive (unset: 420 s on
+    the built-in policy, 600 s on vLLM, whose latency on a busy 2-core machine is noisier). The
+    budget in users from the canary's plan normally ends an undecided canary first."""
     bad_candidate: Literal["reward-hacked", "corrupted", "none"] = "reward-hacked"
     """The deliberately bad candidate injected once: a policy that asks questions instead
     of editing, or the champion with corrupted weights."""

@@ -23,7 +23,7 @@ LEDGER_TAGS = ("rtrl.canary.id", "rtrl.candidate_version", "rtrl.stable_version"
 
 # In CI on 2 cores: about 9 minutes when the first increment is promoted (stack, bootstrap, the
 # bad canary, one increment and its canary). One increment in several makes too small a step for
-# the judge to decide within the canary's 210 s, and is aborted; the budget (RTRL_E2E_MINUTES,
+# the judge to decide within the canary's budget, and is aborted; the budget (RTRL_E2E_MINUTES,
 # 22) leaves room for a second increment and its canary after that.
 @pytest.mark.timeout(1650)
 def test_closed_loop_promotes_and_rolls_back_by_itself(tmp_path: Path) -> None:

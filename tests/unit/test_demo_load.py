@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from services.demo import run as demo
-from services.demo.config import DemoPlan
+from services.demo.config import STOP_RESERVE_S, DemoPlan
 from services.demo.load import MAX_LOAD, BusyLoad
 from services.settings.demo import DemoSettings
 
@@ -79,5 +79,21 @@ def test_a_run_that_served_nothing_says_why(tmp_path: Path) -> None:
     assert "never started" in demo.nothing_served(plan, never)
     late = demo.Run(loop_started=plan.started + 14.5 * 60, summary={"records": 0})
     assert not demo.served(late)
-    assert "setup took 14.5 min of the 15-minute budget" in demo.nothing_served(plan, late)
+    assert "setup took 14.5 min; the loop had the 15-minute budget" in demo.nothing_served(plan, late)
     assert demo.served(demo.Run(summary={"records": 3}))
+
+
+def test_the_loop_has_its_own_budget_however_long_the_setup_took(tmp_path: Path) -> None:
+    own = DemoPlan.create(DemoSettings(data_dir=tmp_path / "d", loop_minutes=12), False, "rtrl demo", {})
+    for setup_s in (40.0, 250.0, 800.0):  # an idle machine, a busy one, a vLLM model build
+        assert own.loop_deadline(own.started + setup_s) == pytest.approx(own.started + setup_s + 720.0)
+    assert "loop's own 12 minutes" in own.budget() and own.longest_s() == 60.0 * 42
+    whole = DemoPlan.create(DemoSettings(data_dir=tmp_path / "d", minutes=15), False, "rtrl demo", {})
+    assert whole.loop_deadline(whole.started + 250.0) == pytest.approx(whole.started + 900.0 - STOP_RESERVE_S)
+
+
+@pytest.mark.parametrize("argv", [["--loop-minutes", "0"], ["--minutes", "-1"]])
+def test_budgets_must_be_positive(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(argv)
+    assert exc.value.code == 2

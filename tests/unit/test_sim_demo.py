@@ -72,7 +72,7 @@ def test_service_env_is_read_back_by_settings(tmp_path: Path, monkeypatch: pytes
     assert s.auth.keys["simulator"].get_secret_value() == "b"
     assert s.deployer.steps == (0.1, 0.25, 0.5)
     assert s.trainer.interval_s == DemoSettings().trainer_cadence_s
-    assert s.deployer.max_duration_s == 210
+    assert s.deployer.max_duration_s == 420 and s.deployer.min_bake_s == 6
 
 
 def test_the_demos_steady_step_fits_inside_the_gate_and_under_the_length_detector(tmp_path: Path) -> None:
@@ -101,7 +101,7 @@ def test_the_demos_steady_step_fits_inside_the_gate_and_under_the_length_detecto
 
 
 @pytest.mark.parametrize(("engine", "canary_max_s", "expected"),
-                         [("builtin", None, 210.0), ("builtin", 90.0, 90.0), ("vllm", None, 360.0),
+                         [("builtin", None, 420.0), ("builtin", 90.0, 90.0), ("vllm", None, 600.0),
                           ("vllm", 120.0, 120.0)])
 def test_a_canarys_longest_run_is_the_engines_default_or_the_setting(
         tmp_path: Path, engine: str, canary_max_s: float | None, expected: float) -> None:

@@ -1,0 +1,254 @@
+"""``rtrl bench judge --schedule``: whole canaries run the way the deployer runs them, on
+traffic from a generator that shares none of the judge's assumptions.
+
+Each simulated canary is driven by the deployer's own state machine
+(``deployer.canary.next_state``) under the deployer's default policy (steps 1 → 5 → 25 → 50 %,
+``min_bake_s`` 120 s on a promote verdict, ``bake_s`` 600 s otherwise, the budget in users
+from the plan, a 6-hour wall-clock cap), judged every ``--tick-s`` (the deployer's 30 s) by
+``rollback.judge.judge`` under the default judge policy (``stratum_s`` 600 s), with the
+plan of ``rollback.plan`` each tick, exactly as ``deployer.controller`` calls them.
+
+Traffic, in continuous time (nothing aligned to ticks or strata):
+- new users arrive as a Poisson process (``--users-per-min``, default 60: 300 per 5 minutes);
+  each stays for an exponential session (mean 2 h) and requests as a Poisson process at a
+  personal rate: the same for everyone, or Pareto-distributed (Zipf-like heavy users);
+- a user is routed by a uniform hash against the weight at the moment of each request, so a
+  user moves from stable to the canary as the weight grows, as the gateway's routing does;
+- a reward record becomes visible to the judge 600-660 s after its request (the persistence
+  horizon and the window's close);
+- each user has their own acceptance, persistence, dissatisfaction and latency levels;
+  shared drifts move with wall-clock time: latency rising 30 % over 6 hours, persistence on a
+  24-hour cycle whose phase is random per canary.
+
+Shapes: A/A under drift; A/A with Zipf users; A/A with Pareto latency; a persistence
+regression of one MDE (Zipf users); a latency regression of one MDE. Per shape: how canaries
+ended (false rollbacks with a 95 % upper bound for A/A shapes; promotions within the budget;
+detections before any promotion for regressions), the canary users and hours at decision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats as sps
+
+from deployer.canary import next_state
+from deployer.status import CanaryPolicy, CanaryStatus, Judgement, Observations
+from rollback.columns import ColumnBuilder
+from rollback.judge import judge
+from rollback.plan import plan_canary
+from rollback.types import CohortData, JudgePolicy, RequestOutcome
+
+HOURS = 6.0
+SESSION_MEAN_S = 2 * 3600.0
+REQUESTS_PER_HOUR = 3.0
+VISIBLE_AFTER_S = (600.0, 660.0)
+KINDS = np.array(["edit", "question", "empty"])
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    aa: bool = True
+    zipf: bool = False
+    pareto: bool = False
+    persistence_effect: float = 0.0
+    latency_effect_ms: float = 0.0
+
+
+SHAPES = {s.name: s for s in (
+    Shape("A/A, drift"),
+    Shape("A/A, Zipf users", zipf=True),
+    Shape("A/A, Pareto latency", pareto=True),
+    Shape("persistence -1 MDE, Zipf", aa=False, zipf=True, persistence_effect=-0.03),
+    Shape("latency +1 MDE", aa=False, latency_effect_ms=100.0),
+)}
+
+
+@dataclass(frozen=True)
+class Result:
+    shape: str
+    outcome: str
+    """promoted | rolled_back | aborted | undecided"""
+    hours: float
+    canary_users: int
+    reason: str
+
+
+class Traffic:
+    """One canary's users and requests (served times, user, hash), drawn up front; outcomes
+    are drawn when a request is served, knowing its arm."""
+
+    def __init__(self, shape: Shape, rng: np.random.Generator, users_per_min: float) -> None:
+        span = HOURS * 3600.0
+        n = int(rng.poisson(users_per_min / 60.0 * span))
+        arrive = rng.uniform(0.0, span, n)
+        stay = rng.exponential(SESSION_MEAN_S, n)
+        rate = np.full(n, REQUESTS_PER_HOUR / 3600.0)
+        if shape.zipf:  # Pareto activity with the same mean, capped at 200x the median
+            raw = sps.pareto.rvs(1.2, size=n, random_state=rng)
+            rate = rate * np.minimum(raw / np.mean(np.minimum(raw, 200.0)), 200.0)
+        counts = 1 + rng.poisson(rate * np.minimum(stay, span - arrive))
+        user = np.repeat(np.arange(n), counts)
+        first = np.zeros(len(user), dtype=bool)
+        first[np.cumsum(counts) - counts] = True
+        t = np.where(first, arrive[user], arrive[user] + rng.uniform(0, 1, len(user))
+                     * np.minimum(stay, span - arrive)[user])
+        order = np.argsort(t, kind="stable")
+        self.t, self.user = t[order], user[order]
+        self.hash = rng.uniform(0, 1, n)
+        self.accept = rng.beta(4, 4, n)
+        self.persist = rng.beta(0.6 * 8, 0.4 * 8, n)
+        self.dissatisfied = rng.beta(1, 19, n)
+        self.latency = np.exp(rng.normal(0.0, 0.3, n))
+        self.phase = rng.uniform(0, 2 * math.pi)
+        self.shape, self.rng, self.next = shape, rng, 0
+
+    def served(self, until: float, weight: float) -> Iterator[tuple[str, RequestOutcome, float]]:
+        """Requests served up to ``until`` at the canary ``weight``: (arm, outcome, visible at)."""
+        lo, hi = self.next, int(np.searchsorted(self.t, until, side="right"))
+        self.next = hi
+        if hi <= lo:
+            return
+        rng, shape, t, u = self.rng, self.shape, self.t[lo:hi], self.user[lo:hi]
+        canary = self.hash[u] < weight
+        k = hi - lo
+        drift = 1.0 + 0.3 * t / (HOURS * 3600.0)
+        if shape.pareto:
+            lat = 150.0 * sps.pareto.rvs(1.5, size=k, random_state=rng) * drift
+        else:
+            lat = 400.0 * self.latency[u] * np.exp(rng.normal(0.0, 0.6, k)) * drift
+        lat = lat + np.where(canary, shape.latency_effect_ms, 0.0)
+        kind = KINDS[rng.choice(3, size=k, p=(0.8, 0.15, 0.05))]
+        accepted = (kind == "edit") & (rng.uniform(0, 1, k) < self.accept[u])
+        cycle = 0.05 * np.sin(2 * math.pi * t / 86_400.0 + self.phase)
+        level = np.clip(self.persist[u] + cycle + np.where(canary, shape.persistence_effect, 0.0), 0.01, 0.99)
+        ratio = rng.beta(level * 6, (1 - level) * 6)
+        unhappy = rng.binomial(1, self.dissatisfied[u])
+        reward = np.where(accepted, ratio, 0.0) - 0.0005 * lat + rng.normal(0, 0.1, k)
+        tokens = rng.poisson(40, k)
+        visible = t + rng.uniform(*VISIBLE_AFTER_S, k)
+        for i in range(k):
+            arm = "canary" if canary[i] else "stable"
+            yield arm, RequestOutcome(
+                user_key=f"u{u[i]}", reward=float(reward[i]), latency_ms=float(lat[i]),
+                persistence=float(ratio[i]) if accepted[i] else None,
+                accepted=bool(accepted[i]) if kind[i] == "edit" else None, dissatisfied=int(unhappy[i]),
+                completion_kind=str(kind[i]),  # type: ignore[arg-type]
+                completion_tokens=int(tokens[i]), ts=float(t[i]),
+            ), float(visible[i])
+
+
+def run_canary(shape_name: str, seed: int, tick_s: float, users_per_min: float) -> Result:
+    """One canary from its start to its decision (or the wall-clock cap)."""
+    shape = SHAPES[shape_name]
+    rng = np.random.default_rng(seed)
+    traffic = Traffic(shape, rng, users_per_min)
+    cpol, jpol = CanaryPolicy(), JudgePolicy()
+    status = CanaryStatus()
+    cols = {"stable": ColumnBuilder(), "canary": ColumnBuilder()}
+    outs: dict[str, list[RequestOutcome]] = {"stable": [], "canary": []}
+    waiting: list[tuple[float, str, RequestOutcome]] = []
+    state: dict[str, float] | None = None
+    now = 0.0
+    while now <= HOURS * 3600.0 + tick_s:
+        judgement = None
+        waiting += [(vis, arm, o) for arm, o, vis in traffic.served(now, status.weight)]
+        ready = [w for w in waiting if w[0] <= now]
+        waiting = [w for w in waiting if w[0] > now]
+        for _, arm, o in ready:
+            cols[arm].add(o)
+            outs[arm].append(o)
+        if status.phase.value in ("progressing", "awaiting_approval"):
+            stable, canary = (CohortData(arm=a, outcomes=tuple(outs[a]), columns=cols[a].columns())
+                              for a in ("stable", "canary"))
+            verdict = judge(stable, canary, jpol, state, elapsed_s=now - status.started_at,
+                            boundaries=(status.started_at, *status.step_times))
+            state = dict(verdict.state)
+            plan = plan_canary(verdict, jpol, cpol.steps, status.step, now - status.step_since,
+                               now - status.started_at, cpol.bake_s)
+            judgement = Judgement(verdict.decision.value, tuple(verdict.reasons), plan=plan.to_doc())
+        obs = Observations(now=now, champion="1", candidate="2", gate={"2": "pass"}, judgement=judgement)
+        status, _ = next_state(status, obs, cpol)
+        if status.outcome:
+            users = len({o.user_key for o in outs["canary"]})
+            hours = (now - status.started_at) / 3600.0
+            return Result(shape.name, status.outcome, hours, users, status.reason[:160])
+        now += tick_s if status.phase.value != "pending" else 1.0
+    return Result(shape.name, "undecided", HOURS, len({o.user_key for o in outs["canary"]}), "")
+
+
+def upper95(k: int, n: int) -> float:
+    """Clopper-Pearson upper bound of a rate seen k times in n."""
+    return 1.0 if k >= n else float(sps.beta.ppf(0.975, k + 1, n - k))
+
+
+def _median(xs: list[float] | list[int]) -> float | None:
+    return float(np.median(xs)) if xs else None
+
+
+def summarise(results: list[Result]) -> dict[str, object]:
+    n = len(results)
+    by = {o: [r for r in results if r.outcome == o]
+          for o in ("promoted", "rolled_back", "aborted", "undecided")}
+    promoted = by["promoted"]
+    rolled = by["rolled_back"]
+    return {
+        "canaries": n, **{o: len(v) for o, v in by.items()},
+        "rollback_rate": len(rolled) / n, "rollback_upper95": upper95(len(rolled), n),
+        "promotion_rate": len(promoted) / n,
+        "median_users_to_promotion": _median([r.canary_users for r in promoted]),
+        "median_hours_to_promotion": _median([r.hours for r in promoted]),
+        "median_users_to_rollback": _median([r.canary_users for r in rolled]),
+        "median_hours_to_rollback": _median([r.hours for r in rolled]),
+        "abort_reasons": sorted({r.reason.split(" (")[0][:80] for r in by["aborted"]})[:3],
+    }
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rtrl bench judge --schedule", description=__doc__.split("\n")[0])
+    ap.add_argument("--canaries", type=int, default=500, help="canaries per shape (default 500)")
+    ap.add_argument("--seed", type=int, default=1000)
+    ap.add_argument("--tick-s", type=float, default=30.0, help="the deployer's tick (default 30 s)")
+    ap.add_argument("--users-per-min", type=float, default=60.0, help="new users per minute (default 60)")
+    ap.add_argument("--shape", action="append", choices=sorted(SHAPES), metavar="NAME",
+                    help="run only this shape (repeatable; default: all)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.canaries < 1 or args.tick_s <= 0 or args.users_per_min <= 0:
+        ap.error("--canaries >= 1, --tick-s > 0 and --users-per-min > 0 are required")
+    t0 = time.perf_counter()
+    out: dict[str, dict[str, object]] = {}
+    with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
+        for i, name in enumerate(args.shape or list(SHAPES)):
+            seeds = [args.seed + 100_000 * i + k for k in range(args.canaries)]
+            results = list(pool.map(run_canary, [name] * len(seeds), seeds, [args.tick_s] * len(seeds),
+                                    [args.users_per_min] * len(seeds), chunksize=4))
+            out[name] = summarise(results)
+            if not args.json:
+                print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{'shape':<28}{'n':>5}{'promoted':>10}{'rolled back':>13}{'(upper 95%)':>13}{'aborted':>9}"
+          f"{'undecided':>11}{'users→promote':>15}{'h→promote':>11}{'h→rollback':>12}")
+    for name, s in out.items():
+        def f(key: str, fmt: str, s: dict[str, object] = s) -> str:
+            v = s[key]
+            return "-" if v is None else format(v, fmt)
+        print(f"{name:<28}{s['canaries']:>5}{s['promotion_rate']:>10.1%}{s['rollback_rate']:>13.1%}"
+              f"{s['rollback_upper95']:>13.1%}{s['aborted']:>9}{s['undecided']:>11}"
+              f"{f('median_users_to_promotion', ',.0f'):>15}{f('median_hours_to_promotion', '.2f'):>11}"
+              f"{f('median_hours_to_rollback', '.2f'):>12}")
+    print(f"{args.canaries} canaries per shape, seed {args.seed}, tick {args.tick_s:g} s, "
+          f"{args.users_per_min:g} new users/min, {time.perf_counter() - t0:.0f} s")
+    return 0
+
