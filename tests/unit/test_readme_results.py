@@ -46,7 +46,8 @@ def check_command(cmd: str, previous: str | None) -> str:
     words = cmd.replace("[", " ").replace("]", " ").split()
     if words[0] == "rtrl":
         sub = words[1:3] if words[1] == "bench" else words[1:2]
-        text = help_text(*sub)
+        modes = [w for w in words if w in ("--scale", "--schedule")]  # modes with a help of their own
+        text = help_text(*sub, *modes)
         for flag in (w for w in words if w.startswith("--")):
             assert re.search(rf"{re.escape(flag)}\b", text), f"`{cmd}`: rtrl {' '.join(sub)} has no {flag}"
     elif words[0] == "pytest":
