@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from services.gateway.server import GatewayServer
+from services.gateway.asgi.app import GatewayServer
 from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics
 from services.settings.model import KafkaSettings, MlflowSettings, RedisSettings, Settings, TopicSettings

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ingest.contracts.prometheus import BUILD_INFO
-from services.gateway.server import GatewayServer
+from services.gateway.asgi.app import GatewayServer
 from services.runtime.health import Health
 from services.runtime.process import Stopper, setup_logging
 from services.settings.model import get_settings

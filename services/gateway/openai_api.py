@@ -9,8 +9,11 @@ by default.
 from __future__ import annotations
 
 import hashlib
+import http
 import json
 import re
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -126,12 +129,6 @@ class ChatBody(_Body):
                           logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
-def error_body(message: str, code: str | None = None, param: str | None = None,
-               kind: str = "invalid_request_error") -> dict[str, Any]:
-    """OpenAI's error object, which the official client parses into its exceptions."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 def validation_error(exc: ValidationError) -> str:
     errors = exc.errors(include_url=False)
     if any(e["type"] == "json_invalid" for e in errors):
@@ -221,3 +218,70 @@ def models_list(names: list[str], created: int) -> dict[str, Any]:
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": created, "owned_by": "rtrl"} for name in names
     ]}
+
+
+# --------------------------------------------------------------------- responses and errors
+# Every error, from the API, the HTTP application or the connection guard
+# (services/gateway/asgi/), is OpenAI's error object, so the official ``openai`` client raises
+# its matching exception (``BadRequestError``, ``RateLimitError``, ...) and clients can
+# branch on ``type`` and ``code``.
+
+
+@dataclass(frozen=True)
+class Response:
+    code: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+    stream: Iterator[bytes] | None = None
+    """When set, the body is sent as these chunks (``Transfer-Encoding: chunked``), each
+    written as soon as it is produced; ``body`` is ignored."""
+
+
+ERROR_CODES: dict[int, str] = {
+    401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+    409: "conflict", 413: "request_too_large", 414: "request_line_too_long",
+    415: "unsupported_media_type", 429: "rate_limit_exceeded", 431: "headers_too_large",
+    501: "method_not_supported", 503: "unavailable", 504: "upstream_timeout",
+    505: "http_version_not_supported",
+}
+"""The ``code`` of an error whose caller names none, by HTTP status (400 and 500: none)."""
+
+
+def error_type(status: int) -> str:
+    """OpenAI's ``type``: what the client did wrong, or the server's fault."""
+    if status == 401:
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_exceeded"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(message: str, code: str | None = None, param: str | None = None,
+               kind: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error object, which the official client parses into its exceptions."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def json_response(code: int, body: dict[str, Any], headers: tuple[tuple[str, str], ...] = ()) -> Response:
+    return Response(code, json.dumps(body, separators=(",", ":")).encode(), headers=headers)
+
+
+def error_response(status: int, message: str, code: str | None = None, kind: str | None = None,
+                   headers: tuple[tuple[str, str], ...] = ()) -> Response:
+    """An error answer: ``code`` defaults by status (:data:`ERROR_CODES`), ``kind`` (the
+    object's ``type``) by :func:`error_type`."""
+    body = error_body(message, code or ERROR_CODES.get(status), kind=kind or error_type(status))
+    return json_response(status, body, headers)
+
+
+def error_bytes(status: int, message: str, code: str | None = None,
+                headers: tuple[tuple[str, str], ...] = ()) -> bytes:
+    """A whole HTTP/1.1 error answer that closes the connection, for the connection guard,
+    which answers before any request reaches the application."""
+    resp = error_response(status, message, code)
+    phrase = http.HTTPStatus(status).phrase
+    lines = [f"HTTP/1.1 {status} {phrase}", "content-type: application/json",
+             f"content-length: {len(resp.body)}", "connection: close",
+             *(f"{name}: {value}" for name, value in headers)]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + resp.body

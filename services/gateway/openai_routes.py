@@ -25,8 +25,8 @@ from deployer.routing import Arm
 from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
 from services.gateway import openai_api as api
 from services.gateway.generation import BadRequestError, GenRequest, Piece, Served, UpstreamError
-from services.gateway.http import Response, json_response
 from services.gateway.models import Backend
+from services.gateway.openai_api import Response, error_response, json_response
 from services.gateway.request_ids import RequestIds
 from services.settings.services import GatewaySettings
 
@@ -46,10 +46,10 @@ class Gateway(Protocol):
 log = logging.getLogger(__name__)
 
 
-def oai_error(code: int, message: str, kind: str = "invalid_request_error", err: str | None = None,
+def oai_error(code: int, message: str, kind: str | None = None, err: str | None = None,
               arm: str = "none", version: str = "none") -> Response:
     GATEWAY_REQUESTS.labels(arm, version, str(code)).inc()
-    return json_response(code, api.error_body(message, err, kind=kind))
+    return error_response(code, message, err, kind)
 
 
 @dataclass

@@ -1,11 +1,9 @@
-"""The gateway's HTTP server: serve completions, route users to arms, log every exposure.
+"""The gateway's core: serve completions, route users to arms, log every exposure.
 
-One HTTP port (``RTRL_GATEWAY__PORT``, default 8080) serves the API of
-docs/gateway.md and ``/metrics``, ``/healthz``, ``/readyz``. The server is the standard
-library's HTTP/1.1 server with keep-alive, hardened in services/gateway/http.py (sized
-backlog, bounded worker pool, read and idle timeouts, size limits, JSON errors): for small
-JSON bodies it adds well under a millisecond (see docs/benchmarks.md) and needs no event
-loop around a CPU-bound policy.
+:class:`Gateway` is HTTP-independent: ``handle(method, path, body, content_type, headers)``
+returns a :class:`Response`. The HTTP server around it (uvicorn with httptools, limits and
+workers) is services/gateway/asgi/app.py; it calls ``handle`` on a thread pool, so a
+CPU-bound local policy or a blocking engine call never stalls the event loop.
 
 The request path is: parse and validate (pydantic) -> read the routing table in force ->
 pick the arm -> generate -> answer -> queue the served event. Everything slow (Redis,
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -32,11 +29,10 @@ from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEW
 from ingest.events import Id, TokenId
 from services.gateway.auth import ApiKeys, UnauthorizedError
 from services.gateway.generation import UpstreamError
-from services.gateway.http import JsonRequestHandler, PooledHTTPServer, Response
-from services.gateway.http import error_response as _error
-from services.gateway.http import json_response as _json
 from services.gateway.models import Backend, Generation, ModelSlots
-from services.gateway.openai_api import Headers, error_body
+from services.gateway.openai_api import Headers, Response
+from services.gateway.openai_api import error_response as _error
+from services.gateway.openai_api import json_response as _json
 from services.gateway.openai_routes import OpenAIRoutes
 from services.gateway.request_ids import RequestIds
 from services.runtime.health import Health
@@ -130,9 +126,10 @@ class Gateway:
 
     # ----------------------------------------------------------------- routing
     def handle(self, method: str, path: str, body: bytes, content_type: str | None = None,
-               headers: Headers | None = None) -> Response:
+               headers: Headers | None = None, authenticated: bool = False) -> Response:
         """``content_type``: the request's Content-Type header (None when absent); ``headers``:
-        all of them (``Authorization``, ``X-Rtrl-User``, ...)."""
+        all of them (``Authorization``, ``X-Rtrl-User``, ...); ``authenticated``: the caller
+        has already passed the request through :meth:`authenticate`."""
         path = path.split("?", 1)[0]
         headers = headers or {}
         routes: dict[str, tuple[str, Callable[[bytes], Response]]] = {
@@ -144,22 +141,33 @@ class Gateway:
             "/healthz": ("GET", lambda _b: self._probe(*self.health.live())),
             "/readyz": ("GET", lambda _b: self._probe(*self.health.ready())),
         }
+        refused = None if authenticated else self.authenticate(path, headers)
+        if refused is not None:
+            return refused
         if path not in routes:
-            return _error(404, f"no such path {path}; the API is POST /v1/completions")
+            return _error(404, f"no such path {path[:200]}; the API is POST /v1/chat/completions, "
+                               "POST /v1/completions and GET /v1/models")
         allowed, fn = routes[path]
         if method != allowed:
-            return _error(405, f"{method} not allowed on {path}; use {allowed}")
+            return _error(405, f"{method} not allowed on {path}; use {allowed}",
+                          headers=(("Allow", allowed),))
         if method == "POST" and content_type and not is_json_media_type(content_type):
             GATEWAY_REQUESTS.labels("none", "none", "415").inc()
             return _error(415, f"unsupported Content-Type {content_type[:100]!r}; send application/json")
-        if path.startswith("/v1/"):
-            try:
-                self.keys.check(headers.get("Authorization"))
-            except UnauthorizedError as exc:
-                GATEWAY_REQUESTS.labels("none", "none", "401").inc()
-                body401 = json.dumps(error_body(str(exc), "invalid_api_key")).encode()
-                return Response(401, body401, headers=(("WWW-Authenticate", 'Bearer realm="rtrl"'),))
         return fn(body)
+
+    def authenticate(self, path: str, headers: Headers) -> Response | None:
+        """The 401 for a ``/v1/*`` request without a valid API key, else None. It comes before
+        any other check, so an unauthenticated client learns nothing about the API and cannot
+        make the gateway read its body."""
+        if not path.startswith("/v1/"):
+            return None
+        try:
+            self.keys.check(headers.get("Authorization"))
+        except UnauthorizedError as exc:
+            GATEWAY_REQUESTS.labels("none", "none", "401").inc()
+            return _error(401, str(exc), headers=(("WWW-Authenticate", 'Bearer realm="rtrl"'),))
+        return None
 
     def completions(self, body: bytes, headers: Headers) -> Response:
         """``POST /v1/completions``: the token-id API when the body has ``prompt_tokens``, else
@@ -179,7 +187,7 @@ class Gateway:
         data, problem = parse_json(body)
         if problem is not None:
             GATEWAY_REQUESTS.labels("none", "none", "400").inc()
-            return Response(400, json.dumps(error_body(problem)).encode())
+            return _error(400, problem)
         return self.openai.complete(kind, data, headers)
 
     def pick(self, user_key: str) -> tuple[Arm, str, Backend, tuple[str, Backend]] | Response:
@@ -190,7 +198,8 @@ class Gateway:
             GATEWAY_REQUESTS.labels("none", "none", "503").inc()
             wanted = self.slots.wanted("stable")
             why = f"version {wanted} is loading or failed to load" if wanted else "no champion yet"
-            return _error(503, f"no champion model loaded yet ({why})")
+            return _error(503, f"no champion model loaded yet ({why})", "model_not_loaded",
+                          headers=(("Retry-After", "5"),))
         arm: Arm = self._table().arm_for(user_key, canary is not None, held is not None)
         version, backend = {"canary": canary, "holdout": held}.get(arm) or stable
         return arm, version, backend, stable
@@ -229,7 +238,8 @@ class Gateway:
             return picked
         if req.request_id is not None and not self.request_ids.claim(req.request_id):
             GATEWAY_REQUESTS.labels("none", "none", "409").inc()
-            return _error(409, f"request_id {req.request_id} was already served; send a new id per request")
+            return _error(409, f"request_id {req.request_id} was already served; send a new id per request",
+                          "duplicate_request_id")
         response = self._complete(req, *picked)
         if response.code != 200 and req.request_id is not None:
             self.request_ids.release(req.request_id)
@@ -309,85 +319,3 @@ class Gateway:
         GATEWAY_REQUESTS.labels(arm, version, "200").inc()
         GATEWAY_SECONDS.labels(arm).observe(time.perf_counter() - started)
         return payload
-
-
-# --------------------------------------------------------------------- HTTP server
-
-
-POLL_S = 0.1
-"""How often the accept loop checks for shutdown and closes refused connections."""
-
-
-class GatewayServer:
-    """The HTTP/1.1 server around a :class:`Gateway` (transport: services/gateway/http.py)."""
-
-    def __init__(self, gateway: Gateway, host: str, port: int) -> None:
-        self.gateway = gateway
-        self.inflight = 0
-        self._lock = threading.Lock()
-        self._server = PooledHTTPServer((host, port), _handler(self), gateway.settings)
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(POLL_S,), name="http",
-                                        daemon=True)
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_address[1])
-
-    def start(self) -> GatewayServer:
-        self._thread.start()
-        return self
-
-    def stop(self, drain_s: float = 5.0) -> None:
-        """Stop accepting, wait up to ``drain_s`` for requests in flight, close the connections."""
-        self._server.shutdown()
-        deadline = time.monotonic() + drain_s
-        while self.inflight and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self._server.close_connections()
-        self._server.server_close()
-
-    def _enter(self, delta: int) -> None:
-        with self._lock:
-            self.inflight += delta
-
-
-def _handler(server: GatewayServer) -> type[JsonRequestHandler]:
-    gateway = server.gateway
-    max_body = gateway.settings.max_body_bytes
-
-    class Handler(JsonRequestHandler):
-        settings = gateway.settings
-
-        def _dispatch(self) -> None:
-            server._enter(1)
-            try:
-                self.respond(self._handle())
-            finally:
-                server._enter(-1)
-
-        def _handle(self) -> Response:
-            length_header = self.headers.get("Content-Length")
-            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                self.close_connection = True
-                return _error(411, "chunked bodies are not supported; send Content-Length")
-            try:
-                length = int(length_header or 0)
-            except ValueError:
-                self.close_connection = True
-                return _error(400, f"invalid Content-Length {length_header!r}")
-            if length > max_body:
-                self.close_connection = True  # the body stays unread
-                GATEWAY_REQUESTS.labels("none", "none", "413").inc()
-                return _error(413, f"request body of {length} bytes exceeds the limit of {max_body}")
-            body = self.read_body(length)  # TimeoutError: 408 from the transport
-            try:
-                return gateway.handle(self.command, self.path, body, self.headers.get("Content-Type"),
-                                      self.headers)
-            except Exception as exc:  # a bug must not kill the connection thread silently
-                log.exception("unhandled error on %s %s", self.command, self.path)
-                GATEWAY_ERRORS.labels("none", "none", "internal").inc()
-                return _error(500, f"internal error: {type(exc).__name__}")
-
-        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch  # noqa: N815
-
-    return Handler

@@ -281,15 +281,22 @@ class GatewaySettings(Section):
     """Connections the kernel queues before the server accepts them (capped by the kernel's
     ``net.core.somaxconn``); beyond it new connections wait for SYN retransmits (1, 3, 7 s)."""
     max_connections: Annotated[int, Field(ge=1)] = 1024
-    """Open client connections served at once, one worker thread each (keep-alive connections
-    hold theirs until closed or idle); one more is answered 503 at once and closed."""
+    """Open client connections at once; one more is answered 503 (``Retry-After``) at once
+    and closed. Requests in flight run on a thread pool of this size."""
+    max_connections_per_client: Annotated[int, Field(ge=1)] = 64
+    """Open connections from one client address; one more is answered 429
+    (``rate_limit_exceeded``) and closed. Behind a proxy every client shares its address: raise
+    it to ``max_connections`` there."""
+    header_timeout_s: Annotated[float, Field(gt=0.0)] = 10.0
+    """A new connection must send its first request line and headers within this, and every
+    later request its headers within this of its first byte; a silent connection is closed,
+    a slow one answered 408."""
     read_timeout_s: Annotated[float, Field(gt=0.0)] = 10.0
-    """From a request's first byte, its request line, headers and body must arrive within this
-    (in total, however slowly they trickle); else 408 and the connection is closed. Also bounds
-    each write of a response to a client that does not read."""
+    """Once its headers are in, a request's body must arrive within this; else 408 and the
+    connection is closed."""
     idle_timeout_s: Annotated[float, Field(gt=0.0)] = 30.0
-    """A connection with no request for this long (kept alive, or new and silent) is closed.
-    Keep it above the idle timeout of load balancers in front of the gateway."""
+    """A kept-alive connection with no new request for this long is closed. Keep it above the
+    idle timeout of load balancers in front of the gateway."""
     max_request_line_bytes: Annotated[int, Field(ge=64)] = 8192
     """Longest request line (method, path and query, version); longer: 414."""
     max_header_bytes: Annotated[int, Field(ge=256)] = 16 * 1024

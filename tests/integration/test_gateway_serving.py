@@ -22,7 +22,7 @@ from ingest.auth import AuthPolicy, authenticate
 from ingest.contracts.keys import routing_keys
 from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_EXPOSURES, GATEWAY_MODEL_LOADS
 from ingest.events import CompletionServed, parse_event
-from services.gateway.server import GatewayServer
+from services.gateway.asgi.app import GatewayServer
 from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.redis_io import make_redis
@@ -163,9 +163,9 @@ def test_http_errors(running: Running) -> None:
     assert running.request("GET", "/nowhere")[0] == 404
     assert running.request("GET", "/v1/completions")[0] == 405
     code, body = running.request("POST", "/v1/completions", b'{"user_key": ')
-    assert code == 400 and body["error"].startswith("malformed JSON")
+    assert code == 400 and body["error"]["message"].startswith("malformed JSON")
     code, body = running.request("POST", "/v1/completions", b"x" * (64 * 1024 + 1))
-    assert code == 413 and "exceeds" in body["error"]
+    assert code == 413 and "exceeds" in body["error"]["message"]
     # the server closed that connection; the client reconnects and keeps going
     assert running.complete("bob")["arm"] == "stable"
     assert running.request("GET", "/metrics")[0] == 200

@@ -16,7 +16,7 @@ from bench.fake_upstream import FakeCompletionsServer
 from deployer.routing import assign_arm
 from ingest.contracts.keys import routing_keys
 from ingest.events import CompletionServed, parse_event
-from services.gateway.server import GatewayServer
+from services.gateway.asgi.app import GatewayServer
 from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.redis_io import make_redis
@@ -113,7 +113,7 @@ def test_text_tokens_fail_clearly_unless_hashing_is_chosen(settings: Settings) -
     try:
         ups.wait_for("stable")
         code, body = ups.post("bob")
-        assert code == 502 and "return_tokens_as_token_ids" in body["error"]
+        assert code == 502 and "return_tokens_as_token_ids" in body["error"]["message"]
     finally:
         ups.stop()
     ups = Upstreams(settings, text_tokens=True, upstream_token_ids="hash")

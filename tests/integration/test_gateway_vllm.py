@@ -28,7 +28,7 @@ from deployer.operators import sign
 from deployer.status import Command, Phase
 from ingest.contracts.keys import engine_model_key
 from ingest.events import CompletionServed, parse_event
-from services.gateway.server import GatewayServer
+from services.gateway.asgi.app import GatewayServer
 from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.redis_io import make_redis

@@ -31,15 +31,17 @@ class Scale:
     """How long idle ingest and reward workers (lag 0) are measured for their CPU."""
     scale_out_events: int
     """Events streamed while ingest and reward workers join and die on 8 partitions."""
+    flood_seconds: float
+    """How long real clients are measured while silent and slowloris connections flood the gateway."""
 
 
 SCALES = {
     "ci": Scale("ci", crash_events=12_000, crash_kills=4, fault_events=4_000, fuzz_bad=10_000,
                 fuzz_valid_requests=300, soak_seconds=45, judge_canaries=1_000, idle_seconds=30,
-                scale_out_events=6_000),
+                scale_out_events=6_000, flood_seconds=10),
     "soak": Scale("soak", crash_events=100_000, crash_kills=16, fault_events=20_000, fuzz_bad=10_000,
                   fuzz_valid_requests=2_000, soak_seconds=900, judge_canaries=2_000, idle_seconds=300,
-                  scale_out_events=40_000),
+                  scale_out_events=40_000, flood_seconds=120),
 }
 
 

@@ -309,6 +309,7 @@ HOSTILE: list[tuple[str, int, dict[str, Any]]] = [
     ("wrong_api_key", 401, {"headers": {"Content-Type": "application/json",
                                         "Authorization": f"Bearer {WRONG_API_KEY}"}}),
     ("basic_auth", 401, {"headers": {"Content-Type": "application/json", "Authorization": "Basic dTpw"}}),
+    ("text_plain_without_key", 401, {"body": b"x", "headers": {"Content-Type": "text/plain"}}),
     ("models_without_key", 401, {"path": "/v1/models", "method": "GET", "body": b"",
                                  "headers": {"Content-Type": "application/json"}}),
     ("malformed_json", 400, {"body": b'{"user_key": '}),
@@ -328,10 +329,13 @@ HOSTILE: list[tuple[str, int, dict[str, Any]]] = [
     ("user_key_missing", 400, {"body": json.dumps(NO_USER_KEY).encode()}),
     ("max_tokens_too_big", 400, {"body": json.dumps({**GOOD, "max_tokens": 10_000}).encode()}),
     ("request_id_injection", 400, {"body": json.dumps({**GOOD, "request_id": "r\n\r\nX-Evil: 1"}).encode()}),
-    ("text_plain", 415, {"body": json.dumps(GOOD).encode(), "headers": {"Content-Type": "text/plain"}}),
-    ("form", 415, {"body": b"user_key=u1", "headers": {"Content-Type": "application/x-www-form-urlencoded"}}),
-    ("multipart", 415, {"body": b"--x--", "headers": {"Content-Type": "multipart/form-data; boundary=x"}}),
-    ("xml", 415, {"body": b"<a/>", "headers": {"Content-Type": "application/xml"}}),
+    ("text_plain", 415, {"body": json.dumps(GOOD).encode(),
+                         "headers": {"Content-Type": "text/plain", **AUTH}}),
+    ("form", 415, {"body": b"user_key=u1",
+                   "headers": {"Content-Type": "application/x-www-form-urlencoded", **AUTH}}),
+    ("multipart", 415, {"body": b"--x--",
+                        "headers": {"Content-Type": "multipart/form-data; boundary=x", **AUTH}}),
+    ("xml", 415, {"body": b"<a/>", "headers": {"Content-Type": "application/xml", **AUTH}}),
     ("unknown_route", 404, {"path": "/v2/completions"}),
     ("path_traversal", 404, {"path": "/../../etc/passwd", "method": "GET"}),
     ("admin_route", 404, {"path": "/admin", "method": "GET"}),
@@ -339,13 +343,22 @@ HOSTILE: list[tuple[str, int, dict[str, Any]]] = [
     ("delete_completions", 405, {"method": "DELETE", "body": b""}),
     ("post_metrics", 405, {"path": "/metrics"}),
 ]
+RAW_AUTH = b"Authorization: Bearer " + CLIENT_API_KEY.encode() + b"\r\n"
 RAW: list[tuple[str, int, bytes]] = [
     ("oversized", 413, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: 65537\r\n\r\n" + b"{" * 1000),
-    ("huge_length", 413, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n"),
-    ("chunked", 411, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       + RAW_AUTH + b"Content-Length: 65537\r\n\r\n" + b"{" * 1000),
+    ("huge_length", 413, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + RAW_AUTH
+                         + b"Content-Length: 99999999999\r\n\r\n"),
+    ("oversized_without_key", 401, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                   b"Content-Length: 99999999999\r\n\r\n"),
+    ("chunked_not_json", 400, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                              + RAW_AUTH + b"\r\n"
                      b"5\r\nhello\r\n0\r\n\r\n"),
     ("bad_content_length", 400, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"),
+    ("negative_length", 400, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n"
+                             b"GET /v1/routing HTTP/1.1\r\nHost: x\r\n\r\n"),
+    ("length_and_chunked", 400, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+                                b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
 ]
 
 

@@ -15,6 +15,7 @@ import fakeredis
 import pytest
 from pydantic import SecretStr
 
+from services.gateway.asgi.app import GatewayServer
 from services.gateway.auth import ApiKeys, UnauthorizedError
 from services.gateway.engine_backend import (
     EngineBackend,
@@ -26,7 +27,6 @@ from services.gateway.engine_backend import (
 from services.gateway.generation import LOGPROB_FLOOR, BadRequestError, GenRequest, Served, UpstreamError
 from services.gateway.local_text import pieces, prompt_ids, strip_stop, token_texts
 from services.gateway.request_ids import RequestIds
-from services.gateway.server import GatewayServer
 from tests.unit.test_gateway_openai import AUTH, CHAT, StreamBackend, make
 
 pytestmark = pytest.mark.unit

@@ -106,7 +106,7 @@ def test_defaults_generated_request_id_and_max_tokens() -> None:
 def test_bad_requests_are_400_with_a_clear_message(body: Any, needle: str) -> None:
     gw, logged = make(FakeBackend())
     code, resp = post(gw, body)
-    assert code == 400 and needle in resp["error"] and logged == []
+    assert code == 400 and needle in resp["error"]["message"] and logged == []
 
 
 def test_unknown_fields_are_ignored() -> None:
@@ -130,7 +130,7 @@ def test_paths_and_methods() -> None:
 def test_no_champion_is_503() -> None:
     gw, logged = make(None)
     code, body = post(gw, REQ)
-    assert code == 503 and "no champion" in body["error"] and logged == []
+    assert code == 503 and "no champion" in body["error"]["message"] and logged == []
 
 
 def test_routes_by_sticky_hash() -> None:
@@ -157,7 +157,7 @@ def test_failing_canary_is_served_by_stable_and_counted() -> None:
 def test_stable_failure_maps_to_500_or_upstream_code() -> None:
     gw, logged = make(FakeBackend(fail=RuntimeError("boom")))
     code, body = post(gw, REQ)
-    assert code == 500 and "boom" in body["error"] and logged == []
+    assert code == 500 and "boom" in body["error"]["message"] and logged == []
     gw, _ = make(FakeBackend(fail=UpstreamError(504, "upstream did not answer")))
     assert post(gw, REQ)[0] == 504
 
@@ -192,4 +192,4 @@ def test_content_type_must_be_json_when_given(content_type: str | None, code: in
     resp = gw.handle("POST", "/v1/completions", json.dumps(REQ).encode(), content_type)
     assert resp.code == code
     if code == 415:
-        assert "application/json" in json.loads(resp.body)["error"]
+        assert "application/json" in json.loads(resp.body)["error"]["message"]

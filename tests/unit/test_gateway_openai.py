@@ -13,8 +13,8 @@ from pydantic import SecretStr
 from deployer.routing import RoutingTable, assign_arm
 from ingest.events import CompletionServed
 from services.gateway.generation import BadRequestError, GenRequest, Piece, UpstreamError
-from services.gateway.http import Response
 from services.gateway.models import Backend, Generation, ModelSlots
+from services.gateway.openai_api import Response
 from services.gateway.server import Gateway
 from services.settings.services import GatewaySettings
 
@@ -243,7 +243,7 @@ def test_a_repeated_request_id_on_the_token_api_is_409() -> None:
     body = {"user_key": "u1", "session_id": "s", "prompt_tokens": [1], "request_id": "dup-2"}
     assert call(gw, "/v1/completions", body)[0].code == 200
     resp, out = call(gw, "/v1/completions", body)
-    assert resp.code == 409 and "already served" in out["error"] and len(logged) == 1
+    assert resp.code == 409 and "already served" in out["error"]["message"] and len(logged) == 1
 
 
 def test_a_failed_request_releases_its_id_for_a_retry() -> None:

@@ -1,6 +1,8 @@
-"""The gateway's HTTP transport against raw sockets on loopback: errors are the documented JSON,
-slow and idle clients are cut off without holding the server, many keep-alive clients are all
-served. The server runs in-process with a fake backend (no Redis, Kafka or MLflow)."""
+"""The gateway's HTTP server against raw sockets on loopback, as a hostile or broken client
+would call it: malformed framing is refused with 400 and the connection closed (never read as
+a second request), errors are OpenAI's error object, slow, silent and idle clients are cut off
+without holding the server, the connection caps answer at once, many keep-alive clients are
+all served. The server runs in-process with a fake backend (no Redis, Kafka or MLflow)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 import pytest
 
 from ingest.contracts.prometheus import GATEWAY_CONNECTIONS
-from services.gateway.server import GatewayServer
+from services.gateway.asgi.app import GatewayServer
 from tests.unit.test_gateway_core import REQ, FakeBackend, make
 
 BODY = json.dumps(REQ).encode()
@@ -24,7 +26,7 @@ POST = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/
 
 def start(**settings: Any) -> GatewayServer:
     gateway, _logged = make(FakeBackend([5, 6, 1]), **{"read_timeout_s": 1.0, "idle_timeout_s": 1.0,
-                                                        **settings})
+                                                        "header_timeout_s": 1.0, **settings})
     return GatewayServer(gateway, "127.0.0.1", 0).start()
 
 
@@ -69,8 +71,9 @@ def assert_json_error(resp: tuple[int, dict[str, str], bytes], code: int) -> str
     assert status == code, body
     assert headers["content-type"] == "application/json"
     payload = json.loads(body)
-    assert set(payload) == {"error"} and payload["error"]
-    return str(payload["error"])
+    assert set(payload) == {"error"} and set(payload["error"]) == {"message", "type", "param", "code"}
+    assert payload["error"]["message"] and payload["error"]["type"]
+    return str(payload["error"]["message"])
 
 
 def closed_by_server(sock: socket.socket) -> bool:
@@ -90,7 +93,7 @@ def test_keep_alive_serves_several_requests_on_one_connection(server: GatewaySer
 
 
 @pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1 extra\r\n\r\n",
-                                 b"GET / HTTP/one\r\n\r\n"])
+                                 b"GET / HTTP/one\r\n\r\n", b"BREW / HTTP/1.1\r\nHost: x\r\n\r\n"])
 def test_garbage_request_line_is_400_json(server: GatewayServer, raw: bytes) -> None:
     assert_json_error(exchange(server, raw), 400)
 
@@ -115,11 +118,13 @@ def test_header_block_over_the_limit_is_431_json(server: GatewayServer) -> None:
     assert_json_error(exchange(server, b"GET /healthz HTTP/1.1\r\n" + headers + b"\r\n"), 431)
 
 
-def test_unknown_method_is_501_json(server: GatewayServer) -> None:
-    assert_json_error(exchange(server, b"BREW / HTTP/1.1\r\nHost: x\r\n\r\n"), 501)
+def test_a_known_method_the_api_does_not_use_is_405_json(server: GatewayServer) -> None:
+    _, headers, _ = resp = exchange(server, b"PROPFIND /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert_json_error(resp, 405)
+    assert headers["allow"] == "GET"
 
 
-@pytest.mark.parametrize("raw", [b"GET / HTTP/3.0\r\n\r\n", b"GET /\r\n"])
+@pytest.mark.parametrize("raw", [b"GET / HTTP/2.0\r\nHost: x\r\n\r\n", b"GET /\r\n\r\n"])
 def test_unsupported_http_version_is_505_json(server: GatewayServer, raw: bytes) -> None:
     assert_json_error(exchange(server, raw), 505)
 
@@ -132,7 +137,7 @@ def test_api_errors_are_unchanged(server: GatewayServer) -> None:
 
 
 def test_slow_client_is_cut_off_and_does_not_block_others(server: GatewayServer) -> None:
-    before = GATEWAY_CONNECTIONS.labels("read_timeout")._value.get()
+    before = GATEWAY_CONNECTIONS.labels("header_timeout")._value.get()
     slow = connect(server)
     stop = threading.Event()
 
@@ -157,7 +162,7 @@ def test_slow_client_is_cut_off_and_does_not_block_others(server: GatewayServer)
     finally:
         stop.set()
         slow.close()
-    assert GATEWAY_CONNECTIONS.labels("read_timeout")._value.get() == before + 1
+    assert GATEWAY_CONNECTIONS.labels("header_timeout")._value.get() == before + 1
 
 
 def test_slow_body_is_cut_off_with_408(server: GatewayServer) -> None:
@@ -179,27 +184,41 @@ def test_idle_keep_alive_connection_is_closed_after_the_idle_timeout(server: Gat
     assert GATEWAY_CONNECTIONS.labels("idle_timeout")._value.get() == before + 1
 
 
-def test_connections_beyond_max_connections_get_503_json() -> None:
-    srv = start(max_connections=2, idle_timeout_s=5.0)
-    held = [connect(srv), connect(srv)]
+def test_a_full_server_evicts_the_longest_waiting_idle_connection() -> None:
+    srv = start(max_connections=2, idle_timeout_s=5.0, header_timeout_s=5.0)
+    before = GATEWAY_CONNECTIONS.labels("evicted")._value.get()
+    silent = connect(srv)  # waits longest: never sends anything
+    time.sleep(0.1)
+    idle = connect(srv)
     try:
-        for sock in held:  # both served, both kept alive: the pool is full
-            sock.sendall(POST)
-            assert read_response(sock)[0] == 200
+        idle.sendall(POST)
+        assert read_response(idle)[0] == 200  # now idle between keep-alive requests
+        assert exchange(srv, POST)[0] == 200  # a third client is served: the silent one made room
+        assert closed_by_server(silent)
+        assert GATEWAY_CONNECTIONS.labels("evicted")._value.get() == before + 1
+    finally:
+        silent.close()
+        idle.close()
+        srv.stop(drain_s=1.0)
+
+
+def test_connections_beyond_max_connections_all_busy_get_503_json() -> None:
+    srv = start(max_connections=2, idle_timeout_s=5.0, header_timeout_s=5.0)
+    busy = [connect(srv), connect(srv)]
+    try:
+        for sock in busy:  # each has begun a request: none may be evicted
+            sock.sendall(POST[:20])
+        time.sleep(0.2)
         status, headers, body = exchange(srv, POST)
         assert_json_error((status, headers, body), 503)
-        assert headers["connection"] == "close"
-        held.pop().close()
+        assert headers["connection"] == "close" and headers["retry-after"] == "1"
+        busy.pop().close()
         deadline = time.monotonic() + 2
-        while True:  # the closed connection's worker is free again
-            try:
-                assert exchange(srv, POST)[0] == 200
-                break
-            except AssertionError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        while exchange(srv, POST)[0] != 200:  # the closed connection's slot is free again
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     finally:
-        for sock in held:
+        for sock in busy:
             sock.close()
         srv.stop(drain_s=1.0)
 
@@ -219,7 +238,7 @@ def listen_overflows() -> int | None:
 
 
 def test_200_concurrent_keep_alive_clients_are_all_answered() -> None:
-    srv = start(idle_timeout_s=10.0)
+    srv = start(idle_timeout_s=10.0, max_connections_per_client=1024)
     overflows_before = listen_overflows()
     n, rounds = 200, 3
     answered: list[float] = []
@@ -252,5 +271,115 @@ def test_200_concurrent_keep_alive_clients_are_all_answered() -> None:
         if overflows_before is not None:
             assert listen_overflows() == overflows_before, sorted(answered)[-5:]
         assert max(answered) < 10.0, sorted(answered)[-5:]
+    finally:
+        srv.stop(drain_s=1.0)
+
+
+SMUGGLED = b"GET /v1/routing HTTP/1.1\r\nHost: x\r\n\r\n"
+FRAMING = {
+    "two_content_lengths": b"Content-Length: 3\r\nContent-Length: 5\r\n\r\nabcde",
+    "same_content_length_twice": b"Content-Length: 5\r\nContent-Length: 5\r\n\r\nabcde",
+    "negative_content_length": b"Content-Length: -5\r\n\r\n" + SMUGGLED,
+    "non_numeric_content_length": b"Content-Length: 3a\r\n\r\nabc",
+    "content_length_list": b"Content-Length: 3, 3\r\n\r\nabc",
+    "chunked_and_content_length": b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+                                  + SMUGGLED,
+    "chunked_not_last": b"Transfer-Encoding: chunked, gzip\r\n\r\n0\r\n\r\n" + SMUGGLED,
+    "obsolete_line_folding": b"X-A: a\r\n  folded\r\nContent-Length: 0\r\n\r\n" + SMUGGLED,
+    "space_before_colon": b"Content-Length : 0\r\n\r\n" + SMUGGLED,
+    "bare_lf": b"Content-Length: 0\n\n" + SMUGGLED,
+    "bad_chunk_size": b"Transfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n" + SMUGGLED,
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRAMING))
+def test_ambiguous_framing_is_400_and_closes_without_a_second_request(server: GatewayServer,
+                                                                     name: str) -> None:
+    raw = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + FRAMING[name]
+    with connect(server) as sock:
+        sock.sendall(raw)
+        assert_json_error(read_response(sock), 400)
+        rest = b""
+        try:
+            while chunk := sock.recv(65536):
+                rest += chunk
+        except ConnectionResetError:
+            pass
+        assert rest == b"", f"a second answer after the refusal: {rest[:200]!r}"
+
+
+def test_chunked_body_is_read_whole(server: GatewayServer) -> None:
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(BODY[i:i + 7]), BODY[i:i + 7]) for i in range(0, len(BODY), 7))
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+           + chunked + b"0\r\n\r\n")
+    status, _, body = exchange(server, raw)
+    assert status == 200 and json.loads(body)["completion_tokens"] == [5, 6, 1]
+
+
+def test_chunked_body_over_the_limit_is_413() -> None:
+    srv = start(max_body_bytes=1024)
+    try:
+        chunk = b"a" * 600
+        raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+               + (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * 2 + b"0\r\n\r\n")
+        assert "exceeds" in assert_json_error(exchange(srv, raw), 413)
+    finally:
+        srv.stop(drain_s=1.0)
+
+
+def test_a_transfer_coding_the_gateway_cannot_decode_is_501(server: GatewayServer) -> None:
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+           b"3\r\nabc\r\n0\r\n\r\n")
+    assert "transfer coding" in assert_json_error(exchange(server, raw), 501)
+
+
+def test_repeated_authorization_header_is_400(server: GatewayServer) -> None:
+    raw = POST.replace(b"Host: x\r\n", b"Host: x\r\nAuthorization: Bearer a\r\nAuthorization: Bearer b\r\n")
+    assert "authorization" in assert_json_error(exchange(server, raw), 400)
+
+
+def test_a_silent_new_connection_is_closed_after_the_header_timeout(server: GatewayServer) -> None:
+    before = GATEWAY_CONNECTIONS.labels("header_timeout")._value.get()
+    with connect(server) as sock:
+        t0 = time.monotonic()
+        assert closed_by_server(sock)  # nothing was sent: closed without an answer
+        assert 0.8 < time.monotonic() - t0 < 2.5
+    assert GATEWAY_CONNECTIONS.labels("header_timeout")._value.get() == before + 1
+
+
+def test_connections_beyond_the_per_client_cap_get_429_and_others_are_served() -> None:
+    srv = start(max_connections_per_client=2, idle_timeout_s=5.0, header_timeout_s=5.0)
+    held = [connect(srv), connect(srv)]
+    try:
+        status, headers, body = exchange(srv, POST)
+        assert_json_error((status, headers, body), 429)
+        assert json.loads(body)["error"]["code"] == "rate_limit_exceeded" and headers["retry-after"] == "1"
+        for sock in held:  # the held ones are served
+            sock.sendall(POST)
+            assert read_response(sock)[0] == 200
+        held.pop().close()
+        deadline = time.monotonic() + 2
+        while exchange(srv, POST)[0] != 200:  # a slot is free again once the close is seen
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        for sock in held:
+            sock.close()
+        srv.stop(drain_s=1.0)
+
+
+def test_authentication_comes_before_any_other_check_on_v1() -> None:
+    from pydantic import SecretStr
+
+    srv = start(api_keys={"team": SecretStr("k" * 24)}, allow_anonymous=False)
+    try:
+        for raw in (POST.replace(b"application/json", b"text/plain"),
+                    b"GET /v1/nope HTTP/1.1\r\nHost: x\r\n\r\n",
+                    b"DELETE /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n"):
+            status, headers, body = exchange(srv, raw)
+            assert_json_error((status, headers, body), 401)
+            assert headers["www-authenticate"].startswith("Bearer")
+            assert json.loads(body)["error"]["code"] == "invalid_api_key"
+            assert (headers.get("connection") == "close") == raw.startswith(b"POST")  # body unread
     finally:
         srv.stop(drain_s=1.0)

@@ -1,0 +1,236 @@
+"""The gateway's HTTP server: :class:`Gateway` as an ASGI application on uvicorn (httptools).
+
+The parser is httptools (llhttp); the connection limits are services/gateway/asgi/protocol.py.
+Per request, the application (:class:`GatewayApp`) reads the body within ``read_timeout_s``
+and ``max_body_bytes``, then runs ``Gateway.handle`` on a thread pool: the gateway's work is
+a blocking engine call or a CPU-bound local policy, which must not stall the event loop that
+serves every other connection. A streamed answer is pulled from its iterator on the same
+pool, one chunk at a time, and written as it comes; when the client goes away the iterator
+is closed, which closes the engine's stream too and logs what was served.
+
+:class:`GatewayServer` runs one uvicorn server in a background thread on a socket it binds
+itself (so ``port=0`` works and the port is known before the first request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import uvicorn
+
+from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_REQUESTS
+from services.gateway.asgi.protocol import guarded_protocol
+from services.gateway.openai_api import Response, error_response
+from services.gateway.server import Gateway
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+SINGLE_HEADERS = frozenset({"authorization", "content-type", "x-rtrl-user", "x-rtrl-session-id",
+                            "x-request-id"})
+"""Headers that must not appear twice: which copy counts would be a guess."""
+CLOSE = ("Connection", "close")
+
+
+class RequestHeaders:
+    """A request's headers, looked up case-insensitively (the first of repeated ones)."""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._map: dict[str, str] = {}
+        self.repeated: str | None = None
+        for name, value in raw:
+            key = name.decode("latin-1").lower()
+            if key in self._map:
+                if key in SINGLE_HEADERS:
+                    self.repeated = key
+                continue
+            self._map[key] = value.decode("latin-1")
+
+    def get(self, name: str, default: None = None, /) -> str | None:
+        return self._map.get(name.lower(), default)
+
+
+class GatewayApp:
+    """The ASGI application (HTTP only; no lifespan, no websockets)."""
+
+    def __init__(self, gateway: Gateway, pool: ThreadPoolExecutor) -> None:
+        self.gateway = gateway
+        self.settings = gateway.settings
+        self.pool = pool
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = RequestHeaders(scope["headers"])
+        resp = self._precheck(scope["path"], headers) or await self._read_and_handle(scope, receive, headers)
+        if resp is None:
+            return  # the client left
+        if resp.stream is None:
+            await self._send_whole(send, resp)
+        else:
+            await self._send_stream(receive, send, resp, resp.stream)
+
+    def _precheck(self, path: str, headers: RequestHeaders) -> Response | None:
+        """What is refused on the headers alone, before the body is read: ambiguous headers, a
+        transfer coding that cannot be decoded, a missing or wrong API key (authentication
+        comes before the API's own checks)."""
+        coding = headers.get("transfer-encoding")
+        if headers.repeated is not None:
+            return self._refused(400, f"the {headers.repeated} header appears more than once")
+        if coding is not None and coding.strip().lower() != "chunked":
+            return self._refused(501, f"transfer coding {coding[:60]!r} is not supported: send the body "
+                                      "as is (Content-Length) or chunked")
+        refused = self.gateway.authenticate(path, headers)
+        if refused is not None and (headers.get("content-length") not in (None, "0") or coding is not None):
+            refused = replace(refused, headers=(*refused.headers, CLOSE))  # its body stays unread
+        return refused
+
+    # ----------------------------------------------------------------- request
+    async def _body(self, receive: Receive, headers: RequestHeaders) -> bytes | Response | None:
+        """The whole body; a 413 or 408 Response (closing the connection); None on disconnect."""
+        limit = self.settings.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return self._refused(413, f"request body of {declared} bytes exceeds the limit of {limit}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.read_timeout_s
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                wait = self.settings.read_timeout_s
+                return self._refused(408, f"request body not received within {wait:g} s")
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return self._refused(413, f"request body exceeds the limit of {limit} bytes")
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    @staticmethod
+    def _refused(status: int, message: str) -> Response:
+        GATEWAY_REQUESTS.labels("none", "none", str(status)).inc()
+        return error_response(status, message, headers=(CLOSE,))
+
+    async def _read_and_handle(self, scope: Scope, receive: Receive,
+                               headers: RequestHeaders) -> Response | None:
+        body = await self._body(receive, headers)
+        if body is None or isinstance(body, Response):
+            return body
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self._call, scope["method"], scope["path"], body,
+                                          headers)
+
+    def _call(self, method: str, path: str, body: bytes, headers: RequestHeaders) -> Response:
+        try:
+            return self.gateway.handle(method, path, body, headers.get("content-type"), headers,
+                                       authenticated=True)
+        except Exception as exc:  # a bug answers 500; the server keeps serving
+            log.exception("unhandled error on %s %s", method, path)
+            GATEWAY_ERRORS.labels("none", "none", "internal").inc()
+            return error_response(500, f"internal error: {type(exc).__name__}")
+
+    # ----------------------------------------------------------------- response
+    @staticmethod
+    def _head(resp: Response, *extra: tuple[bytes, bytes]) -> dict[str, Any]:
+        headers = [(b"content-type", resp.content_type.encode("latin-1")), *extra]
+        headers += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in resp.headers]
+        return {"type": "http.response.start", "status": resp.code, "headers": headers}
+
+    async def _send_whole(self, send: Send, resp: Response) -> None:
+        await send(self._head(resp, (b"content-length", str(len(resp.body)).encode())))
+        await send({"type": "http.response.body", "body": resp.body})
+
+    async def _send_stream(self, receive: Receive, send: Send, resp: Response,
+                           chunks: Iterator[bytes]) -> None:
+        """Each chunk written as the pool produces it; a client that leaves closes the iterator."""
+        loop = asyncio.get_running_loop()
+        left = asyncio.Event()
+        watcher = asyncio.create_task(_watch_disconnect(receive, left))
+        try:
+            await send(self._head(resp, (b"cache-control", b"no-cache")))
+            while not left.is_set():
+                chunk = await loop.run_in_executor(self.pool, next, chunks, None)
+                if chunk is None:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
+                if chunk and not left.is_set():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            watcher.cancel()
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                await loop.run_in_executor(self.pool, close)
+
+
+async def _watch_disconnect(receive: Receive, left: asyncio.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    left.set()
+
+
+# --------------------------------------------------------------------- server
+
+
+def listen_socket(host: str, port: int, backlog: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+class GatewayServer:
+    """uvicorn around a :class:`Gateway`, in a background thread: ``start()``, ``port``,
+    ``stop(drain_s)``."""
+
+    def __init__(self, gateway: Gateway, host: str, port: int, sock: socket.socket | None = None) -> None:
+        s = gateway.settings
+        self.gateway = gateway
+        self._sock = sock or listen_socket(host, port, s.listen_backlog)
+        self._pool = ThreadPoolExecutor(max_workers=s.max_connections, thread_name_prefix="gateway")
+        config = uvicorn.Config(
+            GatewayApp(gateway, self._pool), http=guarded_protocol(s), lifespan="off", log_config=None,
+            access_log=False, server_header=False, timeout_keep_alive=s.idle_timeout_s,  # type: ignore[arg-type]
+            backlog=s.listen_backlog, timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self._sock.getsockname()[1])
+
+    def start(self, timeout_s: float = 30.0) -> GatewayServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gateway's HTTP server did not start (see the log)")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, drain_s: float = 5.0) -> None:
+        """Stop accepting, let requests in flight finish for up to ``drain_s``, close all."""
+        self._server.config.timeout_graceful_shutdown = max(1, round(drain_s))
+        self._server.should_exit = True
+        self._thread.join(drain_s + 5.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
