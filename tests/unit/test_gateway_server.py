@@ -397,3 +397,57 @@ def test_answers_do_not_wait_for_the_clients_delayed_ack(server: GatewayServer) 
             assert read_response(sock)[0] == 200
             waits.append(time.perf_counter() - t0)
     assert sorted(waits)[10] < 0.030, sorted(waits)
+
+
+class SlowStream:
+    """Streams up to 50 one-token pieces 20 ms apart; records whether its stream was closed."""
+
+    vocab_size = None
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+        self.sent = 0
+
+    def stream(self, req: Any, stream: bool = True) -> Iterator[Any]:
+        from services.gateway.generation import Piece
+
+        try:
+            for i in range(50):
+                self.sent += 1
+                yield Piece(text="x", tokens=[i + 1], logprobs=[-0.1], prompt_tokens=[1, 2],
+                            finish_reason="stop" if i == 49 else None)
+                time.sleep(0.02)
+        except GeneratorExit:
+            self.closed.set()
+            raise
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_client_leaving_a_stream_closes_the_engine_stream_and_logs_what_was_served() -> None:
+    from tests.unit.test_gateway_openai import AUTH, CHAT
+    from tests.unit.test_gateway_openai import make as make_openai
+
+    backend = SlowStream()
+    gateway, logged, _ = make_openai(backend)  # type: ignore[arg-type]
+    srv = GatewayServer(gateway, "127.0.0.1", 0).start()
+    try:
+        body = json.dumps({**CHAT, "stream": True}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {AUTH['Authorization']}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        with connect(srv) as sock:
+            sock.sendall(head + body)
+            got = b""
+            while b"data: " not in got:
+                got += sock.recv(65536)
+            assert got.startswith(b"HTTP/1.1 200")
+        assert backend.closed.wait(3), "the engine's stream was not closed after the client left"
+        deadline = time.monotonic() + 3
+        while not logged:
+            assert time.monotonic() < deadline, "no exposure for the part that was served"
+            time.sleep(0.01)
+        [fields] = logged
+        assert 1 <= len(fields["completion_tokens"]) < 50 and backend.sent < 50
+    finally:
+        srv.stop(drain_s=1.0)
