@@ -221,8 +221,12 @@ GATEWAY_CONNECTIONS = Counter(
     "rtrl_gateway_connections_closed_total",
     "Connections the gateway's HTTP server refused or cut off, by reason", ["reason"],
 )
-"""reason: rejected (max_connections open: answered 503) | read_timeout (request not received
-within read_timeout_s: answered 408) | idle_timeout (no request for idle_timeout_s: closed)"""
+"""reason (services/gateway/asgi/protocol.py): overloaded (max_connections all busy: 503) |
+per_client (max_connections_per_client from one address: 429) | evicted (the longest-waiting
+idle or silent connection, closed to make room) | header_timeout (headers not in within
+header_timeout_s: closed, or 408 when some arrived) | idle_timeout (keep-alive, no request for
+idle_timeout_s) | malformed (400 from the parser) | headers_too_large | request_line_too_long |
+http_version"""
 GATEWAY_CLIENT_REQUESTS = Counter(
     "rtrl_gateway_client_requests_total", "API requests by client key id", ["key_id"]
 )
