@@ -66,6 +66,8 @@ class Poster:
         data = resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{self.path} answered {resp.status}: {data[:200]!r}")
+        if b"data: " in data[:6] and not data.rstrip().endswith(b"data: [DONE]"):  # a cut stream
+            raise RuntimeError(f"{self.path}: a stream ended without [DONE]: {data[-200:]!r}")
         return data
 
     def close(self) -> None:

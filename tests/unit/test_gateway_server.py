@@ -6,6 +6,7 @@ all served. The server runs in-process with a fake backend (no Redis, Kafka or M
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -449,5 +450,65 @@ def test_a_client_leaving_a_stream_closes_the_engine_stream_and_logs_what_was_se
             time.sleep(0.01)
         [fields] = logged
         assert 1 <= len(fields["completion_tokens"]) < 50 and backend.sent < 50
+    finally:
+        srv.stop(drain_s=1.0)
+
+
+class ThreadRecordingStream:
+    """Streams 10 pieces 5 ms apart and records the thread each piece was produced on."""
+
+    vocab_size = None
+
+    def __init__(self) -> None:
+        self.threads: list[set[int]] = []
+
+    def stream(self, req: Any, stream: bool = True) -> Iterator[Any]:
+        from services.gateway.generation import Piece
+
+        seen: set[int] = set()
+        self.threads.append(seen)
+        for i in range(10):
+            seen.add(threading.get_ident())
+            yield Piece(text="x", tokens=[i + 1], logprobs=[-0.1], prompt_tokens=[1, 2],
+                        finish_reason="stop" if i == 9 else None)
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        pass
+
+
+def test_each_stream_runs_in_one_thread_from_its_first_piece_to_its_last() -> None:
+    """An engine backend keeps one HTTP connection per thread: a stream resumed on another
+    thread would share its connection with that thread's next request and be cut short."""
+    from tests.unit.test_gateway_openai import AUTH, CHAT
+    from tests.unit.test_gateway_openai import make as make_openai
+
+    backend = ThreadRecordingStream()
+    gateway, logged, _ = make_openai(backend)  # type: ignore[arg-type]
+    srv = GatewayServer(gateway, "127.0.0.1", 0).start()
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    failures: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            for _ in range(3):
+                conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+                conn.request("POST", "/v1/chat/completions", body=body,
+                             headers={**AUTH, "Content-Type": "application/json"})
+                text = conn.getresponse().read()
+                assert text.count(b"data: ") == 11 and text.endswith(b"data: [DONE]\n\n"), text[-200:]
+                conn.close()
+        except BaseException as exc:
+            failures.append(exc)
+
+    try:
+        threads = [threading.Thread(target=client) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not failures, failures[:2]
+        assert len(backend.threads) == 24 and all(len(seen) == 1 for seen in backend.threads), backend.threads
+        assert len(logged) == 24 and all(len(e["completion_tokens"]) == 10 for e in logged)
     finally:
         srv.stop(drain_s=1.0)

@@ -4,9 +4,10 @@ The parser is httptools (llhttp); the connection limits are services/gateway/asg
 Per request, the application (:class:`GatewayApp`) reads the body within ``read_timeout_s``
 and ``max_body_bytes``, then runs ``Gateway.handle`` on a thread pool: the gateway's work is
 a blocking engine call or a CPU-bound local policy, which must not stall the event loop that
-serves every other connection. A streamed answer is pulled from its iterator on the same
-pool, one chunk at a time, and written as it comes; when the client goes away the iterator
-is closed, which closes the engine's stream too and logs what was served.
+serves every other connection. A streamed answer is iterated in the same pool thread that
+started it and each chunk is written as it comes; when the client goes away the thread stops
+at the next chunk and closes the stream, which closes the engine's stream too and logs what
+was served.
 
 :class:`GatewayServer` runs one uvicorn server in a background thread on a socket it binds
 itself (so ``port=0`` works and the port is known before the first request).
@@ -15,11 +16,12 @@ itself (so ``port=0`` works and the port is known before the first request).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -36,6 +38,9 @@ log = logging.getLogger(__name__)
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+Outbox = asyncio.Queue[tuple[str, Any]]
+"""What a request's pool thread hands the event loop: ("response", Response), then for a
+stream ("chunk", bytes)... and ("end", None); ("gone", None) when the client left."""
 
 SINGLE_HEADERS = frozenset({"authorization", "content-type", "x-rtrl-user", "x-rtrl-session-id",
                             "x-request-id"})
@@ -73,13 +78,15 @@ class GatewayApp:
         if scope["type"] != "http":
             return
         headers = RequestHeaders(scope["headers"])
-        resp = self._precheck(scope["path"], headers) or await self._read_and_handle(scope, receive, headers)
-        if resp is None:
-            return  # the client left
-        if resp.stream is None:
-            await self._send_whole(send, resp)
-        else:
-            await self._send_stream(receive, send, resp, resp.stream)
+        refused = self._precheck(scope["path"], headers)
+        if refused is not None:
+            await self._send_whole(send, refused)
+            return
+        body = await self._body(receive, headers)
+        if isinstance(body, Response):
+            await self._send_whole(send, body)
+        elif body is not None:  # None: the client left
+            await self._serve(scope, receive, send, body, headers)
 
     def _precheck(self, path: str, headers: RequestHeaders) -> Response | None:
         """What is refused on the headers alone, before the body is read: ambiguous headers, a
@@ -128,15 +135,6 @@ class GatewayApp:
         GATEWAY_REQUESTS.labels("none", "none", str(status)).inc()
         return error_response(status, message, headers=(CLOSE,))
 
-    async def _read_and_handle(self, scope: Scope, receive: Receive,
-                               headers: RequestHeaders) -> Response | None:
-        body = await self._body(receive, headers)
-        if body is None or isinstance(body, Response):
-            return body
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self._call, scope["method"], scope["path"], body,
-                                          headers)
-
     def _call(self, method: str, path: str, body: bytes, headers: RequestHeaders) -> Response:
         try:
             return self.gateway.handle(method, path, body, headers.get("content-type"), headers,
@@ -157,32 +155,70 @@ class GatewayApp:
         await send(self._head(resp, (b"content-length", str(len(resp.body)).encode())))
         await send({"type": "http.response.body", "body": resp.body})
 
-    async def _send_stream(self, receive: Receive, send: Send, resp: Response,
-                           chunks: Iterator[bytes]) -> None:
-        """Each chunk written as the pool produces it; a client that leaves closes the iterator."""
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, body: bytes,
+                     headers: RequestHeaders) -> None:
+        """Run the request on the pool and send what it answers. A whole answer is sent once
+        it is ready; a stream chunk by chunk as the pool thread produces it."""
         loop = asyncio.get_running_loop()
-        left = asyncio.Event()
-        watcher = asyncio.create_task(_watch_disconnect(receive, left))
+        out: Outbox = asyncio.Queue()
+        gone = threading.Event()
+        job = loop.run_in_executor(self.pool, self._run, loop, out, gone, scope["method"], scope["path"],
+                                   body, headers)
+        _, resp = await out.get()
+        if resp.stream is None:
+            await self._send_whole(send, resp)
+            await job
+            return
+        watcher = asyncio.create_task(_watch_disconnect(receive, gone, out))
         try:
             await send(self._head(resp, (b"cache-control", b"no-cache")))
-            while not left.is_set():
-                chunk = await loop.run_in_executor(self.pool, next, chunks, None)
-                if chunk is None:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    return
-                if chunk and not left.is_set():
+            while True:
+                kind, chunk = await out.get()
+                if kind == "end":
+                    if not gone.is_set():
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    break
+                if kind == "chunk" and not gone.is_set():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         finally:
+            gone.set()  # also when this task is cancelled: the pool thread stops at its next chunk
             watcher.cancel()
-            close = getattr(chunks, "close", None)
+
+    def _run(self, loop: asyncio.AbstractEventLoop, out: Outbox, gone: threading.Event,
+             method: str, path: str, body: bytes, headers: RequestHeaders) -> None:
+        """The pool thread's part: the request, and for a stream every chunk and its close,
+        all in this one thread. A stream must not move between threads: an engine backend
+        keeps one connection per thread, which the thread's next request would reuse while
+        the stream is still reading from it."""
+
+        def put(kind: str, item: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the server stopped
+                loop.call_soon_threadsafe(out.put_nowait, (kind, item))
+
+        resp = self._call(method, path, body, headers)
+        put("response", resp)
+        if resp.stream is None:
+            return
+        try:
+            for chunk in resp.stream:
+                if gone.is_set():
+                    break  # the client left: closing the stream closes the engine's too
+                if chunk:
+                    put("chunk", chunk)
+        except Exception:  # the routes turn engine failures into an error event; this is a bug
+            log.exception("stream failed on %s %s", method, path)
+        finally:
+            close = getattr(resp.stream, "close", None)
             if close is not None:
-                await loop.run_in_executor(self.pool, close)
+                close()
+            put("end", None)
 
 
-async def _watch_disconnect(receive: Receive, left: asyncio.Event) -> None:
+async def _watch_disconnect(receive: Receive, gone: threading.Event, out: Outbox) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-    left.set()
+    gone.set()
+    out.put_nowait(("gone", None))
 
 
 # --------------------------------------------------------------------- server
