@@ -77,6 +77,14 @@ def assert_json_error(resp: tuple[int, dict[str, str], bytes], code: int) -> str
     return str(payload["error"]["message"])
 
 
+def assert_served_again_within(srv: GatewayServer, seconds: float) -> None:
+    """A new client gets 200 within ``seconds`` (a freed slot is seen asynchronously)."""
+    deadline = time.monotonic() + seconds
+    while exchange(srv, POST)[0] != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def closed_by_server(sock: socket.socket) -> bool:
     try:
         return sock.recv(1) == b""
@@ -214,10 +222,7 @@ def test_connections_beyond_max_connections_all_busy_get_503_json() -> None:
         assert_json_error((status, headers, body), 503)
         assert headers["connection"] == "close" and headers["retry-after"] == "1"
         busy.pop().close()
-        deadline = time.monotonic() + 2
-        while exchange(srv, POST)[0] != 200:  # the closed connection's slot is free again
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        assert_served_again_within(srv, 2.0)  # the closed connection's slot is free again
     finally:
         for sock in busy:
             sock.close()
@@ -359,10 +364,7 @@ def test_connections_beyond_the_per_client_cap_get_429_and_others_are_served() -
             sock.sendall(POST)
             assert read_response(sock)[0] == 200
         held.pop().close()
-        deadline = time.monotonic() + 2
-        while exchange(srv, POST)[0] != 200:  # a slot is free again once the close is seen
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        assert_served_again_within(srv, 2.0)  # a slot is free again once the close is seen
     finally:
         for sock in held:
             sock.close()
