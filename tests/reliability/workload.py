@@ -315,6 +315,18 @@ class Worker:
                 last = [int(x) for x in re.findall(r"\[(\d+)\]", line.split(" assigned ", 1)[1])]
         return last
 
+    def owned_partitions(self, timeout_s: float = 60.0) -> list[int]:
+        """Its input partitions once it owns some: a worker mid-rebalance (another member just
+        restarted) or still joining its group owns nothing for a moment. Fails, with its log's
+        tail, when it owns nothing for ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not (parts := self.partitions()):
+            assert self.alive(), f"died on its own:\n{self.obituary()}"
+            assert time.monotonic() < deadline, (
+                f"{self.instance} owned no partition for {timeout_s:.0f} s:\n{self.obituary()}")
+            time.sleep(0.2)
+        return parts
+
     def rss_bytes(self) -> int | None:
         return rss_of(self.pid)
 
