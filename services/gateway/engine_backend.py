@@ -16,12 +16,20 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from services.gateway.generation import GenRequest, Piece, UpstreamError, clean_logprob
 from services.gateway.models import Generation
+
+
+class Relay(Protocol):
+    """An asynchronous client of the engine (services/gateway/asgi/relay.AsyncEngineClient)."""
+
+    def pieces(self, model: str, req: GenRequest, stream: bool = True) -> AsyncGenerator[Piece, None]: ...
+
+    def close(self) -> None: ...
 
 
 def _ids(value: Any) -> list[int] | None:
@@ -187,13 +195,23 @@ def engine_error(status: int, body: Any) -> UpstreamError:
 
 
 class EngineBackend:
-    """One model name on the engine, served through :class:`EngineClient`."""
+    """One model name on the engine, served through :class:`EngineClient` (blocking, for the
+    token-id API and callers without an event loop) and, given ``relay``, through an
+    :class:`Relay` on the server's event loop."""
 
     vocab_size: int | None = None
 
-    def __init__(self, client: EngineClient, model: str) -> None:
+    def __init__(self, client: EngineClient, model: str, relay: Relay | None = None) -> None:
         self.client = client
         self.model = model
+        self.relay = relay
+        self.relays = relay is not None
+        """True: :meth:`astream` serves without a thread (the gateway's event-loop path)."""
+
+    def astream(self, req: GenRequest, stream: bool = True) -> AsyncGenerator[Piece, None]:
+        if self.relay is None:
+            raise RuntimeError("this engine backend has no asynchronous relay")
+        return self.relay.pieces(self.model, req, stream)
 
     def stream(self, req: GenRequest, stream: bool = True) -> Iterator[Piece]:
         path = "/v1/chat/completions" if req.kind == "chat" else "/v1/completions"

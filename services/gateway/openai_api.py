@@ -12,7 +12,7 @@ import hashlib
 import http
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol
 
@@ -236,6 +236,8 @@ class Response:
     stream: Iterator[bytes] | None = None
     """When set, the body is sent as these chunks (``Transfer-Encoding: chunked``), each
     written as soon as it is produced; ``body`` is ignored."""
+    astream: AsyncGenerator[bytes, None] | None = None
+    """The same, produced on the event loop (a relayed engine stream)."""
 
 
 ERROR_CODES: dict[int, str] = {

@@ -11,10 +11,12 @@ of the response object, which the official ``openai`` client keeps as an extra a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -80,9 +82,29 @@ class OpenAIRoutes:
         call = self._call(kind, data, headers)
         if isinstance(call, Response):
             return call
+        if call.claimed and not self.gw.request_ids.claim(call.request_id):
+            return _duplicate(call)
         response = self._serve(call)
         if response.code != 200 and call.claimed:
             self.gw.request_ids.release(call.request_id)
+        return response
+
+    async def acomplete(self, kind: str, data: Any, headers: api.Headers) -> Response:
+        """:meth:`complete` on the event loop, for backends that relay asynchronously (a Redis
+        round trip for a client's request id goes to a thread). A streamed answer's body is an
+        async iterator. Cancelled (the client left), it stops the engine's generation."""
+        call = self._call(kind, data, headers)
+        if isinstance(call, Response):
+            return call
+        ids = self.gw.request_ids
+        if call.claimed and not await _off_loop(ids.remote, ids.claim, call.request_id):
+            return _duplicate(call)
+        response: Response | None = None
+        try:
+            response = await self._aserve(call)
+        finally:
+            if call.claimed and (response is None or response.code != 200):
+                await _off_loop(ids.remote, ids.release, call.request_id)
         return response
 
     # ----------------------------------------------------------------- validation
@@ -106,9 +128,6 @@ class OpenAIRoutes:
         rid = body.request_id or headers.get(api.REQUEST_ID_HEADER)
         if not api.ID_RE.match(session) or (rid is not None and not api.ID_RE.match(rid)):
             return oai_error(400, "session and request ids must be 1-128 chars of A-Za-z0-9_.:-")
-        if rid is not None and not self.gw.request_ids.claim(rid):
-            return oai_error(409, f"request id {rid} was already served; send a new id per request",
-                             err="duplicate_request_id")
         return Call(kind, req, body, user, session, rid or uuid.uuid4().hex, rid is not None,
                     time.perf_counter())
 
@@ -131,6 +150,32 @@ class OpenAIRoutes:
                 served.add(piece)
         except Exception as exc:
             return self._failed(call, exc)
+        return self._whole(call, served)
+
+    async def _aserve(self, call: Call) -> Response:
+        picked = self.gw.pick(call.user_key)
+        if isinstance(picked, Response):
+            return picked
+        arm, version, backend, stable = picked
+        first = await self._astart(call, arm, version, backend, stable)
+        if isinstance(first, Response):
+            return first
+        pieces, head = first
+        if call.body.stream:
+            events = self._asse(call, pieces, head)
+            return Response(200, b"", "text/event-stream", self._headers(call), astream=events)
+        served = Served()
+        served.add(head)
+        try:
+            async with contextlib.aclosing(pieces):
+                async for piece in pieces:
+                    served.add(piece)
+        except Exception as exc:
+            return self._failed(call, exc)
+        return self._whole(call, served)
+
+    def _whole(self, call: Call, served: Served) -> Response:
+        """The answer to a non-streamed request, once all of it was generated."""
         if call.req.logprobs is None:
             served.client_logprobs = []  # the backend's, needed for the event, not asked for
         problem = served.problem()
@@ -153,21 +198,45 @@ class OpenAIRoutes:
             try:
                 pieces = backend.stream(call.req, stream=call.body.stream)
                 return pieces, next(pieces)
-            except BadRequestError as exc:
-                return oai_error(400, str(exc), arm=attempt, version=version)
-            except StopIteration:
-                return oai_error(502, f"model {version} produced nothing", "server_error", arm=attempt,
-                                 version=version)
             except Exception as exc:
-                kind = "upstream" if isinstance(exc, UpstreamError) else "generate"
-                GATEWAY_ERRORS.labels(attempt, version, kind).inc()
-                if attempt == "stable":
-                    return self._failed(call, exc)
-                log.warning("%s %s failed, serving from stable: %s", attempt, version, exc)
-                GATEWAY_FALLBACKS.inc()
-                self.gw.count(version, attempt, True, call.user_key)
+                refused = self._start_failed(call, exc)
+                if refused is not None:
+                    return refused
                 version, backend = stable
         raise AssertionError("unreachable")
+
+    async def _astart(self, call: Call, arm: Arm, version: str, backend: Backend,
+                      stable: tuple[str, Backend]) -> tuple[AsyncGenerator[Piece, None], Piece] | Response:
+        """:meth:`_start` on the event loop."""
+        for attempt in (arm, "stable"):
+            call.arm, call.version = attempt, version
+            pieces = _pieces(backend, call)
+            try:
+                return pieces, await anext(pieces)
+            except Exception as exc:
+                await pieces.aclose()
+                refused = self._start_failed(call, exc)
+                if refused is not None:
+                    return refused
+                version, backend = stable
+        raise AssertionError("unreachable")
+
+    def _start_failed(self, call: Call, exc: Exception) -> Response | None:
+        """The answer when a generation failed before its first piece; None when a canary
+        failed and stable is to serve instead."""
+        if isinstance(exc, BadRequestError):
+            return oai_error(400, str(exc), arm=call.arm, version=call.version)
+        if isinstance(exc, StopIteration | StopAsyncIteration):
+            return oai_error(502, f"model {call.version} produced nothing", "server_error", arm=call.arm,
+                             version=call.version)
+        kind = "upstream" if isinstance(exc, UpstreamError) else "generate"
+        GATEWAY_ERRORS.labels(call.arm, call.version, kind).inc()
+        if call.arm == "stable":
+            return self._failed(call, exc)
+        log.warning("%s %s failed, serving from stable: %s", call.arm, call.version, exc)
+        GATEWAY_FALLBACKS.inc()
+        self.gw.count(call.version, call.arm, True, call.user_key)
+        return None
 
     def _failed(self, call: Call, exc: Exception) -> Response:
         code = exc.status if isinstance(exc, UpstreamError) else 500
@@ -179,38 +248,44 @@ class OpenAIRoutes:
                          version=call.version)
 
     def _sse(self, call: Call, pieces: Iterator[Piece], head: Piece) -> Iterator[bytes]:
-        served, created, name = Served(), int(time.time()), self.gw.model_name
-        complete = False
+        events = _Events(call, self.gw.model_name)
         try:
-            first = True
-            for piece in _chain(head, pieces):
-                served.add(piece)
-                shown = piece.client_logprobs if call.req.logprobs is not None else None
-                obj = api.chunk(call.kind, call.request_id, name, created, piece.text, shown,
-                                piece.finish_reason, first)
-                if first:
-                    obj["rtrl"] = {"request_id": call.request_id, "arm": call.arm, "version": call.version}
-                    first = False
-                yield api.sse(obj)
-            if call.body.include_usage:
-                yield api.sse(api.usage_chunk(call.kind, call.request_id, name, created, served))
-            yield api.sse("[DONE]")
-            complete = True
+            yield events.piece(head)
+            for piece in pieces:
+                yield events.piece(piece)
+            yield from events.end()
         except Exception as exc:
-            log.error("%s %s failed while streaming: %s", call.arm, call.version, exc)
-            GATEWAY_ERRORS.labels(call.arm, call.version, "stream").inc()
-            yield api.sse(api.error_body(f"model {call.version} failed while streaming: {exc}",
-                                         kind="server_error"))
+            yield events.failed(exc)
         finally:
-            if not complete:
+            if not events.complete:
                 close = getattr(pieces, "close", None)
                 if close is not None:
                     close()
-            # what reached the client (all of it, or up to a disconnect) is what was served
-            if served.tokens and served.problem() is None:
-                self._log(call, served)
-            else:
-                self.gw.count(call.version, call.arm, True, call.user_key)
+            self._streamed(call, events.served)
+
+    async def _asse(self, call: Call, pieces: AsyncGenerator[Piece, None],
+                    head: Piece) -> AsyncGenerator[bytes, None]:
+        """:meth:`_sse` on the event loop."""
+        events = _Events(call, self.gw.model_name)
+        try:
+            yield events.piece(head)
+            async for piece in pieces:
+                yield events.piece(piece)
+            for tail in events.end():
+                yield tail
+        except Exception as exc:
+            yield events.failed(exc)
+        finally:
+            if not events.complete:
+                await pieces.aclose()  # cancelled or closed: the engine's response is closed too
+            self._streamed(call, events.served)
+
+    def _streamed(self, call: Call, served: Served) -> None:
+        """A stream ended: what reached the client (all of it, or up to a disconnect) is what was served."""
+        if served.tokens and served.problem() is None:
+            self._log(call, served)
+        else:
+            self.gw.count(call.version, call.arm, True, call.user_key)
 
     # ----------------------------------------------------------------- logging
     def _headers(self, call: Call) -> tuple[tuple[str, str], ...]:
@@ -237,6 +312,65 @@ class OpenAIRoutes:
         return latency_ms
 
 
-def _chain(head: Piece, rest: Iterator[Piece]) -> Iterator[Piece]:
-    yield head
-    yield from rest
+class _Events:
+    """The server-sent events of one streamed answer, piece by piece."""
+
+    def __init__(self, call: Call, model_name: str) -> None:
+        self.call, self.name = call, model_name
+        self.served, self.created = Served(), int(time.time())
+        self.first, self.complete = True, False
+
+    def piece(self, piece: Piece) -> bytes:
+        call = self.call
+        self.served.add(piece)
+        shown = piece.client_logprobs if call.req.logprobs is not None else None
+        obj = api.chunk(call.kind, call.request_id, self.name, self.created, piece.text, shown,
+                        piece.finish_reason, self.first)
+        if self.first:
+            obj["rtrl"] = {"request_id": call.request_id, "arm": call.arm, "version": call.version}
+            self.first = False
+        return api.sse(obj)
+
+    def end(self) -> list[bytes]:
+        tail = []
+        if self.call.body.include_usage:
+            tail.append(api.sse(api.usage_chunk(self.call.kind, self.call.request_id, self.name,
+                                                self.created, self.served)))
+        tail.append(api.sse("[DONE]"))
+        self.complete = True
+        return tail
+
+    def failed(self, exc: Exception) -> bytes:
+        call = self.call
+        log.error("%s %s failed while streaming: %s", call.arm, call.version, exc)
+        GATEWAY_ERRORS.labels(call.arm, call.version, "stream").inc()
+        return api.sse(api.error_body(f"model {call.version} failed while streaming: {exc}",
+                                      kind="server_error"))
+
+
+def _duplicate(call: Call) -> Response:
+    return oai_error(409, f"request id {call.request_id} was already served; send a new id per request",
+                     err="duplicate_request_id")
+
+
+async def _off_loop(remote: bool, fn: Callable[[str], Any], request_id: str) -> Any:
+    """``fn(request_id)``: in a thread when it goes over the network (Redis), else inline."""
+    return await asyncio.to_thread(fn, request_id) if remote else fn(request_id)
+
+
+async def _pieces(backend: Backend, call: Call) -> AsyncGenerator[Piece, None]:
+    """The backend's pieces on the event loop: its own relay, or (a local policy, CPU-bound)
+    each step in a thread, the iterator closed when the caller stops early."""
+    if getattr(backend, "relays", False):
+        async with contextlib.aclosing(backend.astream(call.req, call.body.stream)) as relayed:  # type: ignore[attr-defined]
+            async for piece in relayed:
+                yield piece
+        return
+    steps = backend.stream(call.req, stream=call.body.stream)
+    try:
+        while (piece := await asyncio.to_thread(next, steps, None)) is not None:
+            yield piece
+    finally:
+        close = getattr(steps, "close", None)
+        if close is not None:
+            close()

@@ -35,6 +35,11 @@ class RequestIds:
         self._local_size = local_size
         self._lock = threading.Lock()
 
+    @property
+    def remote(self) -> bool:
+        """True when claims go to Redis (a network round trip)."""
+        return self._client is not None
+
     def _claim_local(self, request_id: str) -> bool:
         with self._lock:
             if request_id in self._local:

@@ -81,6 +81,18 @@ def parse_json(body: bytes) -> tuple[Any, str | None]:
         return None, f"malformed JSON: {str(exc)[:200]}"
 
 
+GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+"""The OpenAI generation routes and the kind of request each serves."""
+
+
+def _unsupported(content_type: str | None) -> Response | None:
+    """The 415 for a POST whose body is declared as something other than JSON."""
+    if content_type and not is_json_media_type(content_type):
+        GATEWAY_REQUESTS.labels("none", "none", "415").inc()
+        return _error(415, f"unsupported Content-Type {content_type[:100]!r}; send application/json")
+    return None
+
+
 def validation_message(exc: ValidationError) -> str:
     """One readable line from a pydantic error: 'malformed JSON: ...' or 'field: problem; ...'."""
     errors = exc.errors(include_url=False)
@@ -151,10 +163,31 @@ class Gateway:
         if method != allowed:
             return _error(405, f"{method} not allowed on {path}; use {allowed}",
                           headers=(("Allow", allowed),))
-        if method == "POST" and content_type and not is_json_media_type(content_type):
-            GATEWAY_REQUESTS.labels("none", "none", "415").inc()
-            return _error(415, f"unsupported Content-Type {content_type[:100]!r}; send application/json")
+        if method == "POST" and (refused := _unsupported(content_type)) is not None:
+            return refused
         return fn(body)
+
+    def relays(self, method: str, path: str) -> bool:
+        """Whether :meth:`ahandle` serves this request on the event loop: an OpenAI generation
+        route while the models are on an engine (their backends relay asynchronously)."""
+        stable = self.slots.get("stable")
+        return (method == "POST" and path.split("?", 1)[0] in GENERATION_ROUTES
+                and stable is not None and getattr(stable[1], "relays", False))
+
+    async def ahandle(self, path: str, body: bytes, content_type: str | None,
+                      headers: Headers) -> Response | None:
+        """An authenticated request that :meth:`relays`, answered on the event loop; None when
+        it is the token-id API after all (blocking: run :meth:`handle` in a thread)."""
+        refused = _unsupported(content_type)
+        if refused is not None:
+            return refused
+        kind = GENERATION_ROUTES[path.split("?", 1)[0]]
+        data, refused = self._generation_body(kind, body)
+        if refused is not None:
+            return refused
+        if kind == "completion" and "prompt_tokens" in data:
+            return None
+        return await self.openai.acomplete(kind, data, headers)
 
     def authenticate(self, path: str, headers: Headers) -> Response | None:
         """The 401 for a ``/v1/*`` request without a valid API key, else None. It comes before
@@ -172,23 +205,27 @@ class Gateway:
     def completions(self, body: bytes, headers: Headers) -> Response:
         """``POST /v1/completions``: the token-id API when the body has ``prompt_tokens``, else
         the OpenAI completions API."""
-        data, problem = parse_json(body)
-        if problem is not None:
-            GATEWAY_REQUESTS.labels("none", "none", "400").inc()
-            return _error(400, problem)
-        if not isinstance(data, dict):
-            GATEWAY_REQUESTS.labels("none", "none", "400").inc()
-            return _error(400, "invalid request: the body must be a JSON object")
+        data, refused = self._generation_body("completion", body)
+        if refused is not None:
+            return refused
         if "prompt_tokens" in data:
             return self.complete(data)
         return self.openai.complete("completion", data, headers)
 
     def _openai(self, kind: str, body: bytes, headers: Headers) -> Response:
+        data, refused = self._generation_body(kind, body)
+        return refused if refused is not None else self.openai.complete(kind, data, headers)
+
+    @staticmethod
+    def _generation_body(kind: str, body: bytes) -> tuple[Any, Response | None]:
+        """The parsed body of a generation request, or the 400 that refuses it."""
         data, problem = parse_json(body)
+        if problem is None and kind == "completion" and not isinstance(data, dict):
+            problem = "invalid request: the body must be a JSON object"
         if problem is not None:
             GATEWAY_REQUESTS.labels("none", "none", "400").inc()
-            return _error(400, problem)
-        return self.openai.complete(kind, data, headers)
+            return None, _error(400, problem)
+        return data, None
 
     def pick(self, user_key: str) -> tuple[Arm, str, Backend, tuple[str, Backend]] | Response:
         """The arm, version and backend serving ``user_key``, and stable's (for a fallback);

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from typing import Any, Literal
 
-from services.gateway.engine_backend import EngineBackend, EngineClient
+from services.gateway.engine_backend import EngineBackend, EngineClient, Relay
 from services.gateway.generation import GenRequest, Piece, UpstreamError, clean_logprob
 from services.gateway.models import Generation
 from services.settings.services import UpstreamSettings
@@ -81,13 +81,17 @@ class UpstreamBackend:
         cfg: UpstreamSettings,
         timeout_s: float = 30.0,
         token_ids: Literal["require", "hash"] = "require",  # noqa: S107 (a mode, not a secret)
+        relay: Callable[[str, str | None, float], Relay] | None = None,
     ) -> None:
         self._cfg = cfg
         self._mode = token_ids
         key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
         self._client = EngineClient(cfg.base_url, key, timeout_s, name="upstream")
         """Persistent connections, one per gateway thread, shared by both APIs."""
-        self._engine = EngineBackend(self._client, cfg.model)
+        self._relay = relay(cfg.base_url, key, timeout_s) if relay is not None else None
+        """``relay(base_url, api_key, timeout_s)``: the asynchronous client for the event loop."""
+        self._engine = EngineBackend(self._client, cfg.model, self._relay)
+        self.relays = self._relay is not None
 
     def generate(self, prompt_tokens: Sequence[int], max_tokens: int, temperature: float) -> Generation:
         status, payload = self._client.exchange("POST", "/v1/completions", {
@@ -107,5 +111,10 @@ class UpstreamBackend:
         """The OpenAI API, forwarded as in the ``vllm`` backend (services/gateway/engine_backend.py)."""
         return self._engine.stream(req, stream)
 
+    def astream(self, req: GenRequest, stream: bool = True) -> AsyncGenerator[Piece, None]:
+        return self._engine.astream(req, stream)
+
     def close(self) -> None:
         self._client.close()
+        if self._relay is not None:
+            self._relay.close()

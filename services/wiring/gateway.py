@@ -14,6 +14,7 @@ from deployer.adapters.served_counts import ServedCounts
 from deployer.routing import Arm, RoutingTable
 from ingest.contracts.keys import engine_model_key
 from ingest.contracts.prometheus import registry_for
+from services.gateway.asgi.relay import AsyncEngineClient
 from services.gateway.engine_backend import EngineBackend, EngineClient
 from services.gateway.exposure import ExposureLogger, ExposureProcess, make_event_producer
 from services.gateway.models import Backend, ModelSlots, policy_loader
@@ -36,18 +37,24 @@ def engine_loader(settings: Any, redis_client: Any) -> Callable[[Arm, str], Back
     eng: EngineSettings = settings.engine
     key = eng.api_key.get_secret_value() if eng.api_key is not None else None
     client = EngineClient(str(eng.base_url), key, eng.timeout_s)
+    relay = AsyncEngineClient(str(eng.base_url), key, eng.timeout_s,
+                              max_connections=settings.gateway.max_connections)
     prefix = settings.redis.key_prefix
 
     def load(arm: Arm, version: str) -> Backend:
         if version == eng.base_version:
-            return EngineBackend(client, str(eng.base_model))
+            return EngineBackend(client, str(eng.base_model), relay)
         name = redis_client.get(engine_model_key(prefix, version))
         if not name:
             raise RuntimeError(f"version {version} is not loaded in the engine yet (the deployer "
                                "loads it and records its model name before routing traffic to it)")
-        return EngineBackend(client, name.decode() if isinstance(name, bytes) else str(name))
+        return EngineBackend(client, name.decode() if isinstance(name, bytes) else str(name), relay)
 
     return load
+
+
+def upstream_relay(base_url: str, api_key: str | None, timeout_s: float) -> AsyncEngineClient:
+    return AsyncEngineClient(base_url, api_key, timeout_s, name="upstream")
 
 
 def engine_problem(settings: Any) -> str | None:
@@ -90,7 +97,7 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
             cfg = ups[arm]
             if cfg is None:
                 raise RuntimeError(f"no upstream configured for the {arm} arm")
-            return UpstreamBackend(cfg, gw.upstream_timeout_s, gw.upstream_token_ids)
+            return UpstreamBackend(cfg, gw.upstream_timeout_s, gw.upstream_token_ids, relay=upstream_relay)
 
         slots = ModelSlots(load_upstream, gw.load_retry_s, share_across_arms=False)
         champion = None

@@ -21,7 +21,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -30,6 +30,7 @@ import uvicorn
 
 from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_REQUESTS
 from services.gateway.asgi.protocol import guarded_protocol
+from services.gateway.asgi.relay import close_all
 from services.gateway.openai_api import Response, error_response
 from services.gateway.server import Gateway
 
@@ -75,6 +76,9 @@ class GatewayApp:
         self.pool = pool
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         headers = RequestHeaders(scope["headers"])
@@ -85,7 +89,10 @@ class GatewayApp:
         body = await self._body(receive, headers)
         if isinstance(body, Response):
             await self._send_whole(send, body)
-        elif body is not None:  # None: the client left
+        elif body is None:  # the client left
+            return
+        elif not self.gateway.relays(scope["method"], scope["path"]) or \
+                not await self._relay(scope, receive, send, body, headers):
             await self._serve(scope, receive, send, body, headers)
 
     def _precheck(self, path: str, headers: RequestHeaders) -> Response | None:
@@ -155,6 +162,32 @@ class GatewayApp:
         await send(self._head(resp, (b"content-length", str(len(resp.body)).encode())))
         await send({"type": "http.response.body", "body": resp.body})
 
+    async def _relay(self, scope: Scope, receive: Receive, send: Send, body: bytes,
+                     headers: RequestHeaders) -> bool:
+        """Serve a generation request on the event loop (its model is on an engine). The work
+        runs as a task that is cancelled when the client leaves, which closes the engine's
+        response. False: it is not one to serve here after all (the token-id API)."""
+        work = asyncio.ensure_future(self._ahandle(scope["path"], body, headers))
+        finished, resp = await _unless_gone(work, receive)
+        if not finished:
+            return True
+        if resp is None:
+            return False
+        if resp.astream is None:
+            await self._send_whole(send, resp)
+            return True
+        await send(self._head(resp, (b"cache-control", b"no-cache")))
+        await _unless_gone(asyncio.ensure_future(_pump(send, resp.astream)), receive)
+        return True
+
+    async def _ahandle(self, path: str, body: bytes, headers: RequestHeaders) -> Response | None:
+        try:
+            return await self.gateway.ahandle(path, body, headers.get("content-type"), headers)
+        except Exception as exc:  # a bug answers 500; the server keeps serving
+            log.exception("unhandled error on POST %s", path)
+            GATEWAY_ERRORS.labels("none", "none", "internal").inc()
+            return error_response(500, f"internal error: {type(exc).__name__}")
+
     async def _serve(self, scope: Scope, receive: Receive, send: Send, body: bytes,
                      headers: RequestHeaders) -> None:
         """Run the request on the pool and send what it answers. A whole answer is sent once
@@ -214,6 +247,48 @@ class GatewayApp:
             put("end", None)
 
 
+async def _unless_gone(work: asyncio.Future[Any], receive: Receive) -> tuple[bool, Any]:
+    """(True, its result) once ``work`` is done; (False, None) when the client left first,
+    after cancelling ``work`` and letting it clean up."""
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+        watcher.cancel()
+    return (True, work.result()) if not work.cancelled() else (False, None)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _pump(send: Send, stream: AsyncGenerator[bytes, None]) -> None:
+    """Send an async stream's chunks as they come, then end the body."""
+    try:
+        async for chunk in stream:
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        await stream.aclose()
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    """Start-up has nothing to do; at shutdown the engine relays' sessions on this loop close."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await close_all()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 async def _watch_disconnect(receive: Receive, gone: threading.Event, out: Outbox) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -247,7 +322,7 @@ class GatewayServer:
         self._sock = sock or listen_socket(host, port, s.listen_backlog)
         self._pool = ThreadPoolExecutor(max_workers=s.max_connections, thread_name_prefix="gateway")
         config = uvicorn.Config(
-            GatewayApp(gateway, self._pool), http=guarded_protocol(s), lifespan="off", log_config=None,
+            GatewayApp(gateway, self._pool), http=guarded_protocol(s), lifespan="on", log_config=None,
             access_log=False, server_header=False, timeout_keep_alive=s.idle_timeout_s,  # type: ignore[arg-type]
             backlog=s.listen_backlog, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
