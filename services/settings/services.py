@@ -281,8 +281,10 @@ class GatewaySettings(Section):
     """Connections the kernel queues before the server accepts them (capped by the kernel's
     ``net.core.somaxconn``); beyond it new connections wait for SYN retransmits (1, 3, 7 s)."""
     max_connections: Annotated[int, Field(ge=1)] = 1024
-    """Open client connections at once; one more is answered 503 (``Retry-After``) at once
-    and closed. Requests in flight run on a thread pool of this size."""
+    """Open client connections at once; when full, the longest-idle one is closed for a new
+    one, and only when all are busy is a new one answered 503 (``Retry-After``). Requests to
+    local policies run on a thread pool of this size; requests to an engine share at most
+    this many connections to it."""
     max_connections_per_client: Annotated[int, Field(ge=1)] = 64
     """Open connections from one client address; one more is answered 429
     (``rate_limit_exceeded``) and closed. Behind a proxy every client shares its address: raise
