@@ -6,6 +6,7 @@ connection carries the next request, and each request reaches the engine once.""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import http.client
 import json
 import select
@@ -35,6 +36,9 @@ class SlowEngine:
     def __init__(self, tokens: int = 40, gap_s: float = 0.05, status: int = 200) -> None:
         self.tokens, self.gap_s, self.status = tokens, gap_s, status
         self.break_after: int | None = None
+        self.gzip = False
+        """Whole answers: compressed, whether asked for or not."""
+        self.asked_to_compress = False
         """Streams: close the connection after this many events, mid-answer."""
         self.requests = self.connections = 0
         self.sent = 0
@@ -60,6 +64,7 @@ class SlowEngine:
                     while (header := rfile.readline()) not in (b"\r\n", b""):
                         if header.lower().startswith(b"content-length:"):
                             length = int(header.split(b":")[1])
+                        self.asked_to_compress |= header.lower().startswith(b"accept-encoding:")
                     body = json.loads(rfile.read(length))
                     self.requests += 1
                     if not self._answer(conn, bool(body.get("stream"))):
@@ -93,8 +98,11 @@ class SlowEngine:
                                   "prompt_token_ids": [1, 2], "finish_reason": "stop",
                                   "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.5}]}}]}
             data = json.dumps(whole).encode()
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                         % (len(data), data))
+            coding = b""
+            if self.gzip:
+                data, coding = gzip.compress(data), b"Content-Encoding: gzip\r\n"
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n%s"
+                         b"Content-Length: %d\r\n\r\n%s" % (coding, len(data), data))
             return True
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
@@ -166,6 +174,17 @@ def test_whole_and_streamed_answers_are_relayed_and_logged(engine: SlowEngine) -
         wait_for(lambda: len(logged) == 2, 3, "both answers logged")
         assert [e["completion_tokens"] for e in logged] == [[3, 4], [3, 4, 5, 6, 7]]
         assert engine.requests == 2 and engine.connections == 1  # the stream's connection was reused
+    finally:
+        srv.stop(drain_s=1.0)
+
+
+def test_no_compression_is_asked_for_and_a_compressed_answer_is_read(engine: SlowEngine) -> None:
+    engine.gap_s, engine.gzip = 0.0, True
+    srv, _, _ = serve(backend_on(engine.url))
+    try:
+        code, body = post(http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10), CHAT)
+        assert code == 200 and json.loads(body)["choices"][0]["message"]["content"] == "all"
+        assert not engine.asked_to_compress
     finally:
         srv.stop(drain_s=1.0)
 

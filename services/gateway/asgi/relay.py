@@ -69,9 +69,12 @@ class AsyncEngineClient:
                 del self._sessions[old]  # a stopped server's loop: its sockets went with it
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s)
             connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=30.0)
+            # no Accept-Encoding: compressing on the engine and decompressing here costs both
+            # sides CPU for a loopback or in-cluster hop; a server that compresses anyway is
+            # decompressed
             session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self.headers,
-                                            auto_decompress=False, read_bufsize=1 << 20,
-                                            max_line_size=1 << 20, skip_auto_headers=("User-Agent",))
+                                            read_bufsize=1 << 20, max_line_size=1 << 20,
+                                            skip_auto_headers=("User-Agent", "Accept-Encoding"))
             self._sessions[loop] = session
         return session
 
