@@ -189,6 +189,20 @@ def test_no_compression_is_asked_for_and_a_compressed_answer_is_read(engine: Slo
         srv.stop(drain_s=1.0)
 
 
+def test_an_answer_over_the_limit_is_502_not_held(engine: SlowEngine,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.gateway.asgi import relay
+
+    monkeypatch.setattr(relay, "ANSWER_LIMIT", 100)  # the engine's whole answer is ~200 bytes
+    engine.gap_s = 0.0
+    srv, _, _ = serve(backend_on(engine.url))
+    try:
+        code, body = post(http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10), CHAT)
+        assert code == 502 and "more than 100 bytes" in json.loads(body)["error"]["message"]
+    finally:
+        srv.stop(drain_s=1.0)
+
+
 def test_a_client_leaving_a_stream_closes_the_engines_connection_and_logs_what_was_served(
         engine: SlowEngine) -> None:
     srv, logged, _ = serve(backend_on(engine.url))

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 ERROR_BODY_LIMIT = 65_536
 """Bytes of an engine's error answer read for its message."""
+ANSWER_LIMIT = 64 << 20
+"""Bytes of a whole answer read at most: an engine answering more is refused with 502, not
+held in memory."""
 TAIL_LIMIT = 65_536
 """Bytes read after a stream's ``[DONE]`` so its connection can be reused; more is not an engine we know."""
 _CLIENTS: weakref.WeakSet[AsyncEngineClient] = weakref.WeakSet()
@@ -133,8 +136,13 @@ class AsyncEngineClient:
                 resp.close()  # half read (or the client left): the connection cannot carry another
 
     async def _read_json(self, resp: aiohttp.ClientResponse) -> Any:
+        raw = bytearray()
         try:
-            return json.loads(await resp.read())
+            while chunk := await resp.content.read(1 << 16):
+                raw += chunk
+                if len(raw) > ANSWER_LIMIT:
+                    raise UpstreamError(502, f"{self.name} answered more than {ANSWER_LIMIT} bytes")
+            return json.loads(raw)
         except TimeoutError:
             raise UpstreamError(504, f"{self.name} read timed out after {self.timeout_s:g}s") from None
         except (aiohttp.ClientError, ValueError) as exc:
