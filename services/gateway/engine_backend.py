@@ -17,7 +17,7 @@ import http.client
 import json
 import threading
 from collections.abc import AsyncGenerator, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 from services.gateway.generation import GenRequest, Piece, UpstreamError, clean_logprob
@@ -183,6 +183,32 @@ class EngineClient:
         self._drop()
 
 
+def sse_event(kind: str, line: bytes) -> Piece | Literal["done"] | None:
+    """One line of an engine's server-sent events: its piece, ``"done"`` at ``[DONE]``, None
+    for a line that carries no piece (comments, blank lines, events without choices). An
+    error event raises :class:`UpstreamError`; a malformed one ``ValueError``."""
+    text = line.strip()
+    if not text.startswith(b"data:"):
+        return None
+    payload = text[5:].strip()
+    if payload == b"[DONE]":
+        return "done"
+    data = json.loads(payload)
+    if isinstance(data, dict) and data.get("choices"):
+        return parse_choice(kind, data)
+    if isinstance(data, dict) and "error" in data:
+        raise engine_error(502, data)
+    return None
+
+
+def error_answer(status: int, raw: bytes) -> UpstreamError:
+    """An engine's error answer, JSON or not, as the gateway's (:func:`engine_error`)."""
+    try:
+        return engine_error(status, json.loads(raw))
+    except ValueError:
+        return engine_error(status, raw[:300].decode("utf-8", "replace"))
+
+
 def engine_error(status: int, body: Any) -> UpstreamError:
     """An engine's error answer -> the gateway's: the client's mistakes (400, 404 for a
     model, 413, 422) pass through as 400; anything else is 502."""
@@ -223,32 +249,19 @@ class EngineBackend:
             return
         resp = self.client.open("POST", path, engine_body(req, self.model, True))
         if resp.status != 200:
-            raw = resp.read()
-            try:
-                raise engine_error(resp.status, json.loads(raw))
-            except ValueError:
-                raise engine_error(resp.status, raw[:300].decode("utf-8", "replace")) from None
+            raise error_answer(resp.status, resp.read())
         yield from self._events(req.kind, resp)
 
     def _events(self, kind: str, resp: http.client.HTTPResponse) -> Iterator[Piece]:
         done = False
         try:
-            while True:
-                line = resp.readline()
-                if not line:
-                    break
-                text = line.strip()
-                if not text.startswith(b"data:"):
-                    continue
-                payload = text[5:].strip()
-                if payload == b"[DONE]":
+            while line := resp.readline():
+                event = sse_event(kind, line)
+                if isinstance(event, Piece):
+                    yield event
+                elif event == "done":
                     done = True
                     break
-                data = json.loads(payload)
-                if isinstance(data, dict) and data.get("choices"):
-                    yield parse_choice(kind, data)
-                elif isinstance(data, dict) and "error" in data:
-                    raise engine_error(502, data)
         except (TimeoutError, OSError, http.client.HTTPException, ValueError) as exc:
             raise UpstreamError(502, f"engine stream broke: {exc}") from None
         finally:

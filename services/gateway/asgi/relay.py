@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from services.gateway.engine_backend import engine_body, engine_error, parse_choice
+from services.gateway.engine_backend import engine_body, error_answer, parse_choice, sse_event
 from services.gateway.generation import GenRequest, Piece, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -153,28 +153,16 @@ class AsyncEngineClient:
             raw = await resp.content.read(ERROR_BODY_LIMIT)
         except (TimeoutError, aiohttp.ClientError):
             raw = b""
-        try:
-            return engine_error(resp.status, json.loads(raw))
-        except ValueError:
-            return engine_error(resp.status, raw[:300].decode("utf-8", "replace"))
+        return error_answer(resp.status, raw)
 
     async def _events(self, kind: str, resp: aiohttp.ClientResponse) -> AsyncGenerator[Piece, None]:
         try:
-            while True:
-                line = await resp.content.readline()
-                if not line:
-                    break
-                text = line.strip()
-                if not text.startswith(b"data:"):
-                    continue
-                payload = text[5:].strip()
-                if payload == b"[DONE]":
+            while line := await resp.content.readline():
+                event = sse_event(kind, line)
+                if isinstance(event, Piece):
+                    yield event
+                elif event == "done":
                     return
-                data = json.loads(payload)
-                if isinstance(data, dict) and data.get("choices"):
-                    yield parse_choice(kind, data)
-                elif isinstance(data, dict) and "error" in data:
-                    raise engine_error(502, data)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             raise UpstreamError(502, f"{self.name} stream broke: {exc or type(exc).__name__}") from None
         raise UpstreamError(502, f"{self.name} stream ended without [DONE]")
