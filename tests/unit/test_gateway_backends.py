@@ -235,17 +235,20 @@ class _RawEngine:
         with conn, conn.makefile("rb") as rfile:
             try:
                 while rfile.readline():
-                    length = 0
+                    length, headers = 0, []
                     while (header := rfile.readline()) not in (b"\r\n", b""):
+                        headers.append(header.lower())
                         if header.lower().startswith(b"content-length:"):
                             length = int(header.split(b":")[1])
-                    rfile.read(length)
+                    body = rfile.read(length)
                     self.requests += 1
-                    self._answer(conn)
+                    if not self._answer(conn, headers, body):
+                        return
             except OSError:
                 return
 
-    def _answer(self, conn: socket.socket) -> None:
+    def _answer(self, conn: socket.socket, headers: list[bytes], body: bytes) -> bool:
+        """Answer one request (its lower-cased header lines and body); False: close the connection."""
         def chunk(data: bytes) -> bytes:
             return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -257,10 +260,11 @@ class _RawEngine:
         sent = 0
         while self.after_done < 0 or sent < self.after_done:
             if self._stop.wait(0.001):
-                return
+                return False
             conn.sendall(chunk(b": " + b"x" * 1022 + b"\n"))
             sent += 1024
         conn.sendall(b"0\r\n\r\n")
+        return True
 
     def stop(self) -> None:
         self._stop.set()

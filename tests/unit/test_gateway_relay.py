@@ -28,7 +28,7 @@ from tests.unit.test_gateway_openai import make as make_openai
 from tests.unit.test_gateway_server import connect, read_response
 
 
-class SlowEngine:
+class SlowEngine(_RawEngine):
     """A raw HTTP/1.1 engine on loopback: a streamed request gets ``tokens`` events ``gap_s``
     apart, a whole one its answer after ``gap_s * tokens``. It notes when a client closes the
     connection before the answer is complete (``left``) and how many events it had sent."""
@@ -36,42 +36,23 @@ class SlowEngine:
     def __init__(self, tokens: int = 40, gap_s: float = 0.05, status: int = 200) -> None:
         self.tokens, self.gap_s, self.status = tokens, gap_s, status
         self.break_after: int | None = None
+        """Streams: close the connection after this many events, mid-answer."""
         self.gzip = False
         """Whole answers: compressed, whether asked for or not."""
         self.asked_to_compress = False
-        """Streams: close the connection after this many events, mid-answer."""
-        self.requests = self.connections = 0
         self.sent = 0
         self.left = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(after_done=0)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as rfile:
-            try:
-                while rfile.readline():
-                    length = 0
-                    while (header := rfile.readline()) not in (b"\r\n", b""):
-                        if header.lower().startswith(b"content-length:"):
-                            length = int(header.split(b":")[1])
-                        self.asked_to_compress |= header.lower().startswith(b"accept-encoding:")
-                    body = json.loads(rfile.read(length))
-                    self.requests += 1
-                    if not self._answer(conn, bool(body.get("stream"))):
-                        self.left.set()
-                        return
-            except OSError:
-                self.left.set()
+    def _answer(self, conn: socket.socket, headers: list[bytes], body: bytes) -> bool:
+        self.asked_to_compress |= any(h.startswith(b"accept-encoding:") for h in headers)
+        try:
+            answered = self._reply(conn, bool(json.loads(body).get("stream")))
+        except OSError:
+            answered = False
+        if not answered:
+            self.left.set()
+        return answered
 
     def _gone(self, conn: socket.socket, wait_s: float) -> bool:
         """Wait up to ``wait_s``; True when the client closed the connection meanwhile."""
@@ -84,7 +65,7 @@ class SlowEngine:
                              "logprobs": {"content": [{"logprob": -0.5}]},
                              "finish_reason": "stop" if final else None}]}
 
-    def _answer(self, conn: socket.socket, stream: bool) -> bool:
+    def _reply(self, conn: socket.socket, stream: bool) -> bool:
         """False when the client left before the answer was complete."""
         if self.status != 200:
             data = json.dumps({"error": {"message": "bad prompt"}}).encode()
@@ -118,8 +99,6 @@ class SlowEngine:
         conn.sendall(b"f\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
         return True
 
-    def stop(self) -> None:
-        self._listener.close()
 
 
 def backend_on(url: str, timeout_s: float = 10.0) -> EngineBackend:
