@@ -210,7 +210,9 @@ class OpenAIRoutes:
         """:meth:`_start` on the event loop."""
         for attempt in (arm, "stable"):
             call.arm, call.version = attempt, version
-            pieces = _pieces(backend, call)
+            # Gateway.relays: every backend of a gateway served on the loop relays (an engine's)
+            pieces: AsyncGenerator[Piece, None] = backend.astream(  # type: ignore[attr-defined]
+                call.req, call.body.stream)
             try:
                 return pieces, await anext(pieces)
             except Exception as exc:
@@ -356,21 +358,3 @@ def _duplicate(call: Call) -> Response:
 async def _off_loop(remote: bool, fn: Callable[[str], Any], request_id: str) -> Any:
     """``fn(request_id)``: in a thread when it goes over the network (Redis), else inline."""
     return await asyncio.to_thread(fn, request_id) if remote else fn(request_id)
-
-
-async def _pieces(backend: Backend, call: Call) -> AsyncGenerator[Piece, None]:
-    """The backend's pieces on the event loop: its own relay, or (a local policy, CPU-bound)
-    each step in a thread, the iterator closed when the caller stops early."""
-    if getattr(backend, "relays", False):
-        async with contextlib.aclosing(backend.astream(call.req, call.body.stream)) as relayed:  # type: ignore[attr-defined]
-            async for piece in relayed:
-                yield piece
-        return
-    steps = backend.stream(call.req, stream=call.body.stream)
-    try:
-        while (piece := await asyncio.to_thread(next, steps, None)) is not None:
-            yield piece
-    finally:
-        close = getattr(steps, "close", None)
-        if close is not None:
-            close()

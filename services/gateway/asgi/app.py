@@ -290,8 +290,7 @@ async def _lifespan(receive: Receive, send: Send) -> None:
 
 
 async def _watch_disconnect(receive: Receive, gone: threading.Event, out: Outbox) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    await _disconnected(receive)
     gone.set()
     out.put_nowait(("gone", None))
 
