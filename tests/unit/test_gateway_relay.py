@@ -289,3 +289,40 @@ def test_the_relay_refuses_a_bad_url_and_maps_a_refused_connection_to_502() -> N
     with pytest.raises(UpstreamError) as info:
         asyncio.run(once())
     assert info.value.status == 502 and "unreachable" in str(info.value)
+
+
+def test_the_official_async_client_streams_200_at_once_through_the_relay() -> None:
+    """As a client would: the official ``openai`` async client, 200 concurrent streams from one
+    address (the per-client cap raised, as behind a proxy), each ending whole and logged once."""
+    import openai
+
+    from bench.fake_engine import FakeEngine
+    from tests.unit.test_gateway_openai import KEY
+
+    fake = FakeEngine(token_ms=5.0).start()
+    gateway, logged, _ = make_openai(backend_on(fake.base_url), max_connections_per_client=1024)
+    srv = GatewayServer(gateway, "127.0.0.1", 0).start()
+
+    async def stream(client: openai.AsyncOpenAI, i: int) -> str:
+        chunks = await client.chat.completions.create(
+            model="rtrl-policy", messages=[{"role": "user", "content": f"hi {i}"}], user=f"u{i}",
+            max_tokens=8, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key=KEY, max_retries=0,
+                                    timeout=60)
+        try:
+            return await asyncio.gather(*(stream(client, i) for i in range(200)))
+        finally:
+            await client.close()
+
+    try:
+        texts = asyncio.run(run())
+        assert all(t.count(" w") == 8 for t in texts), texts[:3]
+        wait_for(lambda: len(logged) == 200, 5, "every stream logged")
+        assert sorted(e["user_key"] for e in logged) == sorted(f"u{i}" for i in range(200))
+        assert all(len(e["completion_tokens"]) == 8 for e in logged) and fake.posts == 200
+    finally:
+        srv.stop(drain_s=1.0)
+        fake.stop()
