@@ -253,6 +253,9 @@ class Gateway(ScalableComponent):
     signing_key_id: str = "gateway"
     """The producer key id (in auth.keys) that signs the served events the gateway sends to
     the raw topic (RTRL_GATEWAY__KEY_ID)."""
+    tmp_size_limit: Quantity = "2Gi"
+    """Size limit of /tmp, which also holds the spool of served events waiting for the broker
+    (up to RTRL_GATEWAY__SPOOL_MAX_BYTES, 1 GiB by default): keep it above that."""
 
 
 class TrainerPersistence(_Values):

@@ -2,20 +2,19 @@
 to the routing table in Redis, the models (MLflow or upstream engines), the exposure log
 (Kafka) and the served counts, then serves until SIGTERM and drains.
 
-The process entry point only: what it runs is built in ``services/wiring/gateway.py``
-(whose docstring says how it works).
+The process entry point only: its workers, shipper and their parent are
+``services/wiring/gateway_workers.py``; what each worker runs is built in
+``services/wiring/gateway.py`` (whose docstrings say how they work).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from ingest.contracts.prometheus import BUILD_INFO
-from services.gateway.asgi.app import GatewayServer
-from services.runtime.health import Health
-from services.runtime.process import Stopper, setup_logging
+from services.runtime.process import setup_logging
 from services.settings.model import get_settings
-from services.wiring.gateway import build, engine_problem, log
+from services.wiring.gateway import engine_problem, log
+from services.wiring.gateway_workers import serve
 
 
 def main(argv: list[str]) -> int:
@@ -29,7 +28,6 @@ def main(argv: list[str]) -> int:
         gateway_settings = settings.gateway.model_copy(update={"port": args.port})
         settings = settings.model_copy(update={"gateway": gateway_settings})
     setup_logging(settings.log_level, "gateway")
-    BUILD_INFO.info({"rtrl_service": "gateway"})
     gw = settings.gateway
     if gw.key_id is not None and gw.secret is None and gw.key_id not in settings.auth.keys:
         log.error("no signing secret for key id %r: set RTRL_GATEWAY__SECRET (or RTRL_AUTH__KEYS), "
@@ -43,17 +41,4 @@ def main(argv: list[str]) -> int:
         log.error("no API keys: set RTRL_GATEWAY__API_KEYS='{\"<key id>\": \"<key>\"}' (clients send "
                   "'Authorization: Bearer <key>'), or RTRL_GATEWAY__ALLOW_ANONYMOUS=true (development)")
         return 2
-    stopper = Stopper().install()
-    health = Health(liveness_timeout_s=max(30.0, 10 * gw.routing_poll_s))
-    gateway, parts = build(settings, health)
-    server = GatewayServer(gateway, gw.host, gw.port).start()
-    log.info("gateway on http://%s:%d (API, /metrics, /healthz, /readyz)", gw.host, server.port)
-    stopper.wait()
-    log.info("stopping: draining requests, flushing served events")
-    server.stop()
-    poller, slots, exposures, counts = parts
-    poller.stop()
-    slots.stop()
-    exposures.stop()
-    counts.stop()
-    return 0
+    return serve(settings)

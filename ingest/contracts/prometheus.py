@@ -10,6 +10,8 @@ RtrlTrainingOverdue fire on every process).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -19,7 +21,9 @@ from prometheus_client import (
     Gauge,
     Histogram,
     Info,
+    multiprocess,
 )
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -211,11 +215,15 @@ dropped (queue full or broker unreachable: never sent) | invalid (did not fit th
 GATEWAY_MODEL_LOADS = Counter(
     "rtrl_gateway_model_loads_total", "Model version loads by arm and result", ["arm", "result"]
 )
+# gauges say how several gateway workers combine (prometheus-client multiprocess mode, used
+# by ``rtrl serve gateway``; ignored in a single process): over live workers only
 GATEWAY_SERVING = Gauge(
-    "rtrl_gateway_serving_version", "1 for the version each arm currently serves", ["arm", "version"]
+    "rtrl_gateway_serving_version", "1 for the version each arm currently serves", ["arm", "version"],
+    multiprocess_mode="livemax",
 )
 GATEWAY_ROUTING_AGE = Gauge(
-    "rtrl_gateway_routing_age_seconds", "Seconds since the routing table was last read from Redis"
+    "rtrl_gateway_routing_age_seconds", "Seconds since the routing table was last read from Redis",
+    multiprocess_mode="livemax",
 )
 GATEWAY_CONNECTIONS = Counter(
     "rtrl_gateway_connections_closed_total",
@@ -233,7 +241,19 @@ GATEWAY_CLIENT_REQUESTS = Counter(
 """key_id: the id of the API key that authenticated the request (never the key itself),
 ``anonymous`` when anonymous access is allowed, ``rejected`` for 401s."""
 GATEWAY_OPEN_CONNECTIONS = Gauge(
-    "rtrl_gateway_open_connections", "Client connections the gateway's HTTP server holds open"
+    "rtrl_gateway_open_connections", "Client connections the gateway's HTTP server holds open",
+    multiprocess_mode="livesum",
+)
+GATEWAY_SPOOL_BYTES = Gauge(
+    "rtrl_gateway_spool_bytes", "Served events on disk waiting for the broker (bytes)",
+    multiprocess_mode="livemax",
+)
+GATEWAY_SPOOL_AGE = Gauge(
+    "rtrl_gateway_spool_oldest_seconds", "Age of the oldest served event waiting in the spool (0: none)",
+    multiprocess_mode="livemax",
+)
+GATEWAY_WORKER_STARTS = Counter(
+    "rtrl_gateway_worker_starts_total", "Gateway worker processes started (more than the workers: restarts)"
 )
 
 # --- simulator ---------------------------------------------------------------------------
@@ -261,7 +281,8 @@ OWNERS: dict[str, tuple[Collector, ...]] = {
                  HOLDOUT_USERS, HOLDOUT_ACTIVE),
     "gateway": (GATEWAY_REQUESTS, GATEWAY_ERRORS, GATEWAY_SECONDS, GATEWAY_FALLBACKS, GATEWAY_EXPOSURES,
                 GATEWAY_MODEL_LOADS, GATEWAY_SERVING, GATEWAY_ROUTING_AGE, GATEWAY_CONNECTIONS,
-                GATEWAY_CLIENT_REQUESTS, GATEWAY_OPEN_CONNECTIONS),
+                GATEWAY_CLIENT_REQUESTS, GATEWAY_OPEN_CONNECTIONS, GATEWAY_SPOOL_BYTES, GATEWAY_SPOOL_AGE,
+                GATEWAY_WORKER_STARTS),
     "simulator": (SIM_REQUESTS, SIM_EVENTS, SIM_SCHEDULED),
 }
 """The metrics each service updates, and so exports."""
@@ -281,6 +302,31 @@ def registry_for(*services: str) -> CollectorRegistry:
         for collector in OWNERS[service]:
             registry.register(collector)
     return registry
+
+
+def multiprocess_registry(service: str) -> CollectorRegistry:
+    """What ``/metrics`` serves when several processes of ``service`` share one port
+    (``PROMETHEUS_MULTIPROC_DIR`` set before they started): every process's values of the
+    service's own and the shared metrics, combined (counters and histograms summed, gauges
+    as their ``multiprocess_mode`` says), and this process's build info. Per-process
+    collectors (process_*, python_gc_*) are left out: a scrape reaches one worker at random."""
+    names = {metric.name for collector in (*SHARED, *OWNERS[service])
+             for metric in collector.describe()}  # type: ignore[attr-defined]
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_Only(multiprocess.MultiProcessCollector(None), names))  # type: ignore[no-untyped-call]
+    registry.register(BUILD_INFO)
+    return registry
+
+
+class _Only(Collector):
+    """The metric families of ``inner`` with the given names (every rtrl process imports the
+    whole catalogue, so each one's files hold other services' metrics at their initial 0)."""
+
+    def __init__(self, inner: Collector, names: set[str]) -> None:
+        self._inner, self._names = inner, names
+
+    def collect(self) -> Iterable[Metric]:
+        return [m for m in self._inner.collect() if m.name in self._names]
 
 
 def observe_reward(arm: str, value: float) -> None:

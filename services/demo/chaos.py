@@ -7,8 +7,8 @@ flush or commit: a crash, not a shutdown) and starts it again at once. The loop 
 ingest and the reward worker resume from their committed offsets (exactly once), the
 trainer resumes its increment from its checkpoint, a new deployer takes the lease once the
 dead one's expires and continues the canary from its persisted status, and the gateway
-reloads its models (its users see errors meanwhile; the served events still queued in the
-killed gateway never reached the broker and are not part of the pipeline).
+reloads its models (its users see errors meanwhile; the served events its workers had
+spooled but not yet shipped are delivered by the restarted gateway's shipper).
 
 At the end (services stopped, consumers drained) :func:`verify` runs ``rtrl reconcile`` on
 the topics and reads the ledger: 0 lost and 0 duplicated events and rewards, no raw event

@@ -248,6 +248,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_GATEWAY__SIMULATED_MS_PER_TOKEN": f"{demo.simulated_ms_per_token:g}",
         "RTRL_GATEWAY__MIN_TOKENS": "1",  # no empty answers: see docs/demo.md
         "RTRL_GATEWAY__MODEL_CACHE_DIR": str(data / "gateway-cache"),
+        "RTRL_GATEWAY__SPOOL_DIR": str(data / "gateway-spool"),  # this run's, kept across kills
         "RTRL_GATEWAY__CHAMPION_REFRESH_S": "2",
         "RTRL_GATEWAY__LOAD_RETRY_S": "5",
         "RTRL_DEPLOYER__TICK_S": "3",

@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from ingest.contracts.prometheus import DEPENDENCY_RETRIES, GATEWAY_EXPOSURES
@@ -35,6 +36,7 @@ from ingest.events import CompletionServed
 from services.runtime.event_producer import EventProducer, EventTooLargeError
 from services.runtime.kafka_io import make_producer
 from services.runtime.process import setup_logging
+from services.runtime.spool.store import SpoolWriter
 from services.settings.services import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ class _Sender(Protocol):
     def close(self, timeout: float | None = None) -> None: ...
 
 
-def _count_metric(result: str, n: int) -> None:
+def count_exposures(result: str, n: int) -> None:
     GATEWAY_EXPOSURES.labels(result).inc(n)
     if result == "failed":  # the broker did not take it: a failed call to a dependency
         DEPENDENCY_RETRIES.labels("gateway", "kafka").inc(n)
@@ -65,7 +67,7 @@ class ExposureLogger:
         count: Callable[[str, int], None] | None = None,
     ) -> None:
         self._make_sender = make_sender
-        self._count = count or _count_metric
+        self._count = count or count_exposures
         """Called with (result, n) for every outcome; the metric by default."""
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=maxsize)
         self._retry_s = retry_s
@@ -236,7 +238,7 @@ class ExposureProcess:
         for i, result in enumerate(RESULTS):
             now = int(self._counts[i])
             if now > self._seen[i]:
-                _count_metric(result, now - self._seen[i])
+                count_exposures(result, now - self._seen[i])
                 self._seen[i] = now
 
     def _sync_loop(self) -> None:
@@ -311,3 +313,40 @@ def make_event_producer(settings: Any) -> Any:
     producer = make_producer(settings.kafka, max_block_ms=5000, bootstrap_timeout_ms=5000,
                              linger_ms=gw.exposure_linger_ms)
     return EventProducer(settings, gw.key_id, secret, producer=producer)
+
+
+# --------------------------------------------------------------------- spooled (workers)
+
+
+class SpooledExposures:
+    """A gateway worker's exposure log: each served event's fields are appended to the
+    worker's spool segment (services/runtime/spool/store.py) before its answer is sent; the
+    gateway's shipper process delivers them (services/wiring/gateway_workers.py). A worker
+    killed at any moment has lost nothing it answered; a broker outage fills the disk spool,
+    up to ``spool_max_bytes``, instead of dropping events."""
+
+    def __init__(self, directory: Path, name: str) -> None:
+        self._writer = SpoolWriter(directory, name)
+
+    def start(self) -> SpooledExposures:
+        self._writer.open()
+        return self
+
+    def log(self, fields: dict[str, Any]) -> bool:
+        if self._writer.append(fields):
+            return True
+        GATEWAY_EXPOSURES.labels("dropped").inc()
+        return False
+
+    @property
+    def healthy(self) -> bool:
+        """The shipper runs and its last delivery was acknowledged."""
+        return self._writer.healthy
+
+    def stop(self, timeout_s: float = 0.0) -> None:
+        self._writer.close()
+
+
+def served_event(record: dict[str, Any]) -> CompletionServed:
+    """A spooled record back as the event (ValueError when it does not fit the contract)."""
+    return CompletionServed(**record)

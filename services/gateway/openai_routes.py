@@ -255,7 +255,7 @@ class OpenAIRoutes:
             yield events.piece(head)
             for piece in pieces:
                 yield events.piece(piece)
-            yield from events.end()
+            yield from self._end(events)
         except Exception as exc:
             yield events.failed(exc)
         finally:
@@ -263,7 +263,7 @@ class OpenAIRoutes:
                 close = getattr(pieces, "close", None)
                 if close is not None:
                     close()
-            self._streamed(call, events.served)
+                self._streamed(call, events.served)
 
     async def _asse(self, call: Call, pieces: AsyncGenerator[Piece, None],
                     head: Piece) -> AsyncGenerator[bytes, None]:
@@ -273,14 +273,21 @@ class OpenAIRoutes:
             yield events.piece(head)
             async for piece in pieces:
                 yield events.piece(piece)
-            for tail in events.end():
+            for tail in self._end(events):
                 yield tail
         except Exception as exc:
             yield events.failed(exc)
         finally:
             if not events.complete:
                 await pieces.aclose()  # cancelled or closed: the engine's response is closed too
-            self._streamed(call, events.served)
+                self._streamed(call, events.served)
+
+    def _end(self, events: _Events) -> list[bytes]:
+        """The last events of a whole stream, its exposure logged before they are sent: a client
+        that got ``[DONE]`` was served a logged completion, even if the gateway dies next."""
+        tail = events.end()
+        self._streamed(events.call, events.served)
+        return tail
 
     def _streamed(self, call: Call, served: Served) -> None:
         """A stream ended: what reached the client (all of it, or up to a disconnect) is what was served."""

@@ -281,12 +281,12 @@ class GatewaySettings(Section):
     """Connections the kernel queues before the server accepts them (capped by the kernel's
     ``net.core.somaxconn``); beyond it new connections wait for SYN retransmits (1, 3, 7 s)."""
     max_connections: Annotated[int, Field(ge=1)] = 1024
-    """Open client connections at once; when full, the longest-idle one is closed for a new
+    """Open client connections at once, per worker; when full, the longest-idle one is closed for a new
     one, and only when all are busy is a new one answered 503 (``Retry-After``). Requests to
     local policies run on a thread pool of this size; requests to an engine share at most
     this many connections to it."""
     max_connections_per_client: Annotated[int, Field(ge=1)] = 64
-    """Open connections from one client address; one more is answered 429
+    """Open connections from one client address to one worker; one more is answered 429
     (``rate_limit_exceeded``) and closed. Behind a proxy every client shares its address: raise
     it to ``max_connections`` there."""
     header_timeout_s: Annotated[float, Field(gt=0.0)] = 10.0
@@ -319,11 +319,27 @@ class GatewaySettings(Section):
     """Key id that signs completion.served events; None sends them unsigned (development)."""
     secret: SecretStr | None = None
     """Signing secret; None: the secret of ``key_id`` in ``auth.keys``."""
+    workers: Annotated[int, Field(ge=0)] = 0
+    """Processes serving the API on one port (``rtrl serve gateway``); a worker that dies is
+    replaced. 0: one per core this process may use (its cgroup CPU limit, else its CPU
+    affinity; at most 8) when models run on an engine (``engine.kind=vllm`` or upstream
+    mode), 1 for local policies (each worker would hold its own copy of every model)."""
+    spool_dir: Path | None = None
+    """Where ``rtrl serve gateway``'s workers spool served events until the broker has them
+    (docs/gateway.md); None: ``<temp dir>/rtrl-gateway-<port>``. Keep it on a volume that
+    outlives the container (an emptyDir in the chart) so a restart delivers what was left."""
+    spool_max_bytes: Annotated[int, Field(ge=1 << 20)] = 1 << 30
+    """Served events waiting in the spool; beyond this new ones are dropped and counted
+    (``rtrl_gateway_exposures_total{result="dropped"}``)."""
+    spool_max_age_s: Annotated[float, Field(gt=0.0)] = 24 * 3600.0
+    """Served events spooled longer ago than this are dropped instead of sent: their
+    reward windows have closed long since."""
     exposure_queue: int = 10_000
-    """Served events waiting for the broker; beyond this they are dropped and counted."""
+    """In-process gateways (tests, benchmarks): served events waiting for the broker; beyond
+    this they are dropped and counted. ``rtrl serve gateway`` spools them on disk instead."""
     exposure_process: bool = True
-    """Run the Kafka producer of served events in a child process, so its CPU work never
-    holds the gateway's GIL (false: a background thread in the gateway process)."""
+    """In-process gateways: run the Kafka producer of served events in a child process, so
+    its CPU work never holds the gateway's GIL (false: a background thread)."""
     exposure_linger_ms: int = 50
     """Producer batching delay for served events: larger batches cost the gateway far less
     CPU per event (kafka-python: ~1.3 ms per event unbatched vs ~0.5 ms at 50 ms)."""

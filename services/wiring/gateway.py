@@ -70,15 +70,19 @@ def engine_problem(settings: Any) -> str | None:
     return None
 
 
-def _registry(settings: Any) -> Any:
+def registry(settings: Any) -> Any:
     from deployer.adapters.mlflow_registry import MlflowRegistry
 
     mlf = settings.mlflow
     return MlflowRegistry(mlf.tracking_uri, mlf.registered_model, mlf.training_experiment)
 
 
-def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
-    """Wire the gateway from settings; returns it and its background parts (started)."""
+def build(settings: Any, health: Health, exposures: Any = None,
+          metrics: Any = None) -> tuple[Gateway, list[Any]]:
+    """Wire the gateway from settings; returns it and its background parts (started).
+    ``exposures``: where served events go (default: a Kafka producer, in a child process
+    when ``gateway.exposure_process``); ``metrics``: the registry ``/metrics`` serves (default: this
+    process's gateway metrics)."""
 
     gw: GatewaySettings = settings.gateway
     base: str | None = None
@@ -86,7 +90,7 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
         # a "load" is one Redis read of the model name the deployer recorded: retried every
         # second at most, so a version is served within a second of being loaded and checked
         slots = ModelSlots(engine_loader(settings, make_redis(settings.redis)), min(gw.load_retry_s, 1.0))
-        source = _registry(settings)
+        source = registry(settings)
         champion = ChampionCache(lambda: source.alias_version("champion"), gw.champion_refresh_s).get
         model_name = settings.mlflow.registered_model
         base = settings.engine.base_version
@@ -106,7 +110,7 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
         import torch
 
         torch.set_num_threads(gw.torch_threads)
-        source = _registry(settings)
+        source = registry(settings)
         slots = ModelSlots(policy_loader(source, gw.model_cache_dir, gw.min_tokens), gw.load_retry_s)
         champion = ChampionCache(lambda: source.alias_version("champion"), gw.champion_refresh_s).get
         model_name = settings.mlflow.registered_model
@@ -127,11 +131,9 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
         else:
             slots.want(stable or base, table.canary_version, held)
 
-    exposures: ExposureLogger | ExposureProcess
-    if gw.exposure_process:
-        exposures = ExposureProcess(settings, gw.exposure_queue)
-    else:
-        exposures = ExposureLogger(lambda: make_event_producer(settings), gw.exposure_queue)
+    if exposures is None:
+        exposures = (ExposureProcess(settings, gw.exposure_queue) if gw.exposure_process
+                     else ExposureLogger(lambda: make_event_producer(settings), gw.exposure_queue))
     poller = RoutingPoller(
         RedisRoutingSource(make_redis(settings.redis), settings.redis.key_prefix),
         on_table, champion, gw.routing_poll_s, beat=health.beat,
@@ -142,7 +144,7 @@ def build(settings: Any, health: Health) -> tuple[Gateway, list[Any]]:
     health.add_check("broker", lambda: exposures.healthy, required=False)
     counts = ServedCounts(make_redis(settings.redis), settings.redis.key_prefix)
     gateway = Gateway(gw, slots, lambda: poller.table, exposures.log, model_name, health,
-                      registry=registry_for("gateway"), count=counts.count,
+                      registry=metrics or registry_for("gateway"), count=counts.count,
                       request_ids=RequestIds(make_redis(settings.redis), settings.redis.key_prefix))
     exposures.start()
     slots.start()

@@ -1,0 +1,273 @@
+"""``rtrl serve gateway`` on every core: worker processes on one listening socket, one
+shipper of served events, and the parent that keeps them running.
+
+* **One socket.** The parent binds the port and hands the socket to each worker (spawned,
+  never forked); the kernel gives each new connection to whichever worker accepts first, so
+  a busy worker takes fewer. A worker that dies leaves the connections it had not accepted
+  yet to the others, and the parent starts another one in its place.
+* **Exposures, exactly once.** A worker appends each served event to its own spool segment
+  (services/gateway/exposure.py ``SpooledExposures``) before the answer leaves, one
+  ``write(2)``: a SIGKILLed worker has lost nothing it answered. The shipper process reads
+  every worker's segments and delivers them to the broker, moving its offsets only after the
+  broker acknowledged (services/runtime/spool/ship.py); after a crash it sends a batch again,
+  and ingest drops the repeats by ``event_id``.
+* **Routing** is a pure function of the user and the routing table every worker reads from
+  Redis, so a user gets the same arm from any worker; request ids are claimed in Redis, so a
+  retry is recognised whichever worker takes it.
+* **/metrics** is prometheus-client's multiprocess mode: the parent points
+  ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory before it starts anyone, and any worker's
+  ``/metrics`` reports every worker's and the shipper's values combined
+  (``ingest.contracts.prometheus.multiprocess_registry``).
+* **Stopping.** SIGTERM (or SIGINT) to the parent: the workers stop accepting and drain, then
+  the shipper delivers what is left and exits. A worker or shipper whose parent died stops
+  by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import multiprocess
+
+from ingest.contracts.prometheus import (
+    BUILD_INFO,
+    GATEWAY_SPOOL_AGE,
+    GATEWAY_SPOOL_BYTES,
+    GATEWAY_WORKER_STARTS,
+    multiprocess_registry,
+)
+from services.gateway.asgi.app import GatewayServer, listen_socket
+from services.gateway.exposure import SpooledExposures, count_exposures, make_event_producer, served_event
+from services.runtime.health import Health
+from services.runtime.process import Stopper, setup_logging
+from services.runtime.spool.ship import Limits, SpoolShipper
+from services.runtime.spool.store import SpoolBusyError
+from services.wiring.gateway import build, registry
+
+log = logging.getLogger("services.gateway")
+
+QUICK_EXIT_S = 10.0
+"""A worker that exits this soon after it started, three times in a row, stops the gateway:
+restarting it again would only hide a configuration error."""
+
+
+AUTO_MAX_WORKERS = 8
+"""``workers=0`` never starts more than this: without a CPU limit a pod "has" every core of
+its node, and each worker holds its own memory."""
+
+
+def worker_count(settings: Any) -> int:
+    """``gateway.workers``, or for 0 the cores this process may use (at most
+    :data:`AUTO_MAX_WORKERS`); 1 for local policies."""
+    gw = settings.gateway
+    if gw.workers:
+        return int(gw.workers)
+    if settings.engine.kind != "vllm" and gw.stable_upstream is None:
+        return 1
+    return min(usable_cores(), AUTO_MAX_WORKERS)
+
+
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The CPU affinity of this process, capped by its cgroup's CPU quota when it has one."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cgroup.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def spool_dir(settings: Any, port: int) -> Path:
+    configured = settings.gateway.spool_dir
+    return Path(configured) if configured else Path(tempfile.gettempdir()) / f"rtrl-gateway-{port}"
+
+
+# --------------------------------------------------------------------- the parent
+
+
+def serve(settings: Any) -> int:
+    """Run the gateway's workers and shipper until SIGTERM; 0, or 1 when a worker keeps dying."""
+    gw = settings.gateway
+    sock = listen_socket(gw.host, gw.port, gw.listen_backlog)
+    port = int(sock.getsockname()[1])
+    spool = spool_dir(settings, port)
+    metrics = Path(tempfile.mkdtemp(prefix="rtrl-gateway-metrics-"))
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)  # before any child imports prometheus_client
+    stopper = Stopper().install()
+    _create_local_store(settings)
+    pool = _Pool(settings, sock, spool, worker_count(settings))
+    try:
+        pool.start()
+        log.info("gateway on http://%s:%d (API, /metrics, /healthz, /readyz): %d workers, served "
+                 "events spooled in %s", gw.host, port, len(pool.workers), spool)
+        return pool.supervise(stopper)
+    finally:
+        log.info("stopping: draining requests, then shipping the spooled served events")
+        pool.stop()
+        sock.close()
+        shutil.rmtree(metrics, ignore_errors=True)
+
+
+def _create_local_store(settings: Any) -> None:
+    """A local sqlite MLflow store is created by its first user: create it here, once, rather
+    than in every worker at the same moment (they would race to create its tables)."""
+    if settings.gateway.stable_upstream is None and str(settings.mlflow.tracking_uri).startswith("sqlite:"):
+        registry(settings).alias_version("champion")
+
+
+class _Pool:
+    def __init__(self, settings: Any, sock: socket.socket, spool: Path, n: int) -> None:
+        self._ctx = mp.get_context("spawn")  # never fork a process that runs threads
+        self._settings, self._sock, self._spool = settings, sock, spool
+        self.workers: list[Any] = [None] * n
+        self._started = [0.0] * n
+        self._quick = [0] * n
+        self._stop_shipping = self._ctx.Event()
+        self._shipper: Any = None
+
+    def start(self) -> None:
+        self._start_shipper()
+        for i in range(len(self.workers)):
+            self._start_worker(i)
+
+    def _start_worker(self, i: int) -> None:
+        p = self._ctx.Process(target=worker_main, args=(self._settings, self._sock, self._spool, i),
+                              name=f"rtrl-gateway-{i}", daemon=True)
+        p.start()
+        self.workers[i], self._started[i] = p, time.monotonic()
+
+    def _start_shipper(self) -> None:
+        self._shipper = self._ctx.Process(target=shipper_main, args=(self._settings, self._spool,
+                                                                     self._stop_shipping),
+                                          name="rtrl-gateway-shipper", daemon=True)
+        self._shipper.start()
+
+    def supervise(self, stopper: Stopper) -> int:
+        while not stopper.wait(0.5):
+            for i, p in enumerate(self.workers):
+                if not p.is_alive() and not self._replace(i, p):
+                    return 1
+            if not self._shipper.is_alive():
+                log.error("the shipper of served events exited (code %s); starting another",
+                          self._shipper.exitcode)
+                self._start_shipper()
+        return 0
+
+    def _replace(self, i: int, p: Any) -> bool:
+        _forget(p.pid)
+        quick = time.monotonic() - self._started[i] < QUICK_EXIT_S
+        self._quick[i] = self._quick[i] + 1 if quick else 0
+        if self._quick[i] >= 3:
+            log.error("gateway worker %d exited %d times within %.0fs of starting (last code %s): "
+                      "stopping the gateway (see the worker's log above)", i, self._quick[i],
+                      QUICK_EXIT_S, p.exitcode)
+            return False
+        log.error("gateway worker %d (pid %s) exited with code %s; starting another", i, p.pid, p.exitcode)
+        self._start_worker(i)
+        return True
+
+    def stop(self, drain_s: float = 5.0) -> None:
+        alive = [p for p in self.workers if p is not None and p.is_alive()]
+        for p in alive:
+            p.terminate()  # SIGTERM: stop accepting, finish what is in flight
+        _join(alive, drain_s + 10.0)
+        for p in self.workers:
+            if p is not None and p.pid is not None:
+                _forget(p.pid)
+        self._stop_shipping.set()
+        if self._shipper is not None:
+            _join([self._shipper], 20.0)
+
+
+def _join(procs: list[Any], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            log.warning("%s did not stop in time; killing it", p.name)
+            p.kill()
+            p.join(2.0)
+
+
+def _forget(pid: int) -> None:
+    """Drop a dead process's live gauges from the combined metrics."""
+    multiprocess.mark_process_dead(pid)
+
+
+def _watch_parent(stopper: Stopper) -> None:
+    """Stop this child when the parent is gone (killed: it never said so)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not stopper.wait(1.0):
+            if os.getppid() != parent:
+                log.error("the gateway's parent process is gone: stopping")
+                stopper.stop()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+# --------------------------------------------------------------------- the children
+
+
+def worker_main(settings: Any, sock: socket.socket, spool: Path, index: int) -> None:
+    setup_logging(settings.log_level, f"gateway-{index}")
+    BUILD_INFO.info({"rtrl_service": "gateway"})
+    GATEWAY_WORKER_STARTS.inc()
+    gw = settings.gateway
+    stopper = Stopper().install()
+    _watch_parent(stopper)
+    health = Health(liveness_timeout_s=max(30.0, 10 * gw.routing_poll_s))
+    exposures = SpooledExposures(spool, f"w{index}")
+    gateway, parts = build(settings, health, exposures=exposures, metrics=multiprocess_registry("gateway"))
+    server = GatewayServer(gateway, gw.host, 0, sock=sock).start()
+    stopper.wait()
+    server.stop()
+    for part in parts:
+        part.stop()
+
+
+def shipper_main(settings: Any, spool: Path, stop: Any) -> None:
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent says when, after the workers drained
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    setup_logging(settings.log_level, "gateway-shipper")
+    gw = settings.gateway
+
+    def gauge(depth: int, age_s: float) -> None:
+        GATEWAY_SPOOL_BYTES.set(depth)
+        GATEWAY_SPOOL_AGE.set(age_s)
+
+    shipper = SpoolShipper(spool, lambda: make_event_producer(settings), served_event, count_exposures,
+                           Limits(max_bytes=gw.spool_max_bytes, max_age_s=gw.spool_max_age_s), gauge)
+    parent = os.getppid()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if stop.wait(0.5) or os.getppid() != parent:
+                done.set()
+
+    threading.Thread(target=watch, name="stop-watch", daemon=True).start()
+    while True:
+        try:
+            shipper.run(done)
+            return
+        except SpoolBusyError as exc:  # another shipper (an orphan of a killed gateway) still ships
+            if done.is_set():
+                return
+            log.warning("%s; waiting for it", exc)
+            done.wait(2.0)
