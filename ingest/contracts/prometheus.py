@@ -252,8 +252,8 @@ GATEWAY_SPOOL_AGE = Gauge(
     "rtrl_gateway_spool_oldest_seconds", "Age of the oldest served event waiting in the spool (0: none)",
     multiprocess_mode="livemax",
 )
-GATEWAY_WORKER_STARTS = Counter(
-    "rtrl_gateway_worker_starts_total", "Gateway worker processes started (more than the workers: restarts)"
+GATEWAY_WORKER_RESTARTS = Counter(
+    "rtrl_gateway_worker_restarts_total", "Gateway worker processes started in place of one that died"
 )
 
 # --- simulator ---------------------------------------------------------------------------
@@ -282,7 +282,7 @@ OWNERS: dict[str, tuple[Collector, ...]] = {
     "gateway": (GATEWAY_REQUESTS, GATEWAY_ERRORS, GATEWAY_SECONDS, GATEWAY_FALLBACKS, GATEWAY_EXPOSURES,
                 GATEWAY_MODEL_LOADS, GATEWAY_SERVING, GATEWAY_ROUTING_AGE, GATEWAY_CONNECTIONS,
                 GATEWAY_CLIENT_REQUESTS, GATEWAY_OPEN_CONNECTIONS, GATEWAY_SPOOL_BYTES, GATEWAY_SPOOL_AGE,
-                GATEWAY_WORKER_STARTS),
+                GATEWAY_WORKER_RESTARTS),
     "simulator": (SIM_REQUESTS, SIM_EVENTS, SIM_SCHEDULED),
 }
 """The metrics each service updates, and so exports."""

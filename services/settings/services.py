@@ -321,9 +321,10 @@ class GatewaySettings(Section):
     """Signing secret; None: the secret of ``key_id`` in ``auth.keys``."""
     workers: Annotated[int, Field(ge=0)] = 0
     """Processes serving the API on one port (``rtrl serve gateway``); a worker that dies is
-    replaced. 0: one per core this process may use (its cgroup CPU limit, else its CPU
-    affinity; at most 8) when models run on an engine (``engine.kind=vllm`` or upstream
-    mode), 1 for local policies (each worker would hold its own copy of every model)."""
+    replaced. 0, when models run on an engine (``engine.kind=vllm`` or upstream mode): one
+    per core this process may use (its cgroup CPU limit, else its CPU affinity), no more than
+    its cgroup memory limit holds at 320 MiB each (beyond 256 MiB for the rest), at most 8;
+    1 for local policies (each worker would hold its own copy of every model)."""
     spool_dir: Path | None = None
     """Where ``rtrl serve gateway``'s workers spool served events until the broker has them
     (docs/gateway.md); None: ``<temp dir>/rtrl-gateway-<port>``. Keep it on a volume that

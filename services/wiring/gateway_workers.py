@@ -44,7 +44,7 @@ from ingest.contracts.prometheus import (
     BUILD_INFO,
     GATEWAY_SPOOL_AGE,
     GATEWAY_SPOOL_BYTES,
-    GATEWAY_WORKER_STARTS,
+    GATEWAY_WORKER_RESTARTS,
     multiprocess_registry,
 )
 from services.gateway.asgi.app import GatewayServer, listen_socket
@@ -65,17 +65,22 @@ restarting it again would only hide a configuration error."""
 AUTO_MAX_WORKERS = 8
 """``workers=0`` never starts more than this: without a CPU limit a pod "has" every core of
 its node, and each worker holds its own memory."""
+WORKER_BYTES = 320 << 20
+SHARED_BYTES = 256 << 20
+"""What ``workers=0`` budgets per worker (a worker in front of an engine holds about 250 MiB)
+and for the parent and the shipper together (about 70 MiB each), against the cgroup's memory
+limit (docs/gateway.md, "Workers")."""
 
 
 def worker_count(settings: Any) -> int:
-    """``gateway.workers``, or for 0 the cores this process may use (at most
-    :data:`AUTO_MAX_WORKERS`); 1 for local policies."""
+    """``gateway.workers``, or for 0 the cores this process may use, as many as its memory
+    limit holds, at most :data:`AUTO_MAX_WORKERS`; 1 for local policies."""
     gw = settings.gateway
     if gw.workers:
         return int(gw.workers)
     if settings.engine.kind != "vllm" and gw.stable_upstream is None:
         return 1
-    return min(usable_cores(), AUTO_MAX_WORKERS)
+    return max(1, min(usable_cores(), workers_in_memory(), AUTO_MAX_WORKERS))
 
 
 def usable_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
@@ -88,6 +93,18 @@ def usable_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
     except (OSError, ValueError):
         pass
     return max(1, cores)
+
+
+def workers_in_memory(cgroup: Path = Path("/sys/fs/cgroup/memory.max")) -> int:
+    """Workers the cgroup's memory limit holds (:data:`WORKER_BYTES` each beyond
+    :data:`SHARED_BYTES`); :data:`AUTO_MAX_WORKERS` without a limit."""
+    try:
+        limit = cgroup.read_text().strip()
+        if limit != "max":
+            return max(1, (int(limit) - SHARED_BYTES) // WORKER_BYTES)
+    except (OSError, ValueError):
+        pass
+    return AUTO_MAX_WORKERS
 
 
 def spool_dir(settings: Any, port: int) -> Path:
@@ -143,8 +160,8 @@ class _Pool:
         for i in range(len(self.workers)):
             self._start_worker(i)
 
-    def _start_worker(self, i: int) -> None:
-        p = self._ctx.Process(target=worker_main, args=(self._settings, self._sock, self._spool, i),
+    def _start_worker(self, i: int, replaces: int | None = None) -> None:
+        p = self._ctx.Process(target=worker_main, args=(self._settings, self._sock, self._spool, i, replaces),
                               name=f"rtrl-gateway-{i}", daemon=True)
         p.start()
         self.workers[i], self._started[i] = p, time.monotonic()
@@ -176,7 +193,7 @@ class _Pool:
                       QUICK_EXIT_S, p.exitcode)
             return False
         log.error("gateway worker %d (pid %s) exited with code %s; starting another", i, p.pid, p.exitcode)
-        self._start_worker(i)
+        self._start_worker(i, replaces=p.pid)
         return True
 
     def stop(self, drain_s: float = 5.0) -> None:
@@ -223,10 +240,12 @@ def _watch_parent(stopper: Stopper) -> None:
 # --------------------------------------------------------------------- the children
 
 
-def worker_main(settings: Any, sock: socket.socket, spool: Path, index: int) -> None:
+def worker_main(settings: Any, sock: socket.socket, spool: Path, index: int, replaces: int | None) -> None:
     setup_logging(settings.log_level, f"gateway-{index}")
     BUILD_INFO.info({"rtrl_service": "gateway"})
-    GATEWAY_WORKER_STARTS.inc()
+    if replaces is not None:
+        GATEWAY_WORKER_RESTARTS.inc()
+        log.info("gateway worker %d (pid %d) replaces pid %d", index, os.getpid(), replaces)
     gw = settings.gateway
     stopper = Stopper().install()
     _watch_parent(stopper)

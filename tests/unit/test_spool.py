@@ -19,7 +19,7 @@ import pytest
 from services.runtime.spool import store as spool
 from services.runtime.spool.ship import Limits, SpoolShipper
 from services.runtime.spool.store import SpoolBusyError, SpoolWriter
-from services.wiring.gateway_workers import usable_cores
+from services.wiring.gateway_workers import usable_cores, workers_in_memory
 
 
 class Future:
@@ -202,4 +202,16 @@ def test_worker_count(workers: int, engine: str, upstream: bool, expected: int |
 
     gateway = SimpleNamespace(workers=workers, stable_upstream=object() if upstream else None)
     settings = SimpleNamespace(gateway=gateway, engine=SimpleNamespace(kind=engine))
-    assert worker_count(settings) == (min(usable_cores(), 8) if expected == "cores" else expected)
+    auto = min(usable_cores(), workers_in_memory(), 8)
+    assert worker_count(settings) == (auto if expected == "cores" else expected)
+
+
+def test_workers_in_memory_follows_the_cgroup_limit(tmp_path: Path) -> None:
+    memory_max = tmp_path / "memory.max"
+    memory_max.write_text("max\n")
+    assert workers_in_memory(memory_max) == 8
+    memory_max.write_text(f"{1 << 30}\n")  # 1 GiB: the parent and shipper, and 2 workers
+    assert workers_in_memory(memory_max) == 2
+    memory_max.write_text(f"{300 << 20}\n")  # too little even for one: still one
+    assert workers_in_memory(memory_max) == 1
+    assert workers_in_memory(tmp_path / "absent") == 8
