@@ -52,7 +52,7 @@ from services.gateway.exposure import SpooledExposures, count_exposures, make_ev
 from services.runtime.health import Health
 from services.runtime.process import Stopper, setup_logging
 from services.runtime.spool.ship import Limits, SpoolShipper
-from services.runtime.spool.store import SpoolBusyError
+from services.runtime.spool.store import SpoolBusyError, SpoolDirError, private_dir
 from services.wiring.gateway import build, registry
 
 log = logging.getLogger("services.gateway")
@@ -116,11 +116,18 @@ def spool_dir(settings: Any, port: int) -> Path:
 
 
 def serve(settings: Any) -> int:
-    """Run the gateway's workers and shipper until SIGTERM; 0, or 1 when a worker keeps dying."""
+    """Run the gateway's workers and shipper until SIGTERM; 0, 1 when a worker keeps dying,
+    2 when the spool directory cannot be used."""
     gw = settings.gateway
     sock = listen_socket(gw.host, gw.port, gw.listen_backlog)
     port = int(sock.getsockname()[1])
     spool = spool_dir(settings, port)
+    try:
+        private_dir(spool)
+    except (SpoolDirError, OSError) as exc:
+        log.error("cannot spool served events: %s", exc)
+        sock.close()
+        return 2
     metrics = Path(tempfile.mkdtemp(prefix="rtrl-gateway-metrics-"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)  # before any child imports prometheus_client
     stopper = Stopper().install()

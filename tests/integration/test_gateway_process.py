@@ -100,3 +100,16 @@ def test_serve_gateway_refuses_to_start_without_api_keys(tmp_path: Path) -> None
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "RTRL_GATEWAY__API_KEYS" in out.stderr + out.stdout
+
+
+def test_serve_gateway_refuses_a_spool_directory_others_may_write(tmp_path: Path) -> None:
+    shared = tmp_path / "spool"
+    shared.mkdir()
+    shared.chmod(0o777)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
+    env.update({"RTRL_STACK__DATA_DIR": str(tmp_path), "RTRL_GATEWAY__SECRET": "s",
+                "RTRL_GATEWAY__ALLOW_ANONYMOUS": "true", "RTRL_GATEWAY__SPOOL_DIR": str(shared)})
+    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "gateway", "--port", "0"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"spool directory {shared} must belong to this user with mode 0700" in out.stderr + out.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ import pytest
 
 from services.runtime.spool import store as spool
 from services.runtime.spool.ship import Limits, SpoolShipper
-from services.runtime.spool.store import SpoolBusyError, SpoolWriter
+from services.runtime.spool.store import SpoolBusyError, SpoolDirError, SpoolWriter
 from services.wiring.gateway_workers import usable_cores, workers_in_memory
 
 
@@ -215,3 +216,20 @@ def test_workers_in_memory_follows_the_cgroup_limit(tmp_path: Path) -> None:
     memory_max.write_text(f"{300 << 20}\n")  # too little even for one: still one
     assert workers_in_memory(memory_max) == 1
     assert workers_in_memory(tmp_path / "absent") == 8
+
+
+def test_the_spool_directory_must_be_private(tmp_path: Path) -> None:
+    mine = tmp_path / "new"
+    SpoolWriter(mine, "w0").open().close()
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # another local user could plant records the shipper would sign
+    with pytest.raises(SpoolDirError, match="mode 0700"):
+        SpoolWriter(shared, "w0").open()
+    with pytest.raises(SpoolDirError), spool.exclusive(shared):
+        pass
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    with pytest.raises(SpoolDirError, match="symlink"):
+        SpoolWriter(link, "w0").open()

@@ -29,6 +29,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -141,10 +142,32 @@ class SpoolBusyError(RuntimeError):
     """Another shipper holds the spool."""
 
 
+class SpoolDirError(RuntimeError):
+    """The spool directory is not this user's alone."""
+
+
+def private_dir(directory: Path) -> Path:
+    """Create ``directory`` (mode 0700) or check that it is a real directory of this user that
+    nobody else may enter: the shipper signs what it finds there, so a record planted by
+    another local user would reach the pipeline as a genuine served event."""
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise SpoolDirError(f"spool directory {directory} is not a directory (a symlink?)")
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise SpoolDirError(
+            f"spool directory {directory} must belong to this user with mode 0700 (it has uid "
+            f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); remove it or set RTRL_GATEWAY__SPOOL_DIR")
+    return directory
+
+
 @contextlib.contextmanager
 def exclusive(directory: Path, name: str = "shipper.lock") -> Iterator[None]:
     """Hold ``directory``'s lock file: two shippers on one spool would ship it twice."""
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory)
     fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         try:
@@ -171,7 +194,7 @@ class SpoolWriter:
         self._checked = 0.0
 
     def open(self) -> SpoolWriter:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)
         self._rotate()
         return self
 
