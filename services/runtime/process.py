@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import signal
 import sys
@@ -54,3 +56,15 @@ def setup_logging(level: str = "INFO", service: str = "rtrl") -> None:
     )
     # kafka-python is chatty at INFO about every (re)connection.
     logging.getLogger("kafka").setLevel(logging.WARNING)
+
+
+def name_process(name: str) -> None:
+    """Set this process's name as ``ps``, ``top`` and /proc/<pid>/comm show it (Linux, at most
+    15 bytes); elsewhere, or when it fails, nothing happens."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass

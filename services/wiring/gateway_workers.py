@@ -50,13 +50,15 @@ from ingest.contracts.prometheus import (
 from services.gateway.asgi.app import GatewayServer, listen_socket
 from services.gateway.exposure import SpooledExposures, count_exposures, make_event_producer, served_event
 from services.runtime.health import Health
-from services.runtime.process import Stopper, setup_logging
+from services.runtime.process import Stopper, name_process, setup_logging
 from services.runtime.spool.ship import Limits, SpoolShipper
 from services.runtime.spool.store import SpoolBusyError, SpoolDirError, private_dir
 from services.wiring.gateway import build, registry
 
 log = logging.getLogger("services.gateway")
 
+SHIPPER_NAME = "rtrl-gw-shipper"
+"""The shipper's process name (``ps``); workers are ``rtrl-gw-<index>``."""
 QUICK_EXIT_S = 10.0
 """A worker that exits this soon after it started, three times in a row, stops the gateway:
 restarting it again would only hide a configuration error."""
@@ -118,31 +120,20 @@ def spool_dir(settings: Any, port: int) -> Path:
 def serve(settings: Any) -> int:
     """Run the gateway's workers and shipper until SIGTERM; 0, 1 when a worker keeps dying,
     2 when the spool directory cannot be used."""
-    gw = settings.gateway
-    sock = listen_socket(gw.host, gw.port, gw.listen_backlog)
-    port = int(sock.getsockname()[1])
-    spool = spool_dir(settings, port)
     try:
-        private_dir(spool)
+        pool = WorkerPool(settings)
     except (SpoolDirError, OSError) as exc:
         log.error("cannot spool served events: %s", exc)
-        sock.close()
         return 2
-    metrics = Path(tempfile.mkdtemp(prefix="rtrl-gateway-metrics-"))
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)  # before any child imports prometheus_client
     stopper = Stopper().install()
-    _create_local_store(settings)
-    pool = _Pool(settings, sock, spool, worker_count(settings))
     try:
         pool.start()
         log.info("gateway on http://%s:%d (API, /metrics, /healthz, /readyz): %d workers, served "
-                 "events spooled in %s", gw.host, port, len(pool.workers), spool)
+                 "events spooled in %s", settings.gateway.host, pool.port, len(pool.workers), pool.spool)
         return pool.supervise(stopper)
     finally:
         log.info("stopping: draining requests, then shipping the spooled served events")
         pool.stop()
-        sock.close()
-        shutil.rmtree(metrics, ignore_errors=True)
 
 
 def _create_local_store(settings: Any) -> None:
@@ -152,34 +143,53 @@ def _create_local_store(settings: Any) -> None:
         registry(settings).alias_version("champion")
 
 
-class _Pool:
-    def __init__(self, settings: Any, sock: socket.socket, spool: Path, n: int) -> None:
+class WorkerPool:
+    """The parent's side: the socket (bound here, so ``port=0`` works and :attr:`port` is known
+    at once), the spool directory (checked here), the metrics directory, the processes."""
+
+    def __init__(self, settings: Any) -> None:
+        gw = settings.gateway
+        self._settings = settings
+        self._sock = listen_socket(gw.host, gw.port, gw.listen_backlog)
+        self.port = int(self._sock.getsockname()[1])
+        try:
+            self.spool = private_dir(spool_dir(settings, self.port))
+        except BaseException:
+            self._sock.close()
+            raise
+        self._metrics = Path(tempfile.mkdtemp(prefix="rtrl-gateway-metrics-"))
+        # before any child imports prometheus_client
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self._metrics)
         self._ctx = mp.get_context("spawn")  # never fork a process that runs threads
-        self._settings, self._sock, self._spool = settings, sock, spool
+        n = worker_count(settings)
         self.workers: list[Any] = [None] * n
         self._started = [0.0] * n
         self._quick = [0] * n
         self._stop_shipping = self._ctx.Event()
         self._shipper: Any = None
 
-    def start(self) -> None:
+    def start(self) -> WorkerPool:
+        _create_local_store(self._settings)
         self._start_shipper()
         for i in range(len(self.workers)):
             self._start_worker(i)
+        return self
 
     def _start_worker(self, i: int, replaces: int | None = None) -> None:
-        p = self._ctx.Process(target=worker_main, args=(self._settings, self._sock, self._spool, i, replaces),
+        p = self._ctx.Process(target=worker_main, args=(self._settings, self._sock, self.spool, i, replaces),
                               name=f"rtrl-gateway-{i}", daemon=True)
         p.start()
         self.workers[i], self._started[i] = p, time.monotonic()
 
     def _start_shipper(self) -> None:
-        self._shipper = self._ctx.Process(target=shipper_main, args=(self._settings, self._spool,
+        self._shipper = self._ctx.Process(target=shipper_main, args=(self._settings, self.spool,
                                                                      self._stop_shipping),
                                           name="rtrl-gateway-shipper", daemon=True)
         self._shipper.start()
 
     def supervise(self, stopper: Stopper) -> int:
+        """Replace workers and the shipper that die, until ``stopper``; 1 when a worker keeps
+        dying right after it started."""
         while not stopper.wait(0.5):
             for i, p in enumerate(self.workers):
                 if not p.is_alive() and not self._replace(i, p):
@@ -204,6 +214,7 @@ class _Pool:
         return True
 
     def stop(self, drain_s: float = 5.0) -> None:
+        """SIGTERM the workers and let them drain, then let the shipper deliver what is left."""
         alive = [p for p in self.workers if p is not None and p.is_alive()]
         for p in alive:
             p.terminate()  # SIGTERM: stop accepting, finish what is in flight
@@ -214,6 +225,8 @@ class _Pool:
         self._stop_shipping.set()
         if self._shipper is not None:
             _join([self._shipper], 20.0)
+        self._sock.close()
+        shutil.rmtree(self._metrics, ignore_errors=True)
 
 
 def _join(procs: list[Any], timeout_s: float) -> None:
@@ -249,6 +262,7 @@ def _watch_parent(stopper: Stopper) -> None:
 
 def worker_main(settings: Any, sock: socket.socket, spool: Path, index: int, replaces: int | None) -> None:
     setup_logging(settings.log_level, f"gateway-{index}")
+    name_process(f"rtrl-gw-{index}")
     BUILD_INFO.info({"rtrl_service": "gateway"})
     if replaces is not None:
         GATEWAY_WORKER_RESTARTS.inc()
@@ -271,6 +285,7 @@ def shipper_main(settings: Any, spool: Path, stop: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent says when, after the workers drained
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging(settings.log_level, "gateway-shipper")
+    name_process(SHIPPER_NAME)
     gw = settings.gateway
 
     def gauge(depth: int, age_s: float) -> None:

@@ -323,7 +323,7 @@ class GatewayServer:
         config = uvicorn.Config(
             GatewayApp(gateway, self._pool), http=guarded_protocol(s), lifespan="on", log_config=None,
             access_log=False, server_header=False, timeout_keep_alive=s.idle_timeout_s,  # type: ignore[arg-type]
-            backlog=s.listen_backlog, timeout_graceful_shutdown=5)
+            backlog=s.listen_backlog, timeout_graceful_shutdown=5, loop="uvloop")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="http", daemon=True)

@@ -44,7 +44,10 @@ class Limits:
     """Read and sent per round trip (then one flush)."""
     ack_timeout_s: float = 30.0
     retry_s: float = 2.0
-    poll_s: float = 0.05
+    poll_s: float = 0.2
+    """Wait after a pass that found nothing new: each batch costs a flush and an offset write,
+    so waiting gathers more records per batch (a delivery is due within a reward window, not
+    a request)."""
 
 
 class _BatchFailedError(Exception):
