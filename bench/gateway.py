@@ -21,6 +21,9 @@ its own persistent connection, all starting together: reported are the round tri
 added latency (round trip - generation time the gateway reported: HTTP, queueing for a
 thread and the GIL, validation, routing), the longest wait of any request (its connection
 set-up included) and the requests that failed or got no answer.
+
+``--compare`` puts the gateway beside LiteLLM's proxy in front of the same engine
+(bench/gateway_compare.py).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from typing import Any
 
 from bench.fake_upstream import FakeCompletionsServer
 from bench.gateway_common import bench_settings, percentile, start_gateway, stop_gateway
+from bench.gateway_compare import litellm_problem, main_compare, parse_clients
 from bench.gateway_engine import main_engine
 from ingest.contracts.keys import routing_keys
 from ingest.contracts.prometheus import GATEWAY_EXPOSURES
@@ -302,13 +306,32 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fake-engine", action="store_true",
                         help="vllm: a stand-in engine that costs no CPU (bench/fake_engine.py), to measure "
                              "the gateway's own relay cost apart from an engine sharing its cores")
-    parser.add_argument("--fake-token-ms", type=float, default=1.0, help="--fake-engine: time per token")
+    parser.add_argument("--fake-token-ms", type=float, default=1.0,
+                        help="--fake-engine: time per token (--compare: for one client and the step-up)")
     parser.add_argument("--tick-s", type=float, default=None,
                         help="vllm-canary: the deployer's tick (default: the deployer's default, 30 s)")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="N concurrent keep-alive clients on the gateway path alone (no direct calls)")
+    parser.add_argument("--compare", action="store_true",
+                        help="the engine direct, the rtrl gateway and LiteLLM's proxy side by side "
+                             "(bench/gateway_compare.py; needs scripts/litellm-env)")
+    parser.add_argument("--litellm-venv", help="--compare: LiteLLM's virtualenv (default $LITELLM_VENV or "
+                                               ".venv-litellm)")
+    parser.add_argument("--clients", type=parse_clients, default=[1, 64],
+                        help="--compare: concurrent client counts, comma-separated (default 1,64)")
+    parser.add_argument("--concurrent-token-ms", type=float, default=20.0,
+                        help="--compare: the fake engine's time per token for the rows of more than one "
+                             "client (--fake-token-ms: for one client and the step-up)")
+    parser.add_argument("--step-s", type=float, default=3.0,
+                        help="--compare: seconds per offered rate in the step-up (0: no step-up)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="vllm, --compare: the gateway's worker processes (default 0: as rtrl serve "
+                             "gateway picks, one per core)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = parser.parse_args(argv)
+    if args.compare and (problem := litellm_problem(args.litellm_venv)):
+        print(problem, file=sys.stderr)
+        return 2
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     setup_logging("WARNING", "bench")
     logging.getLogger("mlflow").setLevel(logging.ERROR)
@@ -320,6 +343,8 @@ def main(argv: list[str]) -> int:
     results: dict[str, dict[str, float]] = {}
     load_before = os.getloadavg()[0]
     run = (args.requests, args.warmup, args.max_tokens, args.concurrency)
+    if args.compare:
+        return main_compare(args, stack)
     if args.mode.startswith("vllm"):
         return main_engine(args, stack, run)
     try:

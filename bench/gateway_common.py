@@ -34,7 +34,8 @@ def bench_settings(stack: EmbeddedStack, root: Path, tag: str, **gateway: Any) -
         mlflow=MlflowSettings(tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
                               registered_model="bench-policy"),
         gateway=GatewaySettings(**{"port": 0, "allow_anonymous": True, "key_id": "gateway",
-                                   "secret": SecretStr("bench"), **gateway}),
+                                   "secret": SecretStr("bench"), "spool_dir": root / f"spool-{tag}",
+                                   **gateway}),
     )
 
 

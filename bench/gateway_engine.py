@@ -2,16 +2,14 @@
 
 The engine (vLLM's CPU build on the tiny model of services/stack/tiny_llm.py, started here;
 or ``--engine-url``) is called directly with the body the gateway would send it, and through
-the gateway's OpenAI API (``POST /v1/chat/completions``, API key, routing, signed exposure
-logging to a private broker), streamed or not.
+the gateway as ``rtrl serve gateway`` runs it (its workers, ``--workers``; the OpenAI API, API
+key, routing, served events spooled and shipped to a private broker), streamed or not.
 
 * one client: requests alternate direct/gateway (order flipped every pair) on persistent
-  connections, so both paths see the same engine state; reported p50/p99 of each and the
-  difference;
+  connections, so both paths see the same engine state; p50/p99 of each and the difference;
 * ``--concurrency N``: N clients on their own keep-alive connections, released together,
-  first all on the engine, then all on the gateway; reported p50/p99 of each, the added p99,
-  the longest wait for a first answer (a request waiting for a free connection would show
-  there) and the failed requests.
+  first all on the engine, then all on the gateway; p50/p99 of each, the added p99, the
+  longest wait for a first answer and the failed requests.
 
 A second figure, ``--mode vllm-canary``: the time from a LoRA candidate registered in MLflow
 to its first canary request served by the engine, through the real deployer.
@@ -32,7 +30,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from bench.gateway_common import bench_settings, percentile, start_gateway, stop_gateway
-from bench.processes import Apart, GatewayProcess, fake_engine, tcp_relay
+from bench.processes import Apart, ServedGateway, fake_engine, tcp_relay
 from deployer.adapters.redis_state import Wakeup, wake_deployer
 from deployer.ledger import TAG_GATE
 from services.gateway.engine_backend import engine_body
@@ -45,6 +43,7 @@ from services.stack.embedded import EmbeddedStack
 from services.stack.engine import LocalVllm
 from services.stack.tiny_llm import build_lora_adapter, build_tiny_llm, write_engine_check
 from services.wiring.deployer import build_controller, build_ports, serve_loop
+from services.wiring.gateway_workers import SHIPPER_NAME
 from trainer.lora_policy import check_prompt_ids
 
 MESSAGES = ({"role": "user", "content": "Please fix the loop."},)
@@ -141,8 +140,9 @@ def concurrent(url: str, path: str, payloads: list[bytes], clients: int,
     return out
 
 
-def engine_settings(base: Settings, url: str, model: str) -> Settings:
-    gw = base.gateway.model_copy(update={"api_keys": {"bench": SecretStr(KEY)}, "allow_anonymous": False})
+def engine_settings(base: Settings, url: str, model: str, workers: int = 0) -> Settings:
+    gw = base.gateway.model_copy(update={"api_keys": {"bench": SecretStr(KEY)}, "allow_anonymous": False,
+                                         "workers": workers})
     return base.model_copy(update={"engine": EngineSettings(kind="vllm", base_url=url, base_model=model),
                                    "gateway": gw})
 
@@ -164,16 +164,17 @@ def run_engine(root: Path, engine_url: str | None, engine_model: str,
 
 def bench_vllm(stack: EmbeddedStack, root: Path, n: int, warmup: int, max_tokens: int,
                concurrency: int | None, stream: bool, engine_url: str | None = None,
-               engine_model: str = "base", fake_token_ms: float | None = None) -> dict[str, float]:
-    """The engine directly, through the baseline relay and through the gateway (each server in
-    its own process, bench/processes.py)."""
+               engine_model: str = "base", fake_token_ms: float | None = None,
+               workers: int = 0) -> dict[str, float]:
+    """The engine directly, through the baseline relay and through the gateway as ``rtrl serve
+    gateway`` runs it (each server in its own process, bench/processes.py)."""
     engine, url, model = run_engine(root, engine_url, engine_model, fake_token_ms)
     servers: list[Apart] = []
     try:
-        settings = engine_settings(bench_settings(stack, root, f"v{int(time.time())}"), url, model)
-        servers.append(gateway := Apart(GatewayProcess, settings).start())
+        settings = engine_settings(bench_settings(stack, root, f"v{int(time.time())}"), url, model, workers)
+        servers.append(gateway := Apart(ServedGateway, settings).start())
         servers.append(relay := Apart(tcp_relay, url).start())
-        cpu = CpuMeter({"gateway": lambda: gateway.cpu_s(children=False), "gateway_all": gateway.cpu_s,
+        cpu = CpuMeter({"gateway": lambda: gateway.cpu_s(skip=SHIPPER_NAME), "gateway_all": gateway.cpu_s,
                         "relay": relay.cpu_s})
         auth = {"Authorization": f"Bearer {KEY}"}
         direct_b, gateway_b = bodies(model, settings.mlflow.registered_model, n + warmup, max_tokens, stream)
@@ -281,20 +282,18 @@ def report(results: dict[str, dict[str, Any]], header: str) -> None:
 
 
 def cpu_line(mode: str, gateway_ms: float, all_ms: float, relay_ms: float) -> str:
-    """The service times: what each request cost the gateway's process, its exposure writer
-    and the relay."""
+    """The service times: what each request cost the gateway's workers, its shipper of served
+    events and the relay."""
     nan = float("nan")
     per_core = 1000.0 / all_ms if all_ms > 0 else nan
     ratio = all_ms / relay_ms if relay_ms > 0 else nan
-    return (f"{mode}: CPU per request: gateway {all_ms:.2f} ms ({gateway_ms:.2f} in its own process, "
-            f"{all_ms - gateway_ms:.2f} in its exposure writer; the broker's not counted), relay "
+    return (f"{mode}: CPU per request: gateway {all_ms:.2f} ms ({gateway_ms:.2f} in its workers, "
+            f"{all_ms - gateway_ms:.2f} in its shipper; the broker's not counted), relay "
             f"{relay_ms:.2f} ms ({ratio:.1f}x the relay); one core serves about {per_core:,.0f} "
             "requests/s through the gateway")
 
 
-# --------------------------------------------------------------------- candidate -> first request
-
-
+# ------------------------------------------------------------------ candidate -> first request
 def register_version(reg: Any, root: Path, name: str, model_dir: Path, adapter: Path | None) -> str:
     """A version as the trainer registers it for the engine (deployer/engine.py's layout)."""
 
@@ -385,7 +384,7 @@ def main_engine(args: Any, stack: EmbeddedStack, run: tuple[Any, ...]) -> int:
             n, warmup, max_tokens, concurrency = run
             fake = args.fake_token_ms if args.fake_engine else None
             res = bench_vllm(stack, stack.data_dir.parent, n, warmup, max_tokens, concurrency, args.stream,
-                             args.engine_url, args.engine_model, fake)
+                             args.engine_url, args.engine_model, fake, args.workers)
             what = f"{args.concurrency} concurrent clients" if args.concurrency else "one client, alternating"
             engine = f"fake engine ({args.fake_token_ms:g} ms/token)" if args.fake_engine else "vllm"
             report({f"{engine}{' stream' if args.stream else ''}": res},

@@ -15,12 +15,15 @@ import contextlib
 import multiprocessing
 import os
 import threading
+import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any, Protocol, Self
 
 from bench.fake_engine import FakeEngine
 from bench.gateway_common import start_gateway, stop_gateway
 from services.runtime.process import setup_logging
+from services.wiring.gateway_workers import WorkerPool
 
 
 class Server(Protocol):
@@ -68,9 +71,10 @@ class Apart:
         self.url = value
         return self
 
-    def cpu_s(self, children: bool = True) -> float:
-        """CPU seconds the server's process (and its children) has used so far."""
-        return tree_cpu_s(self._proc.pid, children) if self._proc.pid is not None else float("nan")
+    def cpu_s(self, children: bool = True, skip: str | None = None) -> float:
+        """CPU seconds the server's process (and its children, but those named ``skip``) has
+        used so far."""
+        return tree_cpu_s(self._proc.pid, children, skip) if self._proc.pid is not None else float("nan")
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):
@@ -82,10 +86,11 @@ class Apart:
         self._conn.close()
 
 
-def tree_cpu_s(pid: int, children: bool = True) -> float:
+def tree_cpu_s(pid: int, children: bool = True, skip: str | None = None) -> float:
     """CPU seconds (user + system) a process and (``children``) its live descendants have
     used (Linux ``/proc``; NaN where there is none): what serving cost a server, its helper
-    processes included (the gateway's exposure writer)."""
+    processes included (the gateway's exposure writer), but a descendant whose process name
+    is ``skip`` (and its own descendants)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     cpu: dict[int, float] = {}
     kids: dict[int, list[int]] = {}
@@ -96,9 +101,12 @@ def tree_cpu_s(pid: int, children: bool = True) -> float:
     for entry in entries:
         try:
             with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+                comm, rest = fh.read().split("(", 1)[1].rsplit(")", 1)
+                fields = rest.split()
+        except (OSError, IndexError, ValueError):
             continue  # gone since the listing
+        if skip is not None and comm == skip and int(entry) != pid:
+            continue  # neither it nor, unreachable now, its descendants
         cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
         kids.setdefault(int(fields[1]), []).append(int(entry))
     if pid not in cpu:
@@ -109,7 +117,7 @@ def tree_cpu_s(pid: int, children: bool = True) -> float:
     while todo:
         current = todo.pop()
         total += cpu[current]
-        todo.extend(kids.get(current, ()))
+        todo.extend(k for k in kids.get(current, ()) if k in cpu)
     return total
 
 
@@ -182,3 +190,39 @@ class GatewayProcess:
 
     def stop(self) -> None:
         stop_gateway(self._server, self._parts)
+
+
+class ServedGateway:
+    """The gateway as ``rtrl serve gateway`` runs it: ``gateway.workers`` worker processes on
+    one socket, the spool and its shipper (services/wiring/gateway_workers.py), under this
+    process. Ready when every worker has answered ``/readyz``."""
+
+    def __init__(self, settings: Any, timeout_s: float = 120.0) -> None:
+        setup_logging("WARNING", "bench-gateway")
+        self._pool = WorkerPool(settings.model_copy(update={"log_level": "WARNING"})).start()
+        self.url = f"http://127.0.0.1:{self._pool.port}"
+        self.workers = len(self._pool.workers)
+        try:
+            wait_ready(self.url, 10 * self.workers, timeout_s)
+        except BaseException:
+            self._pool.stop()
+            raise
+
+    def stop(self) -> None:
+        self._pool.stop()
+
+
+def wait_ready(url: str, in_a_row: int, timeout_s: float) -> None:
+    """Until ``in_a_row`` new connections in a row get 200 from ``/readyz``: the kernel hands
+    them to any worker, so a worker still loading its model breaks the run."""
+    deadline, good = time.monotonic() + timeout_s, 0
+    while good < in_a_row:
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=2) as resp:  # noqa: S310 (loopback)
+                good = good + 1 if resp.status == 200 else 0
+        except OSError:
+            good = 0
+        if good < in_a_row:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway at {url} was not ready within {timeout_s:.0f} s")
+            time.sleep(0.05 if good else 0.2)
