@@ -75,6 +75,16 @@ class Gateway:
         """The pids of the workers writing the spool now (segments are named after them)."""
         return {int(p.name.split("-")[1]) for p in self.spool.glob("w*.seg")}
 
+    def served_by(self) -> dict[str, int]:
+        """request id -> pid of the worker that served it, from the live workers' spool segments
+        (a segment keeps its lines until its worker is gone)."""
+        out = {}
+        for seg in self.spool.glob("w*.seg"):
+            pid = int(seg.name.split("-")[1])
+            for line in seg.read_bytes().splitlines():
+                out[json.loads(line)["record"]["request_id"]] = pid
+        return out
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -12,6 +12,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -88,15 +89,25 @@ def test_routing_is_sticky_across_workers_and_metrics_add_up(
                     keys["salt"]: "sticky-salt"})
         time.sleep(1.0)  # every worker's routing poll has read it
         arms: dict[str, Counter[str]] = {}
-        for i in range(120):  # a new connection each time: the kernel hands them to either worker
-            conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
-            user = f"sticky-{i % 12}"
-            ok, arm = ask(conn, f"st-{i}", user, stream=False)
-            conn.close()
-            assert ok and arm is not None
-            arms.setdefault(user, Counter())[arm] += 1
+
+        def client(k: int) -> None:  # a new connection per request: the kernel hands them out
+            for i in range(k, 120, 4):
+                conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+                user = f"sticky-{i % 12}"
+                ok, arm = ask(conn, f"st-{i}", user, stream=False)
+                conn.close()
+                assert ok and arm is not None
+                arms.setdefault(user, Counter())[arm] += 1
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(client, range(4)))
         assert all(len(c) == 1 for c in arms.values()), arms
         assert {a for c in arms.values() for a in c} == {"stable", "canary"}, arms
+        workers_of = {}  # user -> the workers that served them: the same arm from either one
+        for rid, pid in gw.served_by().items():
+            workers_of.setdefault(f"sticky-{int(rid.removeprefix('st-')) % 12}", set()).add(pid)
+        assert len(set().union(*workers_of.values())) == 2, workers_of
+        assert any(len(pids) == 2 for pids in workers_of.values()), workers_of
         _, metrics = gw.get("/metrics")
         text = metrics.decode()
         served = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
