@@ -310,23 +310,28 @@ def multiprocess_registry(service: str) -> CollectorRegistry:
     service's own and the shared metrics, combined (counters and histograms summed, gauges
     as their ``multiprocess_mode`` says), and this process's build info. Per-process
     collectors (process_*, python_gc_*) are left out: a scrape reaches one worker at random."""
-    names = {metric.name for collector in (*SHARED, *OWNERS[service])
-             for metric in collector.describe()}  # type: ignore[attr-defined]
+    families = [metric for collector in (*SHARED, *OWNERS[service])
+                for metric in collector.describe()]  # type: ignore[attr-defined]
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_Only(multiprocess.MultiProcessCollector(None), names))  # type: ignore[no-untyped-call]
+    registry.register(_Only(multiprocess.MultiProcessCollector(None), families))  # type: ignore[no-untyped-call]
     registry.register(BUILD_INFO)
     return registry
 
 
 class _Only(Collector):
-    """The metric families of ``inner`` with the given names (every rtrl process imports the
-    whole catalogue, so each one's files hold other services' metrics at their initial 0)."""
+    """The metric families of ``inner`` named in ``families`` (every rtrl process imports the
+    whole catalogue, so each one's files hold other services' metrics at their initial 0),
+    and the rest of ``families`` without samples, as one process exports a labelled metric
+    nobody has set yet: its HELP and TYPE, which Prometheus's metadata lists."""
 
-    def __init__(self, inner: Collector, names: set[str]) -> None:
-        self._inner, self._names = inner, names
+    def __init__(self, inner: Collector, families: list[Metric]) -> None:
+        self._inner = inner
+        self._families = {f.name: f for f in families if f.name != BUILD_INFO._name}
 
     def collect(self) -> Iterable[Metric]:
-        return [m for m in self._inner.collect() if m.name in self._names]
+        got = [m for m in self._inner.collect() if m.name in self._families]
+        seen = {m.name for m in got}
+        return got + [f for name, f in self._families.items() if name not in seen]
 
 
 def observe_reward(arm: str, value: float) -> None:

@@ -81,3 +81,26 @@ def test_every_metric_used_is_exported(where: str, expr: str) -> None:
     assert used, f"{where}: no metric found in {expr!r}"
     missing = used - exported_names() - _SCRAPE_SERIES
     assert not missing, f"{where} uses {sorted(missing)}: not in ingest/contracts/prometheus.py"
+
+
+def test_the_multiprocess_registry_adds_up_processes_and_keeps_empty_families(tmp_path: Path) -> None:
+    """Gateway workers share /metrics through prometheus-client's multiprocess mode: two
+    processes' counters are summed, other services' metrics are left out, and a labelled
+    metric nobody has set still has its HELP and TYPE (Prometheus's metadata lists it)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    count = ("from ingest.contracts.prometheus import GATEWAY_REQUESTS, GATEWAY_OPEN_CONNECTIONS\n"
+             "GATEWAY_REQUESTS.labels('stable', '3', '200').inc(2)\nGATEWAY_OPEN_CONNECTIONS.inc(5)\n")
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", count], env=env, check=True, timeout=120)
+    show = ("from prometheus_client import generate_latest\n"
+            "from ingest.contracts.prometheus import multiprocess_registry\n"
+            "print(generate_latest(multiprocess_registry('gateway')).decode())\n")
+    out = subprocess.run([sys.executable, "-c", show], env=env, check=True, timeout=120,
+                         capture_output=True, text=True).stdout
+    assert 'rtrl_gateway_requests_total{arm="stable",code="200",version="3"} 4.0' in out
+    assert "rtrl_gateway_open_connections 10.0" in out  # until the parent marks them dead
+    assert "# TYPE rtrl_gateway_errors_total counter" in out
+    assert "rtrl_trainer_" not in out and "process_cpu_seconds_total" not in out
