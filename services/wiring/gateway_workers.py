@@ -59,6 +59,8 @@ log = logging.getLogger("services.gateway")
 
 SHIPPER_NAME = "rtrl-gw-shipper"
 """The shipper's process name (``ps``); workers are ``rtrl-gw-<index>``."""
+SHIPPER_NICE = 5
+"""The shipper's scheduling priority below the workers' (``nice``): its work can wait."""
 QUICK_EXIT_S = 10.0
 """A worker that exits this soon after it started, three times in a row, stops the gateway:
 restarting it again would only hide a configuration error."""
@@ -281,11 +283,11 @@ def worker_main(settings: Any, sock: socket.socket, spool: Path, index: int, rep
 
 
 def shipper_main(settings: Any, spool: Path, stop: Any) -> None:
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent says when, after the workers drained
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging(settings.log_level, "gateway-shipper")
     name_process(SHIPPER_NAME)
+    os.nice(SHIPPER_NICE)  # on busy cores the workers answering users go first; the spool waits
     gw = settings.gateway
 
     def gauge(depth: int, age_s: float) -> None:
