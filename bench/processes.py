@@ -21,7 +21,6 @@ from collections.abc import Callable
 from typing import Any, Protocol, Self
 
 from bench.fake_engine import FakeEngine
-from bench.gateway_common import start_gateway, stop_gateway
 from services.runtime.process import setup_logging
 from services.wiring.gateway_workers import WorkerPool
 
@@ -54,7 +53,7 @@ class Apart:
     def __init__(self, factory: Callable[..., Server], *args: Any) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        # not a daemon: the gateway starts its own exposure process, which a daemon may not
+        # not a daemon: the gateway starts its own workers and shipper, which a daemon may not
         self._proc = ctx.Process(target=_serve, args=(factory, args, child),
                                  name=getattr(factory, "__name__", "server"))
         self.url = ""
@@ -178,18 +177,6 @@ def fake_engine(token_ms: float) -> Server:
 
 def tcp_relay(target_url: str) -> Server:
     return TcpRelay(target_url).start()
-
-
-class GatewayProcess:
-    """The gateway on a private stack, as ``rtrl serve gateway`` runs it (bench/gateway_common.py)."""
-
-    def __init__(self, settings: Any) -> None:
-        setup_logging("WARNING", "bench-gateway")
-        _gateway, self._server, self._parts = start_gateway(settings)
-        self.url = f"http://127.0.0.1:{self._server.port}"
-
-    def stop(self) -> None:
-        stop_gateway(self._server, self._parts)
 
 
 class ServedGateway:
