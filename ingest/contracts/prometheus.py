@@ -310,7 +310,7 @@ def multiprocess_registry(service: str) -> CollectorRegistry:
     service's own and the shared metrics, combined (counters and histograms summed, gauges
     as their ``multiprocess_mode`` says), and this process's build info. Per-process
     collectors (process_*, python_gc_*) are left out: a scrape reaches one worker at random."""
-    families = [metric for collector in (*SHARED, *OWNERS[service])
+    families = [metric for collector in (*SHARED, *OWNERS[service]) if collector is not BUILD_INFO
                 for metric in collector.describe()]  # type: ignore[attr-defined]
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_Only(multiprocess.MultiProcessCollector(None), families))  # type: ignore[no-untyped-call]
@@ -326,7 +326,7 @@ class _Only(Collector):
 
     def __init__(self, inner: Collector, families: list[Metric]) -> None:
         self._inner = inner
-        self._families = {f.name: f for f in families if f.name != BUILD_INFO._name}
+        self._families = {f.name: f for f in families}
 
     def collect(self) -> Iterable[Metric]:
         got = [m for m in self._inner.collect() if m.name in self._families]

@@ -124,7 +124,7 @@ def serve(settings: Any) -> int:
     2 when the spool directory cannot be used."""
     try:
         pool = WorkerPool(settings)
-    except (SpoolDirError, OSError) as exc:
+    except SpoolDirError as exc:  # not a port already in use: that raises as it always did
         log.error("cannot spool served events: %s", exc)
         return 2
     stopper = Stopper().install()

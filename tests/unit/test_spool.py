@@ -233,3 +233,10 @@ def test_the_spool_directory_must_be_private(tmp_path: Path) -> None:
     link.symlink_to(mine)
     with pytest.raises(SpoolDirError, match="symlink"):
         SpoolWriter(link, "w0").open()
+
+
+def test_a_spool_directory_that_cannot_be_made_is_a_spool_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SpoolDirError, match="cannot create spool directory"):
+        SpoolWriter(blocker / "spool", "w0").open()

@@ -154,6 +154,8 @@ def private_dir(directory: Path) -> Path:
         directory.mkdir(mode=0o700, parents=True)
     except FileExistsError:
         pass
+    except OSError as exc:
+        raise SpoolDirError(f"cannot create spool directory {directory}: {exc}") from exc
     st = os.lstat(directory)
     if not stat.S_ISDIR(st.st_mode):
         raise SpoolDirError(f"spool directory {directory} is not a directory (a symlink?)")
