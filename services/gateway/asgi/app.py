@@ -117,25 +117,23 @@ class GatewayApp:
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return self._refused(413, f"request body of {declared} bytes exceeds the limit of {limit}")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.read_timeout_s
         parts: list[bytes] = []
         size = 0
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                wait = self.settings.read_timeout_s
-                return self._refused(408, f"request body not received within {wait:g} s")
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return self._refused(413, f"request body exceeds the limit of {limit} bytes")
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(parts)
+        try:
+            async with asyncio.timeout(self.settings.read_timeout_s):  # one timer, not a task per read
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        return self._refused(413, f"request body exceeds the limit of {limit} bytes")
+                    parts.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(parts)
+        except TimeoutError:
+            return self._refused(408, f"request body not received within {self.settings.read_timeout_s:g} s")
 
     @staticmethod
     def _refused(status: int, message: str) -> Response:
@@ -251,10 +249,11 @@ async def _unless_gone(work: asyncio.Future[Any], receive: Receive) -> tuple[boo
     """(True, its result) once ``work`` is done; (False, None) when the client left first,
     after cancelling ``work`` and letting it clean up."""
     watcher = asyncio.ensure_future(_disconnected(receive))
+    watcher.add_done_callback(lambda _: work.cancel())  # a no-op once the work is done
     try:
-        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.gather(work, return_exceptions=True)
     finally:
-        if not work.done():
+        if not work.done():  # this task itself was cancelled
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
         watcher.cancel()
