@@ -33,15 +33,28 @@ class Scale:
     """Events streamed while ingest and reward workers join and die on 8 partitions."""
     flood_seconds: float
     """How long real clients are measured while silent and slowloris connections flood the gateway."""
+    alert_outages: tuple[tuple[str, float | None], ...]
+    """(dependency, seconds stopped) in turn under the live services and the shipped alert rules;
+    None: until its critical alert fires."""
+    alert_quiet_s: float
+    """How long no alert may be pending or firing before each of those outages."""
+    alert_scrape_s: float
+    """Prometheus's scrape and evaluation interval in that test (the chart's default is 30 s)."""
+    alert_all_clear: bool
+    """Whether every alert, not only the critical ones, must clear after each outage (the
+    warnings' 5-minute rate windows take that long)."""
 
 
 SCALES = {
     "ci": Scale("ci", crash_events=12_000, crash_kills=4, fault_events=4_000, fuzz_bad=10_000,
                 fuzz_valid_requests=300, soak_seconds=45, judge_canaries=1_000, idle_seconds=30,
-                scale_out_events=6_000, flood_seconds=10),
+                scale_out_events=6_000, flood_seconds=10, alert_outages=(("kafka", None),),
+                alert_quiet_s=30, alert_scrape_s=10, alert_all_clear=False),
     "soak": Scale("soak", crash_events=100_000, crash_kills=16, fault_events=20_000, fuzz_bad=10_000,
                   fuzz_valid_requests=2_000, soak_seconds=900, judge_canaries=2_000, idle_seconds=300,
-                  scale_out_events=40_000, flood_seconds=120),
+                  scale_out_events=40_000, flood_seconds=120,
+                  alert_outages=(("kafka", 720.0), ("redis", 300.0)), alert_quiet_s=120,
+                  alert_scrape_s=30, alert_all_clear=True),
 }
 
 
