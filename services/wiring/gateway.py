@@ -77,6 +77,21 @@ def registry(settings: Any) -> Any:
     return MlflowRegistry(mlf.tracking_uri, mlf.registered_model, mlf.training_experiment)
 
 
+def champion_reader(settings: Any) -> Callable[[], str | None]:
+    """The registry's champion alias, for a gateway whose models are on an engine. The MLflow
+    client (about 125 MiB per worker) is made on the first read, which a gateway never does
+    while the routing table the deployer writes to Redis names the stable version."""
+    made: list[Any] = []
+
+    def read() -> str | None:
+        if not made:
+            made.append(registry(settings))
+        version: str | None = made[0].alias_version("champion")
+        return version
+
+    return read
+
+
 def build(settings: Any, health: Health, exposures: Any = None,
           metrics: Any = None) -> tuple[Gateway, list[Any]]:
     """Wire the gateway from settings; returns it and its background parts (started).
@@ -90,8 +105,7 @@ def build(settings: Any, health: Health, exposures: Any = None,
         # a "load" is one Redis read of the model name the deployer recorded: retried every
         # second at most, so a version is served within a second of being loaded and checked
         slots = ModelSlots(engine_loader(settings, make_redis(settings.redis)), min(gw.load_retry_s, 1.0))
-        source = registry(settings)
-        champion = ChampionCache(lambda: source.alias_version("champion"), gw.champion_refresh_s).get
+        champion = ChampionCache(champion_reader(settings), gw.champion_refresh_s).get
         model_name = settings.mlflow.registered_model
         base = settings.engine.base_version
     elif gw.stable_upstream is not None:

@@ -71,7 +71,8 @@ AUTO_MAX_WORKERS = 8
 its node, and each worker holds its own memory."""
 WORKER_BYTES = 320 << 20
 SHARED_BYTES = 256 << 20
-"""What ``workers=0`` budgets per worker (a worker in front of an engine holds about 250 MiB)
+"""What ``workers=0`` budgets per worker (a worker in front of an engine holds about 72 MiB,
+250 MiB once it reads the champion alias from MLflow)
 and for the parent and the shipper together (about 70 MiB each), against the cgroup's memory
 limit (docs/gateway.md, "Workers")."""
 

@@ -173,3 +173,37 @@ def _metric(gw: Gateway, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def test_workers_leave_the_mlflow_client_unloaded_while_redis_names_the_stable_version(
+        settings: Settings, tmp_path: Path, engine: FakeEngine) -> None:
+    """The MLflow client is about half a worker's memory and a worker in front of an engine
+    needs it only to read the champion alias when the routing table names no stable version:
+    with the deployer's table in Redis, no worker loads it (pandas, which it imports, is
+    never mapped); without one, the champion is read from MLflow as before."""
+    ensure_topics(settings, [settings.topics.raw])
+    redis = make_redis(settings.redis)
+    keys = routing_keys(settings.redis.key_prefix)
+    redis.mset({keys["stable_version"]: settings.engine.base_version, keys["canary_weight"]: "0"})
+    gw = Gateway(settings, tmp_path, engine.base_url, workers=2)
+    try:
+        gw.wait_ready(2)
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+        assert all(ask(conn, f"m-{i}", f"u{i}", stream=i % 2 == 1)[0] for i in range(20))
+        conn.close()
+        pids = gw.worker_pids()
+        assert len(pids) == 2, pids
+        for pid in pids:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+            rss_mib = pages * os.sysconf("SC_PAGE_SIZE") >> 20
+            print(f"worker {pid}: {rss_mib} MiB resident")
+            assert "pandas/_libs" not in maps, f"worker {pid} loaded the MLflow client ({rss_mib} MiB)"
+        redis.delete(keys["stable_version"])
+        time.sleep(1.0)  # every worker's routing poll has seen that no stable version is named
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+        assert ask(conn, "m-last", "u-last", stream=False)[0], gw.output()
+        conn.close()
+    finally:
+        assert gw.stop() == 0, gw.output()
+        redis.close()
