@@ -42,8 +42,6 @@ the switch instead (``?workflowType=`` or the browser's last choice), so run lin
 which view to open (``RUN_VIEW``)."""
 RUN_VIEW = "?workflowType=machine_learning"
 """Opens a run link in MLflow 3.17's "Model training" view, whatever the browser chose last."""
-NOTE = "mlflow.note.content"
-"""The run tag MLflow shows (and edits) as a run's description."""
 
 FATE_LINE = {
     NEVER_OFFERED: "not offered to users",

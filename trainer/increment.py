@@ -41,6 +41,7 @@ from trainer.policy import TrainablePolicy, load_policy, score_records
 from trainer.registration import (
     Retrying,
     RunTracker,
+    close_interrupted,
     close_run,
     mark_failed,
     offer,
@@ -308,6 +309,8 @@ def start_run(cfg: IncrementConfig, plan: Plan, registry: Registry, runs: RunTra
                            cfg.loop.objective.truncate_is)
     name = f"increment-{plan.window.id}"
     run_id = runs.start(name, _params(cfg, len(samples)), {**lineage, RUN_RETRY: str(plan.retry)})
+    if plan.retry:  # a run of this window that its trainer left open is closed as interrupted
+        close_interrupted(runs, name, run_id)
     probe = to_samples(plan.records.heldout, [0.0] * len(plan.records.heldout))
     return TrainingRun(run_id, name, parent_dir, samples, probe, lineage, {**rstats, **found.figures()},
                        found)

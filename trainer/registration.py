@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from deployer.registry import LockUnavailableError, Registry, manifest_tags, offer_candidate
-from ingest.contracts.registry import RUN_BAND_STOP, RUN_OUTCOME, RUN_VERSION, Tag
+from ingest.contracts.registry import NOTE, RUN_BAND_STOP, RUN_OUTCOME, RUN_RESUMED_BY, RUN_VERSION, Tag
 from trainer.gate import GateResult
 from trainer.trust_region import stop_name
 
@@ -45,7 +45,11 @@ class RunTracker(Protocol):
         ...
 
     def finish(self, run_id: str, status: str, metrics: dict[str, float], tags: dict[str, str]) -> None:
-        """Final metrics and tags; status FINISHED or FAILED."""
+        """Final metrics and tags; status FINISHED, FAILED or KILLED."""
+        ...
+
+    def open_runs(self, name: str) -> list[str]:
+        """The ids of the runs named ``name`` that are still open (RUNNING)."""
         ...
 
 
@@ -145,3 +149,24 @@ def mark_failed(runs: RunTracker, run_id: str) -> None:
         runs.finish(run_id, "FAILED", {}, {RUN_OUTCOME: "failed"})
     except Exception as exc:
         log.warning("could not mark run %s failed: %s: %s", run_id, type(exc).__name__, exc)
+
+
+INTERRUPTED_NOTE = ("**Interrupted.** The trainer stopped (or died) before this increment finished, so "
+                    "nothing was registered from it. Its window was trained again by run {run_id}.")
+
+
+def close_interrupted(runs: RunTracker, name: str, resumed_by: str) -> list[str]:
+    """Close the runs of an increment whose trainer stopped before it finished (they stay
+    RUNNING otherwise) as KILLED with outcome ``interrupted``, pointing at the run that trains
+    their window again. Best effort: the closed ids, or none when the tracker cannot be read."""
+    try:
+        stale = [r for r in runs.open_runs(name) if r != resumed_by]
+        for run_id in stale:
+            runs.finish(run_id, "KILLED", {}, {RUN_OUTCOME: "interrupted", RUN_RESUMED_BY: resumed_by,
+                                               NOTE: INTERRUPTED_NOTE.format(run_id=resumed_by)})
+    except Exception as exc:
+        log.warning("could not close the interrupted runs of %s: %s: %s", name, type(exc).__name__, exc)
+        return []
+    if stale:
+        log.info("closed %d interrupted run(s) of %s as KILLED: %s", len(stale), name, ", ".join(stale))
+    return stale

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ingest.contracts.registry import TAG_CANARY_ID, TAG_CANDIDATE, TAG_DECIDED_AT, TAG_KIND, TAG_STABLE
+from ingest.contracts.registry import NOTE, TAG_CANARY_ID, TAG_CANDIDATE, TAG_DECIDED_AT, TAG_KIND, TAG_STABLE
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
@@ -146,12 +146,12 @@ class MlflowLedger:
         data = self.client.get_run(run_id).data
         if data.tags.get(TAG_KIND) == holdout.KIND:
             text = holdout.description(data.tags, data.metrics)
-            self.client.set_tag(run_id, records.NOTE, ledger.clip(text))
+            self.client.set_tag(run_id, NOTE, ledger.clip(text))
             return []
         rows = records.comparison(data.metrics)
         text = records.run_description(data.tags, rows, self.model,
                                        self._run_link(data.tags.get("rtrl.candidate.run_id")))
-        self.client.set_tag(run_id, records.NOTE, ledger.clip(text))
+        self.client.set_tag(run_id, NOTE, ledger.clip(text))
         return rows
 
     def _run_link(self, run_id: str | None) -> str | None:

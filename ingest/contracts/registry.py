@@ -70,13 +70,17 @@ TAG_HOLDOUT_END = "rtrl.holdout.end"
 
 # ------------------------------------------------------------------- a training run's tags
 RUN_OUTCOME = "rtrl.outcome"
-"""success | failed | skipped."""
+"""success | failed | skipped | interrupted (its trainer stopped before it finished: KILLED)."""
 RUN_VERSION = "rtrl.version"
 """The registered version a successful run produced."""
 RUN_SKIP_REASON = "rtrl.skip_reason"
 RUN_BAND_STOP = "rtrl.band.stop"
 """Why the KL band's probe stopped the increment (trainer/trust_region.py)."""
 RUN_RETRY = "rtrl.retry"
+RUN_RESUMED_BY = "rtrl.resumed_by"
+"""An interrupted run's successor: the run that trained its window again."""
+NOTE = "mlflow.note.content"
+"""MLflow's description of a run or version (markdown), shown on its page."""
 
 # ------------------------------------------------------- files of a registered policy directory
 POLICY_MANIFEST = "policy.json"

@@ -16,10 +16,9 @@ from deployer.adapters.ledger_mlflow import MlflowLedger
 from deployer.adapters.redis_state import ControllerState, RedisRouting
 from deployer.adapters.reward_tail import read_holdout_report
 from deployer.ledger import TAG_OUTCOME
-from deployer.records import NOTE
 from deployer.routing import Holdout, parse_table
 from ingest.contracts import prometheus as m
-from ingest.contracts.registry import TAG_HOLDOUT_END, TAG_KIND
+from ingest.contracts.registry import NOTE, TAG_HOLDOUT_END, TAG_KIND
 from services.cli import holdout as holdout_cli
 from services.cli import operator
 from services.runtime.redis_io import make_redis

@@ -14,7 +14,7 @@ from deployer.adapters.ledger_mlflow import COMPARISON_ARTIFACT, MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.controller import Controller
 from deployer.status import Phase
-from ingest.contracts.registry import CHAMPION_SINCE, FATE
+from ingest.contracts.registry import CHAMPION_SINCE, FATE, NOTE
 from services.settings.model import Settings
 
 
@@ -46,7 +46,7 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
 
     # the ledger run: the decision in words, links back, one line per judged metric, the table
     run = led.client.get_run(run_id)
-    note = run.data.tags[records.NOTE]
+    note = run.data.tags[NOTE]
     assert note.startswith("**v2 was rolled back: v1 stays the champion.**")
     assert f"candidate [v2](#/models/{model}/versions/2)" in note
     assert f"stable [v1](#/models/{model}/versions/1)" in note
@@ -73,4 +73,4 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
     assert f"| champion | since {new.tags[CHAMPION_SINCE]} |" in new.description
     assert old.description.startswith("**rtrl policy v1: former champion, superseded**")
     promote_run = led.client.get_run(led.run_id(status.canary_id or "") or "")
-    assert promote_run.data.tags[records.NOTE].startswith(f"**v{v3} was promoted: it is the champion now")
+    assert promote_run.data.tags[NOTE].startswith(f"**v{v3} was promoted: it is the champion now")

@@ -11,7 +11,9 @@ import pytest
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.registry import Registry
-from ingest.contracts.registry import CHAMPION
+from ingest.contracts.registry import CHAMPION, NOTE, RUN_OUTCOME
+from trainer.adapters.mlflow_runs import MlflowRunTracker
+from trainer.registration import close_interrupted
 
 _spec = importlib.util.spec_from_file_location(
     "trainer_registry_contract", Path(__file__).parents[1] / "unit" / "test_trainer_registry.py"
@@ -48,3 +50,20 @@ def test_versions_are_linked_to_their_runs(sqlite_uri: str, tmp_path: Path) -> N
     reg.set_alias(CHAMPION, v)
     # a second adapter instance (another process) sees the same alias
     assert MlflowRegistry(reg.tracking_uri).alias_version(CHAMPION) == v
+
+
+def test_an_interrupted_increment_run_is_closed_as_killed_on_the_real_server(mlflow_server: str) -> None:
+    """The run tracker finds a window's run still RUNNING on a real tracking server and the
+    retry closes it KILLED, with its outcome and a description naming its successor."""
+    runs = MlflowRunTracker(mlflow_server, f"rtrl-training-{uuid.uuid4().hex[:8]}")
+    name = "increment-w-test"
+    left = runs.start(name, {}, {})
+    runs.start("increment-w-other", {}, {})
+    retry = runs.start(name, {}, {})
+    assert set(runs.open_runs(name)) == {left, retry}
+    assert close_interrupted(runs, name, retry) == [left]
+    run = runs.client.get_run(left)
+    assert run.info.status == "KILLED" and run.info.end_time is not None
+    assert run.data.tags[RUN_OUTCOME] == "interrupted"
+    assert retry in run.data.tags[NOTE]
+    assert runs.open_runs(name) == [retry]

@@ -55,6 +55,9 @@ class ListRuns:
         self.runs[run_id].update(status=status, metrics=metrics)
         self.runs[run_id]["tags"].update(tags)  # type: ignore[attr-defined]
 
+    def open_runs(self, name: str) -> list[str]:
+        return [k for k, r in self.runs.items() if r["name"] == name and "status" not in r]
+
 
 def served(policy: TinyTransformer, n: int, seed: int, start: int = 0, version: str = "1") -> list[bytes]:
     """Completions sampled from ``policy`` with their behavior log-probs, rewarded by GOOD."""
@@ -211,6 +214,36 @@ def test_failed_increment_retries_the_same_window_and_resumes(
     assert log.cut == first.ends()
     nxt = run_increment(cfg, log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
     assert nxt.window is not None and nxt.window.records == 40  # only the new ones
+
+
+def test_a_run_its_trainer_left_open_is_closed_as_interrupted_by_the_retry(
+    champion: TinyTransformer, tmp_path: Path
+) -> None:
+    """A trainer stopped past its grace (or SIGKILLed) mid-increment cannot close its run: the
+    run that trains the window again closes it as KILLED, outcome interrupted, pointing at
+    itself. A FAILED run (an exception the trainer saw) is left as it is."""
+    registry, log, runs = setup(champion, tmp_path)
+    for i, v in enumerate(served(champion, 100, seed=5)):
+        log.append(i % 2, v)
+    pending = PendingWindow(tmp_path / "pending.json")
+
+    class Vanishing(LocalTrainJob):  # the process is gone: nothing after this line runs
+        def run(self, request: TrainRequest) -> object:  # type: ignore[override]
+            raise SystemExit(0)
+
+    with pytest.raises(SystemExit):
+        run_increment(config(), log, registry, Vanishing(), runs, pending, tmp_path / "work")
+    (left_open,) = runs.runs
+    runs.runs[left_open].pop("status")  # the process died: mark_failed never ran
+    out = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    assert out.status == "success" and out.run_id != left_open
+    old = runs.runs[left_open]
+    assert old["status"] == "KILLED", old
+    tags = old["tags"]
+    assert isinstance(tags, dict)
+    assert tags["rtrl.outcome"] == "interrupted" and tags["rtrl.resumed_by"] == out.run_id
+    assert f"trained again by run {out.run_id}" in tags["mlflow.note.content"]
+    assert runs.runs[out.run_id]["status"] == "FINISHED"
 
 
 def test_crash_after_registration_is_repaired_without_retraining(

@@ -61,5 +61,10 @@ class MlflowRunTracker:
                               tags=[RunTag(k, v) for k, v in tags.items()])
         self.client.set_terminated(run_id, status=status)
 
+    def open_runs(self, name: str) -> list[str]:
+        found = self.client.search_runs([self.experiment_id()], "attributes.status = 'RUNNING'",
+                                        max_results=1000)
+        return [r.info.run_id for r in found if r.info.run_name == name]
+
     def log_artifact_text(self, run_id: str, text: str, name: str) -> None:
         self.client.log_text(run_id, text, name)
