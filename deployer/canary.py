@@ -55,7 +55,15 @@ from deployer.status import (
     Result,
 )
 from deployer.transitions import decide, enter, start
-from ingest.contracts.registry import CANDIDATE, CHAMPION, CHAMPION_SINCE, CHAMPION_UNTIL, FATE, PREVIOUS
+from ingest.contracts.registry import (
+    CANDIDATE,
+    CHAMPION,
+    CHAMPION_SINCE,
+    CHAMPION_SUCCESSOR,
+    CHAMPION_UNTIL,
+    FATE,
+    PREVIOUS,
+)
 
 BUDGET_TAG = "rtrl.canary.budget_users"
 """Ledger tag: the canary's budget in canary users when its plan first set it."""
@@ -328,17 +336,18 @@ def fate_tags(status: CanaryStatus, now: float) -> list[Action]:
     cand, stable, outcome = status.candidate, status.stable, status.outcome
     assert cand is not None and outcome is not None
     at = ledger.iso(now)
-    champion = {FATE: records.PROMOTED, CHAMPION_SINCE: at, CHAMPION_UNTIL: ""}
+    champion = {FATE: records.PROMOTED, CHAMPION_SINCE: at, CHAMPION_UNTIL: "", CHAMPION_SUCCESSOR: ""}
+    replaced = {CHAMPION_UNTIL: at, CHAMPION_SUCCESSOR: cand}
     if status.kind == "manual_rollback":
         out: list[Action] = [WriteTags(cand, champion)]
         if stable is not None:
-            out.append(WriteTags(stable, {FATE: records.ROLLED_BACK, CHAMPION_UNTIL: at}))
+            out.append(WriteTags(stable, {FATE: records.ROLLED_BACK, **replaced}))
         return out
     if outcome != "promoted":
         return [WriteTags(cand, {FATE: records.fate_of_outcome(outcome)})]
     out = [WriteTags(cand, champion)]
     if stable is not None and stable != cand:
-        out.append(WriteTags(stable, {FATE: records.SUPERSEDED, CHAMPION_UNTIL: at}))
+        out.append(WriteTags(stable, {FATE: records.SUPERSEDED, **replaced}))
     return out
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ingest.contracts.registry import (
     CHAMPION_SINCE,
+    CHAMPION_SUCCESSOR,
     CHAMPION_UNTIL,
     FATE,
     TAG_CANARY_ID,
@@ -110,12 +111,23 @@ def version_description(model: str, version: str, tags: Mapping[str, str], train
     if tags.get(Tag.DECISION):
         rows.append(("decision", f"{tags[Tag.DECISION]} by {tags.get(Tag.DECIDED_BY, '?')} at "
                                  f"{tags.get('rtrl.decided_at', '?')}: {tags.get(Tag.DECISION_REASON, '')}"))
-    if tags.get(CHAMPION_SINCE):
-        until = tags.get(CHAMPION_UNTIL)
-        rows.append(("champion", f"since {tags[CHAMPION_SINCE]}" + (f" until {until}" if until else "")))
+    if tags.get(CHAMPION_SINCE) or tags.get(CHAMPION_UNTIL):
+        rows.append(("champion", _reign(model, fate, tags)))
     rows.append(("fate", f"`{fate}`"))
     table = "\n".join(f"| {k} | {_cell(v)} |" for k, v in rows)
     return f"{head}\n\n| | |\n|---|---|\n{table}\n"
+
+
+def _reign(model: str, fate: str, tags: Mapping[str, str]) -> str:
+    """"since …", and for a version no longer champion "until … (superseded by v7)" (a first
+    champion, set by ``rtrl bootstrap``, has no "since")."""
+    since = tags.get(CHAMPION_SINCE)
+    until, successor = tags.get(CHAMPION_UNTIL), tags.get(CHAMPION_SUCCESSOR)
+    out = " ".join(part for part in (since and f"since {since}", until and f"until {until}") if part)
+    if until and successor:
+        how = "superseded by" if fate == SUPERSEDED else "replaced by"
+        out += f" ({how} [v{successor}]({version_link(model, successor)}))"
+    return out
 
 
 def _cell(text: str) -> str:

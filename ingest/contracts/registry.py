@@ -54,6 +54,8 @@ CHAMPION_SINCE = "rtrl.champion_since"
 """When the version became the champion (UTC, ISO 8601)."""
 CHAMPION_UNTIL = "rtrl.champion_until"
 """When a newer decision replaced it as champion."""
+CHAMPION_SUCCESSOR = "rtrl.champion_successor"
+"""The version that replaced it as champion (empty while it is the champion)."""
 LEDGER_RUN = "rtrl.canary.run_id"
 """The ledger run of the version's latest canary (the adapter fills it in for links)."""
 

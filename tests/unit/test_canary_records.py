@@ -11,7 +11,7 @@ import json
 from deployer import records
 from deployer.adapters.memory import FakeWorld
 from deployer.status import CanaryPolicy, Command
-from ingest.contracts.registry import CHAMPION_SINCE, CHAMPION_UNTIL, FATE, Tag
+from ingest.contracts.registry import CHAMPION_SINCE, CHAMPION_SUCCESSOR, CHAMPION_UNTIL, FATE, Tag
 
 POLICY = CanaryPolicy(steps=(0.01, 0.05), bake_s=60, max_duration_s=3600)
 _ids = itertools.count()
@@ -40,6 +40,9 @@ def test_fates_follow_canary_promotion_and_supersession() -> None:
     assert fate(w, "2") == records.PROMOTED and fate(w, "1") == records.SUPERSEDED
     tags2, tags1 = w.registry.tags["2"], w.registry.tags["1"]
     assert tags2[CHAMPION_SINCE] == tags1[CHAMPION_UNTIL] != ""
+    assert tags1[CHAMPION_SUCCESSOR] == "2" and tags2[CHAMPION_SUCCESSOR] == ""
+    text = records.version_description("rtrl-policy", "1", tags1)
+    assert f"until {tags1[CHAMPION_UNTIL]} (superseded by [v2](#/models/rtrl-policy/versions/2))" in text
 
 
 def test_a_rolled_back_or_aborted_canary_leaves_its_candidate_rolled_back() -> None:
@@ -59,6 +62,8 @@ def test_a_restore_by_hand_makes_the_old_version_champion_again() -> None:
     assert w.registry.aliases["champion"] == "1"
     assert fate(w, "1") == records.PROMOTED and w.registry.tags["1"][CHAMPION_UNTIL] == ""
     assert fate(w, "2") == records.ROLLED_BACK and w.registry.tags["2"][CHAMPION_UNTIL]
+    assert w.registry.tags["2"][CHAMPION_SUCCESSOR] == "1" and w.registry.tags["1"][CHAMPION_SUCCESSOR] == ""
+    assert "(replaced by [v1](" in records.version_description("rtrl-policy", "2", w.registry.tags["2"])
 
 
 WINDOW = json.dumps({"topic": "rtrl.rewards.v1", "ranges": [{"partition": 0, "start": 10, "end": 90}],
