@@ -41,6 +41,21 @@ EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 rather than GenAI (traces). MLflow 3.17's UI, with its GenAI / Model training switch, follows
 the switch instead (``?workflowType=`` or the browser's last choice), so run links also say
 which view to open (``RUN_VIEW``)."""
+LEDGER_EXPERIMENT_NOTE = (
+    "**rtrl deployment ledger.** One run per canary: its description opens with the verdict and "
+    "the judge's reasons, its metrics are the evidence judged at each tick, `comparison.csv` holds "
+    "the final figures per metric, and its tags name the candidate, the stable version and who "
+    "decided. Each model version of the registered model links to its canary's run here.\n\n"
+    "Open the runs in the **Model training** view (the GenAI view shows traces, which rtrl does "
+    "not log).")
+TRAINING_EXPERIMENT_NOTE = (
+    "**rtrl training.** One run per RL increment (`increment-<window id>`) and per bootstrap: "
+    "its parameters, the metrics of each step, the parent version and data window "
+    "(`rtrl.parent_version`, `rtrl.window`), the offline gate against the parent, and "
+    "`rtrl.outcome` (success, skipped, failed, or interrupted: its trainer stopped before it "
+    "finished, and a later run trained the window again). Each model version links to the run "
+    "that made it.\n\nOpen the runs in the **Model training** view (the GenAI view shows traces, "
+    "which rtrl does not log).")
 RUN_VIEW = "?workflowType=machine_learning"
 """Opens a run link in MLflow 3.17's "Model training" view, whatever the browser chose last."""
 

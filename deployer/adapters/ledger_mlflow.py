@@ -21,6 +21,7 @@ from mlflow.exceptions import MlflowException
 
 from deployer import holdout, ledger, records
 from deployer.actions import LedgerClose, LedgerEvent, LedgerNote, LedgerOpen, LedgerRefusal, LedgerStep
+from deployer.adapters.mlflow_registry import ensure_experiment
 
 PLOT_ARTIFACT = "cohorts.png"
 SUMMARY_ARTIFACT = "decision.json"
@@ -50,21 +51,7 @@ class MlflowLedger:
     # ------------------------------------------------------------------ lookup
     def experiment_id(self) -> str:
         if self._exp_id is None:
-            exp = self.client.get_experiment_by_name(self.experiment)
-            if exp is None:
-                try:
-                    self._exp_id = str(self.client.create_experiment(self.experiment,
-                                                                     tags=records.EXPERIMENT_KIND))
-                except MlflowException:  # created concurrently
-                    found = self.client.get_experiment_by_name(self.experiment)
-                    if found is None:
-                        raise
-                    self._exp_id = str(found.experiment_id)
-            else:
-                self._exp_id = str(exp.experiment_id)
-                for key, value in records.EXPERIMENT_KIND.items():  # made before the kind existed
-                    if exp.tags.get(key) != value:
-                        self.client.set_experiment_tag(self._exp_id, key, value)
+            self._exp_id = ensure_experiment(self.client, self.experiment, records.LEDGER_EXPERIMENT_NOTE)
         return self._exp_id
 
     def run_id(self, canary_id: str) -> str | None:

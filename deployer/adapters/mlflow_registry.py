@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import mlflow.artifacts
-from ingest.contracts.registry import FATE, TAG_CANARY_ID, Tag
+from ingest.contracts.registry import FATE, NOTE, TAG_CANARY_ID, Tag
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
@@ -22,6 +22,26 @@ from deployer import ledger, records
 
 ARTIFACT_PATH = "policy"
 """Where in a run the policy directory is logged."""
+
+
+def ensure_experiment(client: MlflowClient, name: str, note: str) -> str:
+    """The id of experiment ``name``, created when missing. It is shown as a machine-learning
+    experiment (``records.EXPERIMENT_KIND``, also set on one an older release made) and
+    described by ``note`` unless it already has a description (one edited by hand stays)."""
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return str(client.create_experiment(name, tags={**records.EXPERIMENT_KIND, NOTE: note}))
+        except MlflowException:  # created concurrently
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    missing = {k: v for k, v in records.EXPERIMENT_KIND.items() if exp.tags.get(k) != v}
+    if not exp.tags.get(NOTE):
+        missing[NOTE] = note
+    for key, value in missing.items():
+        client.set_experiment_tag(exp.experiment_id, key, value)
+    return str(exp.experiment_id)
 
 
 class MlflowRegistry:
@@ -57,16 +77,7 @@ class MlflowRegistry:
 
     def experiment_id(self) -> str:
         """The id of the experiment runs are made in (created when missing)."""
-        exp = self.client.get_experiment_by_name(self.experiment)
-        if exp is not None:
-            return str(exp.experiment_id)
-        try:
-            return str(self.client.create_experiment(self.experiment))
-        except MlflowException:  # created concurrently
-            exp = self.client.get_experiment_by_name(self.experiment)
-            if exp is None:
-                raise
-            return str(exp.experiment_id)
+        return ensure_experiment(self.client, self.experiment, records.TRAINING_EXPERIMENT_NOTE)
 
     def _wait_ready(self, mv: ModelVersion, timeout_s: float = 60.0) -> ModelVersion:
         deadline = time.monotonic() + timeout_s

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from deployer import records
+from deployer.adapters.ledger_mlflow import MlflowLedger
 from deployer.adapters.mlflow_registry import MlflowRegistry
 from deployer.registry import Registry
 from ingest.contracts.registry import CHAMPION, NOTE, RUN_OUTCOME
@@ -67,3 +69,24 @@ def test_an_interrupted_increment_run_is_closed_as_killed_on_the_real_server(mlf
     assert run.data.tags[RUN_OUTCOME] == "interrupted"
     assert retry in run.data.tags[NOTE]
     assert runs.open_runs(name) == [retry]
+
+
+def test_both_experiments_say_what_they_hold_and_a_hand_edited_description_stays(mlflow_server: str) -> None:
+    """The training and deployments experiments open as machine-learning experiments with a
+    description telling reviewers what their runs are; one made by an older release gets
+    both, and a description an operator wrote is not overwritten."""
+    suffix = uuid.uuid4().hex[:8]
+    runs = MlflowRunTracker(mlflow_server, f"rtrl-training-{suffix}")
+    ledger = MlflowLedger(mlflow_server, f"rtrl-deployments-{suffix}")
+    for exp_id, note in ((runs.experiment_id(), records.TRAINING_EXPERIMENT_NOTE),
+                         (ledger.experiment_id(), records.LEDGER_EXPERIMENT_NOTE)):
+        tags = runs.client.get_experiment(exp_id).tags
+        assert tags[NOTE] == note and "Model training" in note
+        assert tags["mlflow.experimentKind"] == "custom_model_development"
+    old = runs.client.create_experiment(f"rtrl-old-{suffix}")  # as an older release made it
+    assert MlflowRegistry(mlflow_server, experiment=f"rtrl-old-{suffix}").experiment_id() == old
+    tags = runs.client.get_experiment(old).tags
+    assert tags[NOTE] == records.TRAINING_EXPERIMENT_NOTE and tags["mlflow.experimentKind"]
+    runs.client.set_experiment_tag(old, NOTE, "ours")
+    assert MlflowRunTracker(mlflow_server, f"rtrl-old-{suffix}").experiment_id() == old
+    assert runs.client.get_experiment(old).tags[NOTE] == "ours"

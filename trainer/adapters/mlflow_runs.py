@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from deployer.adapters.mlflow_registry import ensure_experiment
+from deployer.records import TRAINING_EXPERIMENT_NOTE
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
 
 STEP_KEYS = ("loss", "pg_loss", "kl", "kl_per_token", "clip_fraction", "ess", "truncated_fraction",
              "ratio_mean", "ratio_max", "behavior_ratio_mean", "grad_norm", "step_seconds", "tokens",
@@ -25,17 +26,7 @@ class MlflowRunTracker:
 
     def experiment_id(self) -> str:
         if self._experiment_id is None:
-            exp = self.client.get_experiment_by_name(self.experiment)
-            if exp is None:
-                try:
-                    self._experiment_id = str(self.client.create_experiment(self.experiment))
-                except MlflowException:
-                    exp = self.client.get_experiment_by_name(self.experiment)
-                    if exp is None:
-                        raise
-                    self._experiment_id = str(exp.experiment_id)
-            else:
-                self._experiment_id = str(exp.experiment_id)
+            self._experiment_id = ensure_experiment(self.client, self.experiment, TRAINING_EXPERIMENT_NOTE)
         return self._experiment_id
 
     def start(self, name: str, params: dict[str, str], tags: dict[str, str]) -> str:
