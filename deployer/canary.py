@@ -278,7 +278,12 @@ def _on_error(status: CanaryStatus, obs: Observations, policy: CanaryPolicy) -> 
 
 
 def _why(status: CanaryStatus, head: str) -> str:
-    return head + (": " + "; ".join(status.reasons) if status.reasons else "")
+    return head + (": " + _listed(status.reasons) if status.reasons else "")
+
+
+def _listed(reasons: tuple[str, ...]) -> str:
+    """The judge's reasons in a decision's one-line reason (which then ends with them)."""
+    return "; ".join(reasons)
 
 
 def _alias_moved(status: CanaryStatus, obs: Observations) -> str:
@@ -319,11 +324,12 @@ def _close(status: CanaryStatus, now: float, actions: list[Action]) -> Result:
     tagged = status.stable if status.kind == "manual_rollback" else cand
     summary = ledger.summary(cid, cand, status.stable, outcome, status.reason, by, status.started_at, now,
                              status.reasons, status.cohorts, status.judged_on)
+    reasons = status.reasons if status.reason.endswith(_listed(status.reasons)) else ()
     if tagged is not None:
-        actions.append(WriteTags(tagged, ledger.version_tags(cid, outcome, status.reason, by, now)))
+        actions.append(WriteTags(tagged, ledger.version_tags(cid, outcome, status.reason, by, now, reasons)))
     actions += fate_tags(status, now)
     actions += [
-        LedgerClose(cid, now, ledger.decision_tags(outcome, status.reason, by, now), summary),
+        LedgerClose(cid, now, ledger.decision_tags(outcome, status.reason, by, now, reasons), summary),
     ]
     return enter(status, RESULT_PHASE[outcome], now, weight=0.0, step=-1), actions
 

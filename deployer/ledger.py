@@ -12,7 +12,8 @@ deployments experiment. A product reviewer answers from it alone:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 from ingest.contracts.registry import (
@@ -126,17 +127,23 @@ def step_metrics(
     return {k: v for k, v in out.items() if v == v and abs(v) != float("inf")}
 
 
-def decision_tags(outcome: str, reason: str, decided_by: str, ts: float) -> dict[str, str]:
-    """Tags of the final decision, on the run and mirrored on the model version."""
+def decision_tags(outcome: str, reason: str, decided_by: str, ts: float,
+                  reasons: Sequence[str] = ()) -> dict[str, str]:
+    """Tags of the final decision, on the run and mirrored on the model version; ``reasons``:
+    the judge's, when it decided (listed one per line on the MLflow pages)."""
     if outcome not in OUTCOMES:
         raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
-    return {
+    tags = {
         TAG_OUTCOME: outcome,
         TAG_DECISION: DECISION_OF[outcome],
         TAG_REASON: clip(reason),
         TAG_DECIDED_BY: decided_by,
         TAG_DECIDED_AT: iso(ts),
     }
+    listed = json.dumps(list(reasons))
+    if reasons and len(listed) <= MAX_TAG_CHARS:  # too long to keep whole: the reason alone
+        tags[Tag.DECISION_REASONS] = listed
+    return tags
 
 
 REFUSED_KIND = "refused_command"
@@ -161,9 +168,10 @@ def refusal_tags(record_id: str, kind: str, claimed: str, version: str | None, w
     }
 
 
-def version_tags(cid: str, outcome: str, reason: str, decided_by: str, ts: float) -> dict[str, str]:
+def version_tags(cid: str, outcome: str, reason: str, decided_by: str, ts: float,
+                 reasons: Sequence[str] = ()) -> dict[str, str]:
     """What a model version carries after its canary: the decision plus the ledger run."""
-    return {**decision_tags(outcome, reason, decided_by, ts), TAG_CANARY_ID: cid}
+    return {**decision_tags(outcome, reason, decided_by, ts, reasons), TAG_CANARY_ID: cid}
 
 
 def summary(

@@ -123,14 +123,31 @@ def version_description(model: str, version: str, tags: Mapping[str, str], train
         name = f"[{cid}]({ledger_run})" if ledger_run else cid
         outcome = tags.get(Tag.CANARY_OUTCOME, "")
         rows.append(("canary", f"{name}: {outcome or 'running'}"))
+    verdict, reasons = verdict_and_reasons(tags)
     if tags.get(Tag.DECISION):
         rows.append(("decision", f"{tags[Tag.DECISION]} by {tags.get(Tag.DECIDED_BY, '?')} at "
-                                 f"{tags.get('rtrl.decided_at', '?')}: {tags.get(Tag.DECISION_REASON, '')}"))
+                                 f"{tags.get('rtrl.decided_at', '?')}: {verdict}"))
     if tags.get(CHAMPION_SINCE) or tags.get(CHAMPION_UNTIL):
         rows.append(("champion", _reign(model, fate, tags)))
     rows.append(("fate", f"`{fate}`"))
     table = "\n".join(f"| {k} | {_cell(v)} |" for k, v in rows)
-    return f"{head}\n\n| | |\n|---|---|\n{table}\n"
+    why = "".join(f"\n- {r}" for r in reasons)
+    return f"{head}\n\n| | |\n|---|---|\n{table}\n" + (f"\nThe judge's reasons:\n{why}\n" if why else "")
+
+
+def verdict_and_reasons(tags: Mapping[str, str]) -> tuple[str, list[str]]:
+    """A decision's one-line verdict and the judge's reasons behind it, one per metric: the
+    reason tag ends with those reasons joined, and the verdict is what comes before them. A
+    reason the judge did not give (an operator's, an error's) is the verdict alone."""
+    reason = tags.get(Tag.DECISION_REASON, "")
+    try:
+        reasons = [str(r) for r in json.loads(tags.get(Tag.DECISION_REASONS, "[]"))]
+    except (ValueError, TypeError):
+        reasons = []
+    joined = "; ".join(reasons)
+    if not reasons or not reason.endswith(joined):
+        return reason, []
+    return reason[: len(reason) - len(joined)].rstrip(": ") or reason, reasons
 
 
 def _reign(model: str, fate: str, tags: Mapping[str, str]) -> str:
@@ -219,6 +236,20 @@ RUNNING_WORDS = "The canary of v{c} against v{s} is running."
 RESTORE_WORDS = "The champion v{s} was rolled back by hand to v{c}."
 
 
+TITLE_WORDS = {"promoted": "promoted", "rolled_back": "rolled back", "aborted": "aborted"}
+
+
+def run_title(tags: Mapping[str, str]) -> str:
+    """A decided ledger run's name in MLflow's run list: the candidate, its outcome and who
+    decided (``v7 rolled back by controller``); a hand restore names both versions."""
+    cand, stable = tags.get(TAG_CANDIDATE, "?"), tags.get(TAG_STABLE) or "?"
+    by = tags.get(Tag.DECIDED_BY, "?")
+    if tags.get(TAG_KIND) == "manual_rollback":
+        return f"v{stable} rolled back to v{cand} by {by}"
+    outcome = tags.get(Tag.CANARY_OUTCOME, "")
+    return f"v{cand} {TITLE_WORDS.get(outcome, outcome or 'decided')} by {by}"
+
+
 def run_description(tags: Mapping[str, str], rows: list[Row], model: str,
                     training_run: str | None = None) -> str:
     """Markdown for a ledger run: the decision in plain words, links, one line per metric."""
@@ -230,7 +261,10 @@ def run_description(tags: Mapping[str, str], rows: list[Row], model: str,
         words = DECISION_WORDS.get(outcome, RUNNING_WORDS).format(c=cand, s=stable)
     lines = [f"**{words}**", ""]
     if tags.get(Tag.DECISION):
-        lines += [f"Decided by {tags.get(Tag.DECIDED_BY, '?')} at {tags.get('rtrl.decided_at', '?')}.", ""]
+        verdict, reasons = verdict_and_reasons(tags)
+        lines += [f"Decided by {tags.get(Tag.DECIDED_BY, '?')} at {tags.get('rtrl.decided_at', '?')}: "
+                  f"{verdict.rstrip('.')}.", ""]
+        lines += [*(f"- {r}" for r in reasons), ""] if reasons else []
     links = [f"candidate [v{cand}]({version_link(model, cand)})"]
     if stable != "-":
         links.append(f"stable [v{stable}]({version_link(model, stable)})")
@@ -242,6 +276,4 @@ def run_description(tags: Mapping[str, str], rows: list[Row], model: str,
         lines += ["Judged metrics at the decision (canary − stable):", ""]
         lines += [f"- {metric_line(r)}" for r in judged]
         lines.append("")
-    if tags.get(Tag.DECISION_REASON):
-        lines.append(f"Why: {tags[Tag.DECISION_REASON]}")
     return "\n".join(lines).rstrip() + "\n"

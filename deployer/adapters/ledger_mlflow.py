@@ -36,6 +36,10 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+MLFLOW_USER = "mlflow.user"
+"""The run tag MLflow's UI shows as "Created by"."""
+
+
 class MlflowLedger:
     """:class:`deployer.actions.LedgerPort` on an MLflow tracking server or sqlite URI."""
 
@@ -125,6 +129,10 @@ class MlflowLedger:
             import matplotlib.pyplot as plt
 
             plt.close(fig)
+        decided = self.client.get_run(run_id).data.tags
+        self.client.log_batch(run_id, tags=[  # the run list names the outcome; "Created by" the decider
+            RunTag("mlflow.runName", records.run_title(decided)),
+            RunTag(MLFLOW_USER, decided.get(ledger.TAG_DECIDED_BY, ledger.CONTROLLER))])
         self.client.set_terminated(run_id, status="FINISHED", end_time=int(event.ts * 1000))
 
     def _describe(self, run_id: str) -> list[records.Row]:

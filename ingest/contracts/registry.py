@@ -37,6 +37,8 @@ class Tag:
     """``running`` while under canary, then promoted | rolled_back | aborted."""
     DECISION = "rtrl.decision"
     DECISION_REASON = "rtrl.decision.reason"
+    DECISION_REASONS = "rtrl.decision.reasons"
+    """The judge's reasons behind ``rtrl.decision.reason``, a JSON list, one per metric."""
     DECIDED_BY = "rtrl.decided_by"
     RUN_ID = "rtrl.run_id"
     """The MLflow run that produced the version (the fake stores what it is given)."""

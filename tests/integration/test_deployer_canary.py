@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from deployer_helpers import deployer_settings, feed_rewards, register_versions
 
+from deployer import records
 from deployer.adapters.ledger_mlflow import PLOT_ARTIFACT, SUMMARY_ARTIFACT, MlflowLedger
 from deployer.adapters.redis_state import RedisRouting
 from deployer.controller import Controller
@@ -59,7 +60,8 @@ def assert_ledger(deploy: Settings, canary_id: str, decision: str, outcome: str)
     assert run_id is not None
     run = ledger.client.get_run(run_id)
     tags = run.data.tags
-    assert run.info.run_name == canary_id and run.info.status == "FINISHED"
+    assert tags["rtrl.canary.id"] == canary_id and run.info.status == "FINISHED"
+    assert run.info.run_name == records.run_title(tags) == f"v2 {records.TITLE_WORDS[outcome]} by controller"
     assert tags[TAG_DECISION] == decision and tags[TAG_OUTCOME] == outcome
     assert tags[TAG_DECIDED_BY] == "controller" and tags[TAG_REASON]
     assert run.data.params["candidate_version"] == "2" and run.data.params["stable_version"] == "1"

@@ -57,7 +57,7 @@ def test_every_ledger_event_is_idempotent(tracking_uri: str) -> None:
     assert row["canary_id"] == cid and row["decision"] == "rollback" and row["decided_by"] == "controller"
     run = led.client.get_run(row["run_id"])
     assert run.info.status == "FINISHED" and run.info.end_time == int((T + 30) * 1000)
-    assert run.info.run_name == cid
+    assert run.data.tags["rtrl.canary.id"] == cid and run.info.run_name.endswith("rolled back by controller")
     assert run.data.params["steps"] == "0.1,0.5"
     assert run.data.tags["rtrl.operator.x1"] == "paused by alice"
     assert run.data.tags[ledger.TAG_OUTCOME] == "rolled_back"

@@ -52,6 +52,11 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
     assert f"stable [v1](#/models/{model}/versions/1)" in note
     assert f"[training run]({records.run_link(training.info.experiment_id, mv.run_id)})" in note
     assert "- reward: stable " in note and "always-valid interval [" in note
+    assert run.info.run_name == "v2 rolled back by controller", "the run list says what happened"
+    assert run.data.tags["mlflow.user"] == "controller", "MLflow's Created by is the decider"
+    verdict, reasons = records.verdict_and_reasons(run.data.tags)
+    assert verdict == "judge: canary worse" and reasons, run.data.tags
+    assert note.index(f"- {reasons[0]}") < note.index("- reward: stable "), "reasons above the figures"
     table = Path(led.client.download_artifacts(run_id, COMPARISON_ARTIFACT)).read_text()
     rows = {r["metric"]: r for r in csv.DictReader(table.splitlines())}
     reward = rows["reward"]
@@ -72,5 +77,8 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
     assert new.description.startswith(f"**rtrl policy v{v3}: champion**")
     assert f"| champion | since {new.tags[CHAMPION_SINCE]} |" in new.description
     assert old.description.startswith("**rtrl policy v1: former champion, superseded**")
+    assert f"(superseded by [v{v3}](#/models/{model}/versions/{v3}))" in old.description
     promote_run = led.client.get_run(led.run_id(status.canary_id or "") or "")
     assert promote_run.data.tags[NOTE].startswith(f"**v{v3} was promoted: it is the champion now")
+    assert promote_run.info.run_name == f"v{v3} promoted by alice"
+    assert promote_run.data.tags["mlflow.user"] == "alice"

@@ -8,7 +8,7 @@ import io
 import itertools
 import json
 
-from deployer import records
+from deployer import ledger, records
 from deployer.adapters.memory import FakeWorld
 from deployer.status import CanaryPolicy, Command
 from ingest.contracts.registry import CHAMPION_SINCE, CHAMPION_SUCCESSOR, CHAMPION_UNTIL, FATE, Tag
@@ -50,6 +50,9 @@ def test_a_rolled_back_or_aborted_canary_leaves_its_candidate_rolled_back() -> N
     w.tick(), w.tick(), w.tick("rollback")
     assert w.phases[-1] == "rolled_back" and fate(w, "2") == records.ROLLED_BACK
     assert fate(w, "1") is None, "the champion is untouched"
+    tags = w.registry.tags["2"]
+    assert tags[Tag.DECISION_REASON] == "judge: canary worse: judge said rollback"
+    assert records.verdict_and_reasons(tags) == ("judge: canary worse", ["judge said rollback"])
     w = world()
     w.tick(), w.tick(), w.tick("inconclusive")
     assert w.phases[-1] == "aborted" and fate(w, "2") == records.ROLLED_BACK
@@ -117,8 +120,8 @@ def test_run_description_puts_the_decision_in_words_with_links_and_metric_lines(
     rows = records.comparison(METRICS)
     text = records.run_description(tags, rows, "rtrl-policy", records.run_link("3", "r1"))
     assert text.startswith("**v7 was rolled back: v6 stays the champion.**")
-    assert "Decided by controller at 2026-11-22T05:00:00Z." in text and text.endswith("Why: reward worse\n")
-    assert text.index("- reward: stable") < text.index("Why:"), "figures first, the long reason last"
+    assert "Decided by controller at 2026-11-22T05:00:00Z: reward worse." in text
+    assert text.index("reward worse") < text.index("- reward: stable"), "the verdict above the fold"
     assert "candidate [v7](#/models/rtrl-policy/versions/7)" in text
     assert "stable [v6](#/models/rtrl-policy/versions/6)" in text
     assert "[training run](#/experiments/3/runs/r1?workflowType=machine_learning)" in text
@@ -126,3 +129,35 @@ def test_run_description_puts_the_decision_in_words_with_links_and_metric_lines(
             in text)
     running = records.run_description({"rtrl.candidate_version": "7", "rtrl.stable_version": "6"}, [], "m")
     assert running.startswith("**The canary of v7 against v6 is running.**")
+
+
+JUDGE_REASONS = ["Edit persistence 50.7% on the canary vs 80.1% on stable (difference -29.3 pts, p=8e-206; "
+                 "54 vs 97 users): confidently worse on the canary.",
+                 "Acceptance rate 54.0% on the canary vs 97.0% on stable: confidently worse on the canary."]
+
+
+def test_the_judges_reasons_are_listed_one_per_line_under_a_one_line_verdict() -> None:
+    """The reason tag joins the judge's reasons with "; " (and a reason holds "; " itself):
+    the pages list them from ``rtrl.decision.reasons`` under the verdict that precedes them."""
+    reason = "judge: canary worse: " + "; ".join(JUDGE_REASONS)
+    tags = {**ledger.decision_tags("rolled_back", reason, "controller", 0.0, JUDGE_REASONS),
+            "rtrl.candidate_version": "7", "rtrl.stable_version": "6"}
+    assert records.verdict_and_reasons(tags) == ("judge: canary worse", JUDGE_REASONS)
+    run = records.run_description(tags, [], "rtrl-policy")
+    assert "Decided by controller at 1970-01-01T00:00:00Z: judge: canary worse.\n\n- Edit persistence" in run
+    assert f"- {JUDGE_REASONS[1]}" in run and ".;" not in run
+    version = records.version_description("rtrl-policy", "7", tags)
+    assert "| decision | rollback by controller at 1970-01-01T00:00:00Z: judge: canary worse |" in version
+    assert version.endswith(f"The judge's reasons:\n\n- {JUDGE_REASONS[0]}\n- {JUDGE_REASONS[1]}\n")
+    manual = {**tags, Tag.DECISION_REASON: "operator alice: the canary breaks a customer's parser"}
+    assert records.verdict_and_reasons(manual) == (manual[Tag.DECISION_REASON], [])
+    huge = ledger.decision_tags("rolled_back", "judge: canary worse: x", "controller", 0.0, ["x" * 5000])
+    assert Tag.DECISION_REASONS not in huge, "a list too long for a tag is left to the reason alone"
+
+
+def test_a_decided_ledger_run_is_named_for_its_outcome_and_decider() -> None:
+    base = {"rtrl.candidate_version": "7", "rtrl.stable_version": "6", Tag.DECIDED_BY: "alice"}
+    assert records.run_title({**base, Tag.CANARY_OUTCOME: "rolled_back"}) == "v7 rolled back by alice"
+    assert records.run_title({**base, Tag.CANARY_OUTCOME: "aborted"}) == "v7 aborted by alice"
+    restore = {**base, Tag.CANARY_OUTCOME: "promoted", "rtrl.canary.kind": "manual_rollback"}
+    assert records.run_title(restore) == "v6 rolled back to v7 by alice"
