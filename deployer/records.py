@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ingest.contracts.registry import (
@@ -107,7 +107,7 @@ def version_description(model: str, version: str, tags: Mapping[str, str], train
     """Markdown for a model version: what it is, where it came from, what became of it.
     ``training_run`` / ``ledger_run`` are UI links (``#/experiments/...``) when known."""
     fate = tags.get(FATE, NEVER_OFFERED)
-    head = f"**rtrl policy v{version}: {FATE_LINE.get(fate, fate)}**"
+    head = f"rtrl policy v{version}: {FATE_LINE.get(fate, fate)}"  # plain: lists show it raw
     parent = tags.get(Tag.PARENT_VERSION, "")
     made = tags.get(Tag.KIND, "policy")
     rows = [("what", f"{made}" + (f", trained from [v{parent}]({version_link(model, parent)})" if parent
@@ -148,6 +148,35 @@ def verdict_and_reasons(tags: Mapping[str, str]) -> tuple[str, list[str]]:
     if not reasons or not reason.endswith(joined):
         return reason, []
     return reason[: len(reason) - len(joined)].rstrip(": ") or reason, reasons
+
+
+INDEX_ROWS = 40
+"""Versions listed in the registered model's description (newest first); the rest are on
+MLflow's versions tab."""
+
+
+def model_index(model: str, champion: str | None, versions: Sequence[tuple[str, Mapping[str, str]]],
+                ledger_links: Mapping[str, str]) -> str:
+    """Markdown for the registered model: the champion now, then one row per version (newest
+    first): its fate, the decision on it, when and by whom, and a link to its canary's ledger
+    run (``ledger_links``: canary id -> run link)."""
+    now = f"[v{champion}]({version_link(model, champion)})" if champion else "none yet"
+    lines = [f"rtrl policies. Champion now: {now}. Each version's page says what it was trained "
+             "from and why it was decided; each canary's ledger run holds the evidence.", "",
+             "| version | fate | decision | when | by | canary |", "|---|---|---|---|---|---|"]
+    newest = sorted(versions, key=lambda v: int(v[0]) if v[0].isdigit() else -1, reverse=True)
+    for version, tags in newest[:INDEX_ROWS]:
+        fate = tags.get(FATE, NEVER_OFFERED)
+        cid = tags.get(TAG_CANARY_ID, "")
+        canary = f"[{cid}]({ledger_links[cid]})" if cid in ledger_links else cid or "–"
+        shown = FATE_LINE[PROMOTED] if version == champion else FATE_LINE.get(fate, fate)
+        cells = [f"[v{version}]({version_link(model, version)})", shown,
+                 tags.get(Tag.DECISION) or "–", tags.get("rtrl.decided_at") or "–",
+                 tags.get(Tag.DECIDED_BY) or "–", canary]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    if len(newest) > INDEX_ROWS:
+        lines += ["", f"{len(newest) - INDEX_ROWS} older versions: MLflow's versions tab."]
+    return "\n".join(lines) + "\n"
 
 
 def _reign(model: str, fate: str, tags: Mapping[str, str]) -> str:
@@ -259,7 +288,7 @@ def run_description(tags: Mapping[str, str], rows: list[Row], model: str,
         words = RESTORE_WORDS.format(c=cand, s=stable)
     else:
         words = DECISION_WORDS.get(outcome, RUNNING_WORDS).format(c=cand, s=stable)
-    lines = [f"**{words}**", ""]
+    lines = [words, ""]  # plain: MLflow's run list shows a description's start raw
     if tags.get(Tag.DECISION):
         verdict, reasons = verdict_and_reasons(tags)
         lines += [f"Decided by {tags.get(Tag.DECIDED_BY, '?')} at {tags.get('rtrl.decided_at', '?')}: "

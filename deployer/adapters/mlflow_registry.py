@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import mlflow.artifacts
-from ingest.contracts.registry import FATE, NOTE, TAG_CANARY_ID, Tag
+from ingest.contracts.registry import CHAMPION, FATE, NOTE, TAG_CANARY_ID, Tag
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
@@ -116,6 +116,8 @@ class MlflowRegistry:
 
     def set_alias(self, alias: str, version: str) -> None:
         self.client.set_registered_model_alias(self.name, alias, str(version))
+        if alias == CHAMPION:
+            self.index()
 
     def delete_alias(self, alias: str) -> None:
         if self.alias_version(alias) is None:
@@ -151,6 +153,30 @@ class MlflowRegistry:
         text = ledger.clip(records.version_description(self.name, str(version), tags, *links))
         if text != (mv.description or ""):
             self.client.update_model_version(self.name, str(version), description=text)
+        self.index()
+
+    def index(self) -> None:
+        """Rewrite the registered model's description, the index of its versions
+        (deployer/records.py ``model_index``)."""
+        model = self.client.get_registered_model(self.name)
+        versions = [(str(mv.version), {k: str(v) for k, v in (mv.tags or {}).items()})
+                    for mv in self.client.search_model_versions(f"name = '{self.name}'")]
+        champion = (model.aliases or {}).get(CHAMPION)
+        text = ledger.clip(records.model_index(self.name, None if champion is None else str(champion),
+                                               versions, self._ledger_links()))
+        if text != (model.description or ""):
+            self.client.update_registered_model(self.name, description=text)
+
+    def _ledger_links(self) -> dict[str, str]:
+        """Canary id -> its ledger run's link, for every canary in the deployments experiment."""
+        if not self.ledger_experiment:
+            return {}
+        exp = self.client.get_experiment_by_name(self.ledger_experiment)
+        if exp is None:
+            return {}
+        runs = self.client.search_runs([exp.experiment_id], max_results=1000)
+        return {r.data.tags[TAG_CANARY_ID]: records.run_link(exp.experiment_id, r.info.run_id)
+                for r in runs if TAG_CANARY_ID in r.data.tags}
 
     def _run_link(self, run_id: str | None) -> str | None:
         if not run_id:

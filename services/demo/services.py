@@ -78,7 +78,8 @@ class LazyRegistry:
             from deployer.adapters.mlflow_registry import MlflowRegistry
 
             m = self._settings.mlflow
-            self._registry = MlflowRegistry(m.tracking_uri, m.registered_model, m.training_experiment)
+            self._registry = MlflowRegistry(m.tracking_uri, m.registered_model, m.training_experiment,
+                                            m.deployments_experiment)
         return self._registry
 
 

@@ -91,7 +91,7 @@ def registry_from(settings: Settings) -> MlflowRegistry:
     from deployer.adapters.mlflow_registry import MlflowRegistry
 
     m = settings.mlflow
-    return MlflowRegistry(m.tracking_uri, m.registered_model, m.training_experiment)
+    return MlflowRegistry(m.tracking_uri, m.registered_model, m.training_experiment, m.deployments_experiment)
 
 
 def ray_storage(settings: Settings) -> str:

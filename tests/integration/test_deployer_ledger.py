@@ -66,7 +66,7 @@ def test_every_ledger_event_is_idempotent(tracking_uri: str) -> None:
     assert len(led.series(row["run_id"], "cohort.canary.reward_mean")) == 3
     files = {a.path for a in led.client.list_artifacts(row["run_id"])}
     assert files == {PLOT_ARTIFACT, SUMMARY_ARTIFACT, COMPARISON_ARTIFACT}
-    assert run.data.tags["mlflow.note.content"].startswith("**v2 was rolled back: v1 stays the champion.**")
+    assert run.data.tags["mlflow.note.content"].startswith("v2 was rolled back: v1 stays the champion.")
     assert "- reward: stable " not in run.data.tags["mlflow.note.content"], "no judged metric was logged"
     summary = json.loads(Path(led.client.download_artifacts(row["run_id"], SUMMARY_ARTIFACT)).read_text())
     assert summary == {"canary_id": cid, "decision": "rollback"}

@@ -38,7 +38,7 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
     mv = reg.client.get_model_version(model, "2")
     assert mv.tags[FATE] == records.ROLLED_BACK
     training = reg.client.get_run(mv.run_id)
-    assert mv.description.startswith("**rtrl policy v2: rolled back**")
+    assert mv.description.startswith("rtrl policy v2: rolled back")
     assert f"[{cid}]({records.run_link(exp_id, run_id)}): rolled_back" in mv.description
     assert f"({records.run_link(training.info.experiment_id, mv.run_id)})" in mv.description
     assert f"trained from [v1](#/models/{model}/versions/1)" in mv.description
@@ -47,7 +47,7 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
     # the ledger run: the decision in words, links back, one line per judged metric, the table
     run = led.client.get_run(run_id)
     note = run.data.tags[NOTE]
-    assert note.startswith("**v2 was rolled back: v1 stays the champion.**")
+    assert note.startswith("v2 was rolled back: v1 stays the champion.")
     assert f"candidate [v2](#/models/{model}/versions/2)" in note
     assert f"stable [v1](#/models/{model}/versions/1)" in note
     assert f"[training run]({records.run_link(training.info.experiment_id, mv.run_id)})" in note
@@ -74,11 +74,19 @@ def test_versions_and_ledger_runs_describe_each_other(settings: Settings, mlflow
     assert status is not None and status.phase == Phase.SUCCEEDED
     new, old = (reg.client.get_model_version(model, v) for v in (v3, "1"))
     assert new.tags[FATE] == records.PROMOTED and old.tags[FATE] == records.SUPERSEDED
-    assert new.description.startswith(f"**rtrl policy v{v3}: champion**")
+    assert new.description.startswith(f"rtrl policy v{v3}: champion")
     assert f"| champion | since {new.tags[CHAMPION_SINCE]} |" in new.description
-    assert old.description.startswith("**rtrl policy v1: former champion, superseded**")
+    assert old.description.startswith("rtrl policy v1: former champion, superseded")
     assert f"(superseded by [v{v3}](#/models/{model}/versions/{v3}))" in old.description
+
+    # the registered model: the champion now and a row per version, with its canary's ledger run
+    index = reg.client.get_registered_model(model).description
+    assert index.startswith(f"rtrl policies. Champion now: [v{v3}](#/models/{model}/versions/{v3}).")
+    assert f"| [v2](#/models/{model}/versions/2) | rolled back | rollback |" in index
+    assert f"[{cid}]({records.run_link(exp_id, run_id)})" in index
+    assert f"| [v{v3}](#/models/{model}/versions/{v3}) | champion | promote |" in index
+    assert "| alice |" in index
     promote_run = led.client.get_run(led.run_id(status.canary_id or "") or "")
-    assert promote_run.data.tags[NOTE].startswith(f"**v{v3} was promoted: it is the champion now")
+    assert promote_run.data.tags[NOTE].startswith(f"v{v3} was promoted: it is the champion now")
     assert promote_run.info.run_name == f"v{v3} promoted by alice"
     assert promote_run.data.tags["mlflow.user"] == "alice"

@@ -66,3 +66,5 @@ def test_reviewer_pages_render_in_a_browser(settings: Settings, mlflow_server: s
           out / "mlflow-ledger-run.png", "v2 was rolled back: v1 stays the champion.")
     shoot(profile, f"{mlflow_server}/#/experiments/{led.experiment_id()}{records.RUN_VIEW}",
           out / "mlflow-ledger-experiment.png", "rtrl deployment ledger.")
+    shoot(profile, f"{mlflow_server}/#/models/{model}", out / "mlflow-registered-model.png",
+          "rtrl policies.")

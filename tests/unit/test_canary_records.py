@@ -82,7 +82,7 @@ def test_version_description_says_what_it_is_where_it_came_from_and_its_fate() -
             FATE: records.PROMOTED, CHAMPION_SINCE: "2026-11-22T05:00:00Z"}
     text = records.version_description("rtrl-policy", "7", tags, records.run_link("3", "r1"),
                                        records.run_link("5", "L1"))
-    assert text.startswith("**rtrl policy v7: champion**")
+    assert text.startswith("rtrl policy v7: champion")
     assert "trained from [v6](#/models/rtrl-policy/versions/6)" in text
     assert "`rtrl.rewards.v1` offsets p0 10–90; 77 records" in text
     assert "| reward spec | default-3 |" in text and "| offline gate | **pass** |" in text
@@ -92,7 +92,7 @@ def test_version_description_says_what_it_is_where_it_came_from_and_its_fate() -
     assert "| champion | since 2026-11-22T05:00:00Z |" in text and "| fate | `promoted` |" in text
     gate = {Tag.GATE_RESULT: "fail", Tag.GATE_REASONS: json.dumps({"reasons": ["KL to parent 0.9 > 0.5"]})}
     fresh = records.version_description("rtrl-policy", "8", gate)
-    assert fresh.startswith("**rtrl policy v8: not offered to users**")
+    assert fresh.startswith("rtrl policy v8: not offered to users")
     assert "**fail**: KL to parent 0.9 > 0.5" in fresh and "canary" not in fresh
 
 
@@ -119,7 +119,7 @@ def test_run_description_puts_the_decision_in_words_with_links_and_metric_lines(
             Tag.DECISION_REASON: "reward worse", "rtrl.canary.kind": "canary"}
     rows = records.comparison(METRICS)
     text = records.run_description(tags, rows, "rtrl-policy", records.run_link("3", "r1"))
-    assert text.startswith("**v7 was rolled back: v6 stays the champion.**")
+    assert text.startswith("v7 was rolled back: v6 stays the champion.")
     assert "Decided by controller at 2026-11-22T05:00:00Z: reward worse." in text
     assert text.index("reward worse") < text.index("- reward: stable"), "the verdict above the fold"
     assert "candidate [v7](#/models/rtrl-policy/versions/7)" in text
@@ -128,7 +128,7 @@ def test_run_description_puts_the_decision_in_words_with_links_and_metric_lines(
     assert ("- reward: stable 0.5, canary 0.1, delta -0.4, always-valid interval [-0.45, -0.35], p 0.001"
             in text)
     running = records.run_description({"rtrl.candidate_version": "7", "rtrl.stable_version": "6"}, [], "m")
-    assert running.startswith("**The canary of v7 against v6 is running.**")
+    assert running.startswith("The canary of v7 against v6 is running.")
 
 
 JUDGE_REASONS = ["Edit persistence 50.7% on the canary vs 80.1% on stable (difference -29.3 pts, p=8e-206; "
@@ -161,3 +161,26 @@ def test_a_decided_ledger_run_is_named_for_its_outcome_and_decider() -> None:
     assert records.run_title({**base, Tag.CANARY_OUTCOME: "aborted"}) == "v7 aborted by alice"
     restore = {**base, Tag.CANARY_OUTCOME: "promoted", "rtrl.canary.kind": "manual_rollback"}
     assert records.run_title(restore) == "v6 rolled back to v7 by alice"
+
+
+def test_the_registered_models_description_indexes_every_version_newest_first() -> None:
+    versions = [
+        ("1", {FATE: records.SUPERSEDED}),
+        ("10", {FATE: records.ROLLED_BACK, Tag.DECISION: "rollback", Tag.DECIDED_BY: "controller",
+                "rtrl.decided_at": "2026-11-22T05:00:00Z", "rtrl.canary.id": "canary-v10-x"}),
+        ("2", {FATE: records.PROMOTED, Tag.DECISION: "promote", Tag.DECIDED_BY: "alice",
+               "rtrl.decided_at": "2026-11-21T05:00:00Z", "rtrl.canary.id": "promote-v2-y"}),
+        ("11", {}),
+    ]
+    text = records.model_index("m", "2", versions, {"canary-v10-x": "#/experiments/5/runs/L10"})
+    assert text.startswith("rtrl policies. Champion now: [v2](#/models/m/versions/2).")
+    rows = [line for line in text.splitlines() if line.startswith("| [v")]
+    assert [r.split("]")[0] for r in rows] == ["| [v11", "| [v10", "| [v2", "| [v1"], "newest first"
+    assert rows[0] == "| [v11](#/models/m/versions/11) | not offered to users | – | – | – | – |"
+    assert rows[1] == ("| [v10](#/models/m/versions/10) | rolled back | rollback | 2026-11-22T05:00:00Z | "
+                       "controller | [canary-v10-x](#/experiments/5/runs/L10) |")
+    assert rows[2].endswith("| promote | 2026-11-21T05:00:00Z | alice | promote-v2-y |"), "no run: no link"
+    many = [(str(v), {}) for v in range(1, records.INDEX_ROWS + 6)]
+    long = records.model_index("m", None, many, {})
+    assert "Champion now: none yet." in long and "5 older versions: MLflow's versions tab." in long
+    assert f"| [v{records.INDEX_ROWS + 5}]" in long and "| [v5](" not in long and "| [v6](" in long
