@@ -82,7 +82,8 @@ def fate_of_outcome(outcome: str) -> str:
     return PROMOTED if outcome == "promoted" else ROLLED_BACK
 
 
-def _window(raw: str) -> str:
+def window_words(raw: str) -> str:
+    """A ``rtrl.window`` tag in words: topic, offsets per partition, records."""
     try:
         w = json.loads(raw)
         parts = ", ".join(f"p{r['partition']} {r['start']}–{r['end']}" for r in w.get("ranges", []))
@@ -113,7 +114,7 @@ def version_description(model: str, version: str, tags: Mapping[str, str], train
     rows = [("what", f"{made}" + (f", trained from [v{parent}]({version_link(model, parent)})" if parent
                                    else " (no parent)"))]
     if tags.get(Tag.WINDOW):
-        rows.append(("data window", _window(tags[Tag.WINDOW])))
+        rows.append(("data window", window_words(tags[Tag.WINDOW])))
     rows.append(("reward spec", tags.get(Tag.REWARD_SPEC_VERSION) or "unknown"))
     if training_run:
         rows.append(("training run", f"[{tags.get(Tag.RUN_ID, 'run')}]({training_run})"))

@@ -169,3 +169,21 @@ def evaluate(
                 f"estimated reward {est:.3f} (CI {lo:.3f}..{hi:.3f}) clearly below logged {baseline:.3f}"
             )
     return GateResult(not reasons, reasons, notes, figures)
+
+
+def gate_words(gate: GateResult, parent: str) -> list[str]:
+    """The offline gate against the parent in words, one line per check it made, then why it
+    failed and what it could not check."""
+    f = gate.figures
+    lines = [f"Offline gate against v{parent}: **{'passed' if gate.passed else 'failed'}**."]
+    if "kl_parent" in f:
+        lines.append(f"- KL from v{parent}: {f['kl_parent']:.3g} nats per completion (held-out records).")
+    if {"estimate", "ci_low", "ci_high", "baseline_reward"} <= f.keys():
+        lo, hi, base = f["ci_low"], f["ci_high"], f["baseline_reward"]
+        verdict = "better" if lo > base else "worse" if hi < base else "no clear difference"
+        lines.append(f"- Reward on the held-out records, estimated for this candidate: {f['estimate']:.3f} "
+                     f"(interval {lo:.3f} to {hi:.3f}) against {base:.3f} as served: {verdict}.")
+    if "ess" in f:
+        lines.append(f"- Effective sample size of that estimate: {f['ess']:.2f} (1 is on-policy).")
+    lines += [f"- Failed: {r}." for r in gate.reasons] + [f"- Not checked: {n}." for n in gate.notes]
+    return lines

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from deployer.registry import Registry
-from ingest.contracts.registry import CHAMPION, RUN_OUTCOME, RUN_RETRY, RUN_SKIP_REASON, Tag
+from ingest.contracts.registry import CHAMPION, NOTE, RUN_OUTCOME, RUN_RETRY, RUN_SKIP_REASON, Tag
 from ingest.events import RewardRecord
 from trainer.gate import GateConfig, GateResult, HeldoutScore, evaluate
 from trainer.loop import LoopConfig, Sample, summarize
@@ -47,6 +47,7 @@ from trainer.registration import (
     offer,
     register_candidate,
     registered_window_version,
+    success_note,
 )
 from trainer.train_job import TrainJob, TrainRequest, TrainResult
 from trainer.trust_region import band_params, stop_name
@@ -84,6 +85,9 @@ class IncrementConfig:
     registry_retry_s: float = 300.0
     """How long each registry call after training is retried (backoff 1 s doubling to 15 s)
     before the increment fails with its window pending."""
+    reward_spec: tuple[str, str] = ("", "")
+    """The reward spec this trainer runs with: (version, the file's text). An increment whose
+    records were all rewarded under that version logs the file on its run (``reward_spec.toml``)."""
 
 
 Status = Literal["success", "skipped", "failed"]
@@ -204,7 +208,8 @@ def run_increment(
 
     timings = {"total_s": time.monotonic() - t0, "train_s": trained.train_s,
                "steps_s": trained.stats.get("steps_seconds", 0.0)}
-    close_run(runs, retrying, run.run_id, version, gate, trained.stats, timings)
+    close_run(runs, retrying, run.run_id, version, gate, trained.stats, timings,
+              success_note(parent, plan.window.to_json(), version, gate))
     st = trained.stats
     band = (f"; KL band: {stop_name(st['band_stop'])} at {st['band_probe_kl']:.2f} nats "
             f"after {st['steps']:.0f} steps" if "band_stop" in st else "")
@@ -278,9 +283,14 @@ def served_as_champion(registry: Registry, champion: str) -> Callable[[str], boo
     return keep
 
 
+SPEC_ARTIFACT = "reward_spec.toml"
+"""The reward spec file on an increment's run: what its rewards meant."""
+SKIPPED_NOTE = "**Skipped:** {reason}. Nothing was trained; the records wait for the next increment."
+
+
 def record_skip(plan: Plan, reason: str, runs: RunTracker, pending: PendingWindow) -> Outcome:
     """A skipped window leaves a finished run saying why; its cut does not move."""
-    tags = {RUN_OUTCOME: "skipped", RUN_SKIP_REASON: reason,
+    tags = {RUN_OUTCOME: "skipped", RUN_SKIP_REASON: reason, NOTE: SKIPPED_NOTE.format(reason=reason),
             Tag.WINDOW: plan.window.to_json(), Tag.PARENT_VERSION: plan.parent}
     run_id = runs.start(f"skipped-{plan.window.id}", {}, tags)
     runs.finish(run_id, "FINISHED", {"records": float(plan.window.records)}, {})
@@ -311,6 +321,9 @@ def start_run(cfg: IncrementConfig, plan: Plan, registry: Registry, runs: RunTra
     run_id = runs.start(name, _params(cfg, len(samples)), {**lineage, RUN_RETRY: str(plan.retry)})
     if plan.retry:  # a run of this window that its trainer left open is closed as interrupted
         close_interrupted(runs, name, run_id)
+    version, text = cfg.reward_spec
+    if text and lineage[Tag.REWARD_SPEC_VERSION] == version:
+        runs.log_text(run_id, text, SPEC_ARTIFACT)
     probe = to_samples(plan.records.heldout, [0.0] * len(plan.records.heldout))
     return TrainingRun(run_id, name, parent_dir, samples, probe, lineage, {**rstats, **found.figures()},
                        found)

@@ -24,9 +24,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from deployer.ledger import clip
+from deployer.records import window_words
 from deployer.registry import LockUnavailableError, Registry, manifest_tags, offer_candidate
 from ingest.contracts.registry import NOTE, RUN_BAND_STOP, RUN_OUTCOME, RUN_RESUMED_BY, RUN_VERSION, Tag
-from trainer.gate import GateResult
+from trainer.gate import GateResult, gate_words
 from trainer.trust_region import stop_name
 
 log = logging.getLogger("trainer.increment")  # one logger for every step of the increment
@@ -50,6 +52,10 @@ class RunTracker(Protocol):
 
     def open_runs(self, name: str) -> list[str]:
         """The ids of the runs named ``name`` that are still open (RUNNING)."""
+        ...
+
+    def log_text(self, run_id: str, text: str, name: str) -> None:
+        """A text file as an artifact of the run."""
         ...
 
 
@@ -127,12 +133,21 @@ def offer(registry: Registry, version: str, lock: AbstractContextManager[object]
                  "alias stays; a later increment offers a fresher candidate", version, held)
 
 
+def success_note(parent: str, window_json: str, version: str, gate: GateResult) -> str:
+    """A successful increment's run description: what it was trained from and on, what it
+    registered, and the offline gate against the parent in words."""
+    return "\n".join([
+        f"Increment of v{parent}: trained on {window_words(window_json)}; registered as v{version}"
+        f"{'' if gate.passed else ', not offered (the gate failed)'}.", "", *gate_words(gate, parent)]) + "\n"
+
+
 def close_run(runs: RunTracker, retrying: Retrying, run_id: str, version: str, gate: GateResult,
-              stats: dict[str, float], timings: dict[str, float]) -> None:
+              stats: dict[str, float], timings: dict[str, float], note: str = "") -> None:
     """Final metrics and tags of a successful increment. Not being able to write them does not
     fail the increment: the version is registered and its window committed."""
     metrics = {**stats, **{f"gate_{k}": v for k, v in gate.figures.items()}, **timings}
-    tags = {RUN_OUTCOME: "success", RUN_VERSION: version, Tag.GATE_RESULT: gate.result}
+    tags = {RUN_OUTCOME: "success", RUN_VERSION: version, Tag.GATE_RESULT: gate.result,
+            **({NOTE: clip(note)} if note else {})}
     if "band_stop" in stats:
         tags[RUN_BAND_STOP] = stop_name(stats["band_stop"])
     try:
@@ -146,11 +161,13 @@ def mark_failed(runs: RunTracker, run_id: str) -> None:
     """Close the run as FAILED. When that fails too (the registry may be what failed), log it:
     the caller re-raises the original error."""
     try:
-        runs.finish(run_id, "FAILED", {}, {RUN_OUTCOME: "failed"})
+        runs.finish(run_id, "FAILED", {}, {RUN_OUTCOME: "failed", NOTE: FAILED_NOTE})
     except Exception as exc:
         log.warning("could not mark run %s failed: %s: %s", run_id, type(exc).__name__, exc)
 
 
+FAILED_NOTE = ("**Failed.** The increment stopped on an error (the trainer's log has it); nothing was "
+               "registered. Its window stays pending and the next run trains it again.")
 INTERRUPTED_NOTE = ("**Interrupted.** The trainer stopped (or died) before this increment finished, so "
                     "nothing was registered from it. Its window was trained again by run {run_id}.")
 

@@ -118,11 +118,14 @@ def parse_spec(text: str, source: str = "<string>") -> RewardSpec:
 
 def load_spec(path: Path | str | None = None) -> RewardSpec:
     """Load and validate a spec file; None loads the packaged default."""
+    return parse_spec(spec_text(path), "ingest/reward/specs/default.toml" if path is None else str(path))
+
+
+def spec_text(path: Path | str | None = None) -> str:
+    """A spec file's text as written (None: the packaged default's)."""
     if path is None:
-        return parse_spec(default_spec_text(), "ingest/reward/specs/default.toml")
-    p = Path(path)
+        return default_spec_text()
     try:
-        text = p.read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
-        raise SpecError(f"cannot read reward spec {p}: {exc}") from exc
-    return parse_spec(text, str(p))
+        raise SpecError(f"cannot read reward spec {path}: {exc}") from exc

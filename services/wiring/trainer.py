@@ -25,6 +25,7 @@ from deployer.adapters.redis_state import candidate_lock, wake_deployer
 from deployer.registry import manifest_tags
 from ingest.contracts import prometheus as metrics
 from ingest.contracts.registry import CHAMPION, PREVIOUS, RUN_VERSION, Tag
+from ingest.reward.spec import load_spec, spec_text
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.mlflow_http import bound_mlflow_http
 from services.runtime.redis_io import make_redis
@@ -75,6 +76,7 @@ def increment_config(settings: Settings) -> IncrementConfig:
         ),
         gate=GateConfig(**t.gate.model_dump()),
         registry_retry_s=t.registry_retry_s,
+        reward_spec=(load_spec(settings.reward_spec).version, spec_text(settings.reward_spec)),
     )
 
 

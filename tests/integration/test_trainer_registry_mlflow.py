@@ -69,6 +69,9 @@ def test_an_interrupted_increment_run_is_closed_as_killed_on_the_real_server(mlf
     assert run.data.tags[RUN_OUTCOME] == "interrupted"
     assert retry in run.data.tags[NOTE]
     assert runs.open_runs(name) == [retry]
+    runs.log_text(retry, "version = 'x'\n", "reward_spec.toml")  # the spec file an increment logs
+    spec = runs.client.download_artifacts(retry, "reward_spec.toml")
+    assert Path(spec).read_text() == "version = 'x'\n"
 
 
 def test_both_experiments_say_what_they_hold_and_a_hand_edited_description_stays(mlflow_server: str) -> None:

@@ -58,6 +58,9 @@ class ListRuns:
     def open_runs(self, name: str) -> list[str]:
         return [k for k, r in self.runs.items() if r["name"] == name and "status" not in r]
 
+    def log_text(self, run_id: str, text: str, name: str) -> None:
+        self.runs[run_id].setdefault("artifacts", {})[name] = text  # type: ignore[index]
+
 
 def served(policy: TinyTransformer, n: int, seed: int, start: int = 0, version: str = "1") -> list[bytes]:
     """Completions sampled from ``policy`` with their behavior log-probs, rewarded by GOOD."""
@@ -151,7 +154,9 @@ def test_increment_registers_candidate_with_lineage_and_consumes_window_once(
     for i, v in enumerate(served(champion, 120, seed=2)):
         log.append(i % 2, v)
     pending = PendingWindow(tmp_path / "pending.json")
-    out = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    spec = ("v1", "version = 'v1'\n")
+    out = run_increment(config(reward_spec=spec), log, registry, LocalTrainJob(), runs, pending,
+                        tmp_path / "work")
     assert out.status == "success", out.reason
     assert out.version is not None and registry.alias_version(CANDIDATE) == out.version
     tags = registry.get_tags(out.version)
@@ -163,11 +168,20 @@ def test_increment_registers_candidate_with_lineage_and_consumes_window_once(
     assert log.cut == {0: 60, 1: 60} and pending.load() is None
     run = runs.runs[out.run_id or ""]
     assert run["status"] == "FINISHED" and run["steps"]
+    assert run["artifacts"] == {"reward_spec.toml": spec[1]}, "the rewards' own spec, as written"
+    note = run["tags"]["mlflow.note.content"]  # type: ignore[index]
+    assert note.startswith("Increment of v1: trained on `rewards` offsets p0 0–60, p1 0–60; 120 records; "
+                           f"registered as v{out.version}.")
+    assert "Offline gate against v1: **passed**." in note and "- KL from v1: " in note
+    assert "- Reward on the held-out records, estimated for this candidate: " in note
     assert "reward_mean_canary" in out.stats and "clip_fraction" in out.stats
 
     # nothing new: skipped, recorded, cut unchanged
-    again = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    again = run_increment(config(reward_spec=("v2", "other")), log, registry, LocalTrainJob(), runs,
+                          pending, tmp_path / "work")
     assert again.status == "skipped" and "no new reward records" in again.reason
+    skipped = runs.runs[again.run_id or ""]
+    assert skipped["tags"]["mlflow.note.content"].startswith("**Skipped:** no new reward records")  # type: ignore[index]
     assert registry.versions() == ["1", "2"]
 
     # a few new records: too few -> skipped, and they stay for later
@@ -178,8 +192,10 @@ def test_increment_registers_candidate_with_lineage_and_consumes_window_once(
     assert log.cut == {0: 60, 1: 60}
     for i, v in enumerate(served(champion, 60, seed=4, start=2000)):
         log.append(i % 2, v)
-    second = run_increment(config(), log, registry, LocalTrainJob(), runs, pending, tmp_path / "work")
+    second = run_increment(config(reward_spec=("v2", "other")), log, registry, LocalTrainJob(), runs, pending,
+                           tmp_path / "work")
     assert second.status == "success"
+    assert "artifacts" not in runs.runs[second.run_id or ""], "records of spec v1: not the v2 file"
     assert second.window is not None and second.window.records == 70  # the 10 waited, then came along
     assert second.window.starts() == {0: 60, 1: 60}
 

@@ -57,5 +57,5 @@ class MlflowRunTracker:
                                         max_results=1000)
         return [r.info.run_id for r in found if r.info.run_name == name]
 
-    def log_artifact_text(self, run_id: str, text: str, name: str) -> None:
+    def log_text(self, run_id: str, text: str, name: str) -> None:
         self.client.log_text(run_id, text, name)
