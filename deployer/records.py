@@ -32,6 +32,7 @@ from ingest.contracts.registry import (
     TAG_STABLE,
     Tag,
 )
+from rollback.metrics import fmt_delta, fmt_value
 
 NEVER_OFFERED, CANARY, PROMOTED, SUPERSEDED, ROLLED_BACK = (
     "never_offered", "canary", "promoted", "superseded", "rolled_back")
@@ -248,10 +249,18 @@ def _num(v: float | None) -> str:
 
 
 def metric_line(r: Row) -> str:
-    """``reward: stable 0.5, canary 0.1, delta −0.4 [−0.45, −0.35] (p 0.001)``"""
-    text = f"{r.metric}: stable {_num(r.stable)}, canary {_num(r.canary)}, delta {_num(r.delta)}"
+    """``persistence: stable 80.1%, canary 50.7%, delta -29.3 pts, always-valid interval
+    [-33.1 pts, -25.6 pts], p 8e-06``: in the units of the judge's reasons (rates in % and
+    points, latency in ms; others as numbers)."""
+    def value(v: float | None) -> str:
+        return "–" if v is None else fmt_value(r.metric, v)
+
+    def delta(v: float | None) -> str:
+        return "–" if v is None else fmt_delta(r.metric, v)
+
+    text = f"{r.metric}: stable {value(r.stable)}, canary {value(r.canary)}, delta {delta(r.delta)}"
     if r.ci_lower is not None or r.ci_upper is not None:
-        text += f", always-valid interval [{_num(r.ci_lower)}, {_num(r.ci_upper)}]"
+        text += f", always-valid interval [{delta(r.ci_lower)}, {delta(r.ci_upper)}]"
     if r.p_value is not None:
         text += f", p {_num(r.p_value)}"
     return text

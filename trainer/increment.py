@@ -39,6 +39,8 @@ from trainer.mismatch import Mismatch, measure_parent
 from trainer.objective import assign_groups, group_advantages, reward_stats
 from trainer.policy import TrainablePolicy, load_policy, score_records
 from trainer.registration import (
+    SKIPPED_NOTE,
+    SPEC_ARTIFACT,
     Retrying,
     RunTracker,
     close_interrupted,
@@ -281,11 +283,6 @@ def served_as_champion(registry: Registry, champion: str) -> Callable[[str], boo
         return seen[version]
 
     return keep
-
-
-SPEC_ARTIFACT = "reward_spec.toml"
-"""The reward spec file on an increment's run: what its rewards meant."""
-SKIPPED_NOTE = "**Skipped:** {reason}. Nothing was trained; the records wait for the next increment."
 
 
 def record_skip(plan: Plan, reason: str, runs: RunTracker, pending: PendingWindow) -> Outcome:

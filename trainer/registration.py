@@ -166,6 +166,9 @@ def mark_failed(runs: RunTracker, run_id: str) -> None:
         log.warning("could not mark run %s failed: %s: %s", run_id, type(exc).__name__, exc)
 
 
+SPEC_ARTIFACT = "reward_spec.toml"
+"""The reward spec file on an increment's run: what its rewards meant."""
+SKIPPED_NOTE = "**Skipped:** {reason}. Nothing was trained; the records wait for the next increment."
 FAILED_NOTE = ("**Failed.** The increment stopped on an error (the trainer's log has it); nothing was "
                "registered. Its window stays pending and the next run trains it again.")
 INTERRUPTED_NOTE = ("**Interrupted.** The trainer stopped (or died) before this increment finished, so "

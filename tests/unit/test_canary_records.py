@@ -184,3 +184,12 @@ def test_the_registered_models_description_indexes_every_version_newest_first() 
     long = records.model_index("m", None, many, {})
     assert "Champion now: none yet." in long and "5 older versions: MLflow's versions tab." in long
     assert f"| [v{records.INDEX_ROWS + 5}]" in long and "| [v5](" not in long and "| [v6](" in long
+
+
+def test_metric_lines_speak_the_units_of_the_judges_reasons() -> None:
+    rate = records.Row("persistence", "judge", 0.801, 0.507, -0.294, -0.331, -0.256, 8e-06)
+    assert records.metric_line(rate) == ("persistence: stable 80.1%, canary 50.7%, delta -29.4 pts, "
+                                         "always-valid interval [-33.1 pts, -25.6 pts], p 8e-06")
+    slow = records.Row("latency_ms", "judge", 120.0, 150.5, 30.5, 20.0, 41.0, None)
+    assert records.metric_line(slow) == ("latency_ms: stable 120 ms, canary 150 ms, delta +30.5 ms, "
+                                         "always-valid interval [+20.0 ms, +41.0 ms]")
