@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployer.records import run_link
 from services.runtime.kafka_io import read_topic
 from services.settings.model import Settings
 
@@ -69,7 +70,7 @@ def read_ledger(tracking_uri: str, experiment: str) -> list[Decision]:
             decided_by=tags.get("rtrl.decided_by", ""),
             decided_at=tags.get("rtrl.decided_at", ""),
             started_at=run.info.start_time / 1000.0,
-            url=f"{tracking_uri.rstrip('/')}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"
+            url=f"{tracking_uri.rstrip('/')}/{run_link(exp.experiment_id, run.info.run_id)}"
             if tracking_uri.startswith("http") else "",
             evidence={k: float(v) for k, v in run.data.metrics.items()},
         ))
