@@ -25,7 +25,7 @@ from deployer.adapters.redis_state import candidate_lock, wake_deployer
 from deployer.registry import manifest_tags
 from ingest.contracts import prometheus as metrics
 from ingest.contracts.registry import CHAMPION, PREVIOUS, RUN_VERSION, Tag
-from ingest.reward.spec import load_spec, spec_text
+from ingest.reward.spec import parse_spec, spec_text
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.runtime.mlflow_http import bound_mlflow_http
 from services.runtime.redis_io import make_redis
@@ -58,6 +58,7 @@ log = logging.getLogger("rtrl.trainer")
 
 def increment_config(settings: Settings) -> IncrementConfig:
     t = settings.trainer
+    text = spec_text(settings.reward_spec)  # read once: its version and the file it logs
     return IncrementConfig(
         topic=settings.topics.rewards,
         min_records=t.min_records,
@@ -76,7 +77,7 @@ def increment_config(settings: Settings) -> IncrementConfig:
         ),
         gate=GateConfig(**t.gate.model_dump()),
         registry_retry_s=t.registry_retry_s,
-        reward_spec=(load_spec(settings.reward_spec).version, spec_text(settings.reward_spec)),
+        reward_spec=(parse_spec(text).version, text),
     )
 
 
