@@ -22,7 +22,7 @@ from numpy.typing import NDArray
 
 from rollback.types import Columns, RequestOutcome
 
-KINDS = ("edit", "question", "empty")
+KINDS = ("edit", "question", "empty", "tool_call")
 """Completion kinds by code; any other kind is code ``len(KINDS)``."""
 _KIND_CODE = {k: i for i, k in enumerate(KINDS)}
 

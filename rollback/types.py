@@ -25,7 +25,7 @@ from ingest.contracts.metrics import PERSISTENCE_HORIZON_S, edit_persistence
 if TYPE_CHECKING:
     from ingest.events import RewardRecord
 
-CompletionKind = Literal["edit", "question", "empty"]
+CompletionKind = Literal["edit", "question", "empty", "tool_call"]  # as ingest.events.CompletionKind
 Direction = Literal["higher_is_better", "lower_is_better"]
 Status = Literal["worse", "non_inferior", "better", "undecided", "insufficient"]
 JudgeState = dict[str, float]
