@@ -4,6 +4,12 @@ Every event carries ``schema_version``, a unique ``event_id``, its ``type``, the
 ``request_id`` it belongs to and the producer's UTC timestamp ``ts``. The Kafka key is the
 ``request_id``, so all events of one request land on one partition.
 
+Sessions (contract revision 1.1, additive): an agent turn is a served request inside a
+``session_id``. Five more types describe a session, each naming its session, the turn index
+and the turn's ``request_id`` (still the Kafka key): ``session.turn``, ``tool.call``,
+``tool.result``, ``session.summary`` and ``session.end``. Each is checked on its own here
+and by ingest; checks across a session's events live in ``ingest/reward/sessions.py``.
+
 The JSON Schema exported from these models lives at ``ingest/schema/events.v1.json``;
 regenerate it with ``rtrl events schema --write`` after changing a model.
 """
@@ -32,10 +38,6 @@ Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 """A non-negative count that a consumer reading 64-bit integers can hold."""
 Arm = Literal["stable", "canary", "holdout"]
 LogProb = Annotated[float, Field(le=0.0, allow_inf_nan=False)]
-CompletionKind = Literal["edit", "question", "empty", "tool_call"]
-"""What a completion was: a proposed edit, a clarifying question, nothing (or a refusal),
-or tool calls (``tool_call``, an additive value: events without it stay valid). The gateway's
-rule for chat answers is in docs/gateway.md."""
 
 
 class _Model(BaseModel):
@@ -88,8 +90,8 @@ class CompletionServed(_EventBase):
     latency_ms: Annotated[float, Field(ge=0, le=3_600_000, allow_inf_nan=False)]
     tool_calls: Count = 0
     invalid_tool_calls: Count = 0
-    completion_kind: CompletionKind = "edit"
-    """What the completion was (:data:`CompletionKind`)."""
+    completion_kind: Literal["edit", "question", "empty"] = "edit"
+    """What the completion was: a proposed edit, a clarifying question, or nothing."""
 
     @model_validator(mode="after")
     def _consistent(self) -> CompletionServed:
@@ -132,13 +134,102 @@ class FollowupDissatisfied(_EventBase):
     reason: Annotated[str, Field(max_length=200)] | None = None
 
 
+# ---------------------------------------------------------------------- sessions (revision 1.1)
+CONTRACT_REVISION = "1.1"
+"""Additive revisions of contract v1: 1.0 requests, 1.1 sessions. Every 1.0 event is valid
+and means the same under 1.1; a change that is not additive takes ``schema_version`` 2."""
+TURN_MAX = 999_999
+"""The largest turn index (turns count from 0). Larger is an ``invalid_field``."""
+TurnIndex = Annotated[int, Field(ge=0, le=TURN_MAX)]
+ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+
+
+class _SessionEventBase(_EventBase):
+    """A session's event: ``request_id`` is the request served as turn ``turn``."""
+
+    session_id: Id
+    turn: TurnIndex
+    """The turn's index in its session, from 0."""
+
+
+class SessionTurn(_SessionEventBase):
+    """Sent by the serving layer once per served turn, beside its ``completion.served``:
+    the turn ``turn`` of ``session_id`` is the request ``request_id``."""
+
+    type: Literal["session.turn"] = "session.turn"
+
+
+class ToolCall(_SessionEventBase):
+    """A tool call the model made in turn ``turn`` (sent by the serving layer)."""
+
+    type: Literal["tool.call"] = "tool.call"
+    call_id: Id
+    """Unique within the session; the ``tool.result`` that answers the call names it."""
+    tool: ToolName
+    arguments_valid: bool
+    """Whether the arguments are JSON that is valid against the tool's declared schema."""
+    invalid_reason: Literal["unknown_tool", "not_json", "schema_mismatch"] | None = None
+    """Why not, when ``arguments_valid`` is false (then required; null otherwise)."""
+    arguments_chars: Count = 0
+    outcome: Literal["dispatched", "blocked"]
+    """``dispatched``: handed on to be run (a ``tool.result`` should follow); ``blocked``:
+    never run (the serving layer or the client refused it)."""
+
+    @model_validator(mode="after")
+    def _reason_iff_invalid(self) -> ToolCall:
+        if self.arguments_valid == (self.invalid_reason is not None):
+            raise ValueError("invalid_reason is required when arguments_valid is false, "
+                             "and must be null when it is true")
+        return self
+
+
+class ToolResult(_SessionEventBase):
+    """A tool's result returned to the model in turn ``turn`` (the call's turn or later)."""
+
+    type: Literal["tool.result"] = "tool.result"
+    call_id: Id
+    status: Literal["ok", "error", "timeout", "refused"]
+    """``refused``: the user declined to run the call."""
+    result_tokens: Count = 0
+    """Tokens of the result as the model reads it (masked in training)."""
+
+
+class SessionSummary(_SessionEventBase):
+    """Turn ``turn``'s completion is a self-summary that replaces the turns
+    ``replaced_from``..``replaced_to`` (inclusive, all before ``turn``) in the context."""
+
+    type: Literal["session.summary"] = "session.summary"
+    replaced_from: TurnIndex
+    replaced_to: TurnIndex
+    summary_tokens: Count
+
+    @model_validator(mode="after")
+    def _replaces_earlier_turns(self) -> SessionSummary:
+        if not self.replaced_from <= self.replaced_to < self.turn:
+            raise ValueError("the replaced turns must satisfy replaced_from <= replaced_to < turn")
+        return self
+
+
+class SessionEnd(_SessionEventBase):
+    """The session ended after turn ``turn`` (its last), with ``request_id`` that turn's."""
+
+    type: Literal["session.end"] = "session.end"
+    outcome: Literal["completed", "abandoned", "handed_back"]
+    """``completed``: the task is done; ``abandoned``: the user left it; ``handed_back``:
+    the agent returned control to the user without finishing."""
+
+
+SessionEvent = SessionTurn | ToolCall | ToolResult | SessionSummary | SessionEnd
+SESSION_EVENT_TYPES = ("session.turn", "tool.call", "tool.result", "session.summary", "session.end")
+
 Event = Annotated[
-    CompletionServed | EditAccepted | EditRejected | EditPersistence | FollowupDissatisfied,
+    CompletionServed | EditAccepted | EditRejected | EditPersistence | FollowupDissatisfied
+    | SessionTurn | ToolCall | ToolResult | SessionSummary | SessionEnd,
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 EVENT_TYPES = ("completion.served", "edit.accepted", "edit.rejected", "edit.persistence",
-               "followup.dissatisfied")
+               "followup.dissatisfied", *SESSION_EVENT_TYPES)
 
 
 class RewardRecord(_Model):
@@ -157,7 +248,7 @@ class RewardRecord(_Model):
     completion_tokens: list[int]
     behavior_logprobs: list[float]
     latency_ms: float
-    completion_kind: CompletionKind = "edit"
+    completion_kind: Literal["edit", "question", "empty"] = "edit"
     tool_calls: int = 0
     invalid_tool_calls: int = 0
     accepted: bool | None = None
@@ -187,4 +278,5 @@ def event_json_schema() -> dict[str, object]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = "https://rtrl.dev/schema/events.v1.json"
     schema["title"] = "rtrl event v1"
+    schema["description"] = f"Contract v1, revision {CONTRACT_REVISION} (1.0 requests, 1.1 sessions)."
     return schema

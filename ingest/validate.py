@@ -43,6 +43,11 @@ from ingest.events import (
     Event,
     FollowupDissatisfied,
     ModelRef,
+    SessionEnd,
+    SessionSummary,
+    SessionTurn,
+    ToolCall,
+    ToolResult,
     parse_event,
 )
 
@@ -187,7 +192,8 @@ def duplicate_key(data: bytes | str) -> str | None:
 
 
 _FIELDS = frozenset(name for model in (CompletionServed, EditAccepted, EditRejected, EditPersistence,
-                                       FollowupDissatisfied, ModelRef) for name in model.model_fields)
+                                       FollowupDissatisfied, ModelRef, SessionTurn, ToolCall, ToolResult,
+                                       SessionSummary, SessionEnd) for name in model.model_fields)
 """Every field name of the contract: the only keys a detail may name."""
 
 
