@@ -53,6 +53,26 @@ def make_consumer(
     return KafkaConsumer(*topics, **kw)
 
 
+def make_member(kafka: KafkaSettings, group_id: str, **overrides: Any) -> Any:
+    """The consumer-group member of an exactly-once worker, on the client ``kafka.client``
+    names: kafka-python's consumer (:func:`make_consumer`) or librdkafka's
+    (services/runtime/rdkafka.py). Overrides use kafka-python's names."""
+    if kafka.client == "librdkafka":
+        from services.runtime.rdkafka import RdConsumer
+
+        return RdConsumer(kafka, group_id, **overrides)
+    return make_consumer(kafka, group_id, **overrides)
+
+
+def make_transactional_producer(kafka: KafkaSettings, transactional_id: str, **overrides: Any) -> Any:
+    """A transactional producer (not yet initialised) on the client ``kafka.client`` names."""
+    if kafka.client == "librdkafka":
+        from services.runtime.rdkafka import RdProducer
+
+        return RdProducer(kafka, transactional_id=transactional_id, **overrides)
+    return make_producer(kafka, transactional_id=transactional_id, **overrides)
+
+
 def make_admin(kafka: KafkaSettings) -> KafkaAdminClient:
     return KafkaAdminClient(**kafka.client_kwargs())
 
@@ -197,17 +217,22 @@ class TransactionInterruptedError(KafkaError):
 
 class ConnectionWatch:
     """Which broker connections a producer held when a transaction began, and whether any of
-    them closed or was replaced since (a reconnect). A producer that does not expose its
-    connections (a test double) is never reported as interrupted."""
+    them closed or was replaced since (a reconnect). librdkafka's producer
+    (services/runtime/rdkafka.py) tells instead how many connections it lost so far
+    (``disconnects``). A producer that tells neither (a test double) is never reported as
+    interrupted."""
 
     def __init__(self, producer: KafkaProducer) -> None:
         self._producer = producer
         held = _connections(producer)
-        self.watching = held is not None
-        """Whether the producer exposes its connections (kafka-python 3.0 does)."""
+        self._drops = getattr(producer, "disconnects", None)
+        self.watching = held is not None or isinstance(self._drops, int)
+        """Whether the producer exposes its connections (kafka-python 3.0 and librdkafka do)."""
         self._held = dict(held or {})
 
     def interrupted(self) -> bool:
+        if isinstance(self._drops, int):
+            return bool(getattr(self._producer, "disconnects", 0) != self._drops)
         now = _connections(self._producer)
         if now is None:
             return False

@@ -24,7 +24,7 @@ from kafka import KafkaProducer
 
 from ingest.contracts.keys import fenced_key
 from ingest.contracts.transactions import generation_id, generation_of, process_id
-from services.runtime.kafka_io import close_quietly, make_producer
+from services.runtime.kafka_io import close_quietly, make_transactional_producer
 from services.settings.model import KafkaSettings
 
 log = logging.getLogger("rtrl.exactly_once")
@@ -82,8 +82,8 @@ class TransactionalProducers:
         self.txn_id = ""
 
     def _producer(self, txn_id: str) -> KafkaProducer:
-        return make_producer(self.kafka, transactional_id=txn_id,
-                             transaction_timeout_ms=self.transaction_timeout_ms, **self.overrides)
+        kw = {"transaction_timeout_ms": self.transaction_timeout_ms, **self.overrides}
+        return make_transactional_producer(self.kafka, txn_id, **kw)
 
     def fence(self, txn_ids: Iterable[str]) -> None:
         """Abort any open transaction of these ids and fence their producers."""

@@ -58,6 +58,10 @@ class KafkaSettings(Section):
     """Private key of the client certificate."""
     client_id: str = "rtrl"
     """Client id the broker sees in its logs and quotas."""
+    client: Literal["kafka-python", "librdkafka"] = "kafka-python"
+    """The Kafka client of the ingest and reward workers' exactly-once loop: kafka-python, or
+    librdkafka through confluent-kafka (services/runtime/rdkafka.py). The same connection,
+    TLS and SASL settings apply to both; other rtrl processes use kafka-python."""
     request_timeout_ms: int = 30_000
     """Longest wait for one broker request."""
     bootstrap_timeout_ms: Annotated[int, Field(ge=100)] = 30_000

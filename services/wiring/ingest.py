@@ -38,7 +38,7 @@ from ingest.dedup import SOURCE_HEADER, DedupStore, is_duplicate, position_marke
 from ingest.validate import Accepted, Limits, Rejected, validate
 from services.runtime.exactly_once import Batch, ExactlyOnceLoop, FencedError, Output
 from services.runtime.health import Health, HttpEndpoints
-from services.runtime.kafka_io import ensure_topics, make_consumer, wait_for_broker
+from services.runtime.kafka_io import ensure_topics, make_member, wait_for_broker
 from services.runtime.process import Stopper
 from services.runtime.redis_io import make_redis, wait_for_redis
 from services.runtime.transactions import TransactionalIds, TransactionalProducers, unique_transactional_id
@@ -231,7 +231,7 @@ def run_worker(
             settings.kafka, s.transaction_timeout_ms, ids, lambda: unique_transactional_id(SERVICE, group),
             batch_size=256 * 1024,  # a whole polled batch per partition in one produce request
         )
-        consumer = make_consumer(settings.kafka, group, max_poll_records=batch,
+        consumer = make_member(settings.kafka, group, max_poll_records=batch,
                                  max_poll_interval_ms=s.max_poll_interval_ms,
                                  group_instance_id=s.instance_id)
         dedup = RedisDedupStore(redis_client, settings.redis.key_prefix, s.dedup_ttl_s)

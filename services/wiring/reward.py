@@ -49,7 +49,7 @@ from ingest.reward.join import Window, apply_batch, close, close_at
 from ingest.reward.spec import RewardSpec
 from services.runtime.exactly_once import Batch, ExactlyOnceLoop, Output
 from services.runtime.health import Health
-from services.runtime.kafka_io import ensure_topics, make_consumer, wait_for_broker
+from services.runtime.kafka_io import ensure_topics, make_consumer, make_member, wait_for_broker
 from services.runtime.process import Stopper
 from services.runtime.redis_io import make_redis
 from services.runtime.transactions import TransactionalIds, TransactionalProducers, unique_transactional_id
@@ -268,7 +268,7 @@ class RewardWorker:
         if cfg.group_instance_id:
             member["group_instance_id"] = cfg.group_instance_id
         # a short broker-side fetch wait keeps the loop (and its timers) turning under light load
-        consumer = make_consumer(s.kafka, cfg.group_id, max_poll_records=cfg.max_batch,
+        consumer = make_member(s.kafka, cfg.group_id, max_poll_records=cfg.max_batch,
                                  fetch_max_wait_ms=50, **member)
         self._consumers = [consumer, make_consumer(s.kafka, None),
                            make_consumer(s.kafka, None, isolation_level="read_uncommitted")]

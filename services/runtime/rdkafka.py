@@ -1,0 +1,435 @@
+"""The librdkafka transport (confluent-kafka) of the exactly-once loop.
+
+``RTRL_KAFKA__CLIENT=librdkafka`` gives the ingest and reward workers this consumer and
+transactional producer instead of kafka-python's. The loop (services/runtime/exactly_once.py)
+is written against the part of kafka-python's interface it uses; :class:`RdConsumer` and
+:class:`RdProducer` implement that part on confluent-kafka's ``Consumer`` and ``Producer``:
+records come back as :class:`Record` (kafka-python's field names), partitions as
+kafka-python's ``TopicPartition``, and every librdkafka error is raised as a kafka-python
+error class, so the loop's recovery (retriable ``KafkaError``, ``ProducerFencedError``) is
+the same on both transports.
+
+**Idle fetching.** librdkafka fetches in its own thread, whatever the application polls. A
+broker that answers an empty fetch at once instead of holding it for ``fetch.wait.max.ms``
+(the embedded broker does; Apache Kafka does not) turns that into about 6,000 fetches/s and
+more than half a core per idle consumer. So once a poll has found nothing for
+``PAUSE_AFTER_S``, :class:`RdConsumer` pauses its partitions and remembers their high
+watermarks; each later poll asks the broker for the watermarks (one ListOffsets request per
+partition) and resumes only the partitions whose watermark moved. A resumed partition is
+fetched within milliseconds: the ListOffsets request that follows the resume wakes
+librdkafka's broker thread, which otherwise looks at resumed partitions once a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import confluent_kafka as ck
+from kafka.errors import (
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    ProducerFencedError,
+)
+from kafka.structs import TopicPartition
+
+from services.settings.model import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+PAUSE_AFTER_S = 0.2
+"""How long polls must find nothing before the consumer pauses its partitions."""
+RESUME_WINDOW_S = 0.1
+"""Longest a poll waits for records of partitions it has just resumed."""
+CALL_TIMEOUT_S = 10.0
+"""Deadline of librdkafka's blocking calls (transactions, offsets, metadata)."""
+
+_FENCED = {ck.KafkaError._FENCED, ck.KafkaError.INVALID_PRODUCER_EPOCH,
+           getattr(ck.KafkaError, "PRODUCER_FENCED", ck.KafkaError._FENCED)}
+_DISCONNECTS = {ck.KafkaError._TRANSPORT, ck.KafkaError._ALL_BROKERS_DOWN}
+
+T = TypeVar("T")
+
+
+class RdKafkaError(KafkaError):
+    """A librdkafka error the loop recovers from (it replaces the producer and rewinds)."""
+
+    retriable = True
+
+
+def translate(exc: ck.KafkaException) -> Exception:
+    """The kafka-python error the loop expects for a librdkafka exception."""
+    err = exc.args[0] if exc.args and isinstance(exc.args[0], ck.KafkaError) else None
+    if err is None:
+        return RdKafkaError(str(exc))
+    code = err.code()
+    if code in _FENCED:
+        return ProducerFencedError(err.str())
+    if code == ck.KafkaError.MSG_SIZE_TOO_LARGE:
+        return MessageSizeTooLargeError(err.str())
+    if code == ck.KafkaError._TIMED_OUT:
+        return KafkaTimeoutError(err.str())
+    if code == ck.KafkaError._UNKNOWN_PARTITION:
+        return ValueError(f"Unassigned partition: {err.str()}")  # as kafka-python's seek says
+    return RdKafkaError(f"{err.name()}: {err.str()}")
+
+
+def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` with librdkafka's exceptions raised as kafka-python's."""
+    try:
+        return fn(*args, **kwargs)
+    except ck.KafkaException as exc:
+        raise translate(exc) from exc
+
+
+def configured(cls: Callable[[dict[str, Any]], T], conf: dict[str, Any]) -> T:
+    """A librdkafka client; a setting it refuses stops the process with librdkafka's reason
+    (not a retriable error: retrying cannot fix a configuration)."""
+    try:
+        return cls(conf)
+    except ck.KafkaException as exc:
+        raise SystemExit(f"librdkafka refused the Kafka settings: {exc.args[0].str()}") from exc
+
+
+def base_config(kafka: KafkaSettings) -> dict[str, Any]:
+    """librdkafka's names for the connection settings kafka-python gets from
+    ``KafkaSettings.client_kwargs`` (bootstrap servers, TLS, SASL, client id, timeouts)."""
+    conf: dict[str, Any] = {
+        "bootstrap.servers": ",".join(s.strip() for s in kafka.bootstrap_servers.split(",") if s.strip()),
+        "security.protocol": kafka.security_protocol.lower(),
+        "client.id": kafka.client_id,
+        "socket.timeout.ms": kafka.request_timeout_ms,
+    }
+    if kafka.sasl_mechanism:
+        conf["sasl.mechanism"] = kafka.sasl_mechanism
+        conf["sasl.username"] = kafka.sasl_username or ""
+        conf["sasl.password"] = kafka.sasl_password.get_secret_value() if kafka.sasl_password else ""
+    for ours, theirs in (("ssl_cafile", "ssl.ca.location"), ("ssl_certfile", "ssl.certificate.location"),
+                         ("ssl_keyfile", "ssl.key.location")):
+        if getattr(kafka, ours):
+            conf[theirs] = getattr(kafka, ours)
+    return conf
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A consumed record with kafka-python's ``ConsumerRecord`` field names."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+
+
+def record(msg: Any) -> Record:
+    return Record(msg.topic(), msg.partition(), msg.offset(), msg.timestamp()[1], msg.key(), msg.value(),
+                  list(msg.headers() or []))
+
+
+def _ck(tp: TopicPartition, offset: int = ck.OFFSET_INVALID) -> ck.TopicPartition:
+    return ck.TopicPartition(tp.topic, tp.partition, offset)
+
+
+def _kp(tp: ck.TopicPartition) -> TopicPartition:
+    return TopicPartition(tp.topic, tp.partition)
+
+
+class RdConsumer:
+    """A consumer-group member on librdkafka with the calls the exactly-once loop makes of
+    kafka-python's ``KafkaConsumer``: never auto-commits, reads only committed data, and
+    pauses its partitions while the topic is quiet (module doc)."""
+
+    def __init__(self, kafka: KafkaSettings, group_id: str, *, max_poll_records: int = 500,
+                 max_poll_interval_ms: int | None = None, group_instance_id: str | None = None,
+                 fetch_max_wait_ms: int | None = None, **_ignored: Any) -> None:
+        conf = {
+            **base_config(kafka),
+            "group.id": group_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed",
+            "session.timeout.ms": 6000,
+            "heartbeat.interval.ms": 1500,
+        }
+        if max_poll_interval_ms:
+            conf["max.poll.interval.ms"] = max_poll_interval_ms
+        if group_instance_id:
+            conf["group.instance.id"] = group_instance_id
+        if fetch_max_wait_ms is not None:
+            conf["fetch.wait.max.ms"] = fetch_max_wait_ms
+        self._c = configured(ck.Consumer, conf)
+        self.max_poll_records = max_poll_records
+        self._paused: dict[TopicPartition, int] = {}
+        """Partitions paused while quiet, with the high watermark each had then."""
+        self._empty_since: float | None = None
+        self._callback_error: BaseException | None = None
+
+    # ------------------------------------------------------------------ group
+    def subscribe(self, topics: Sequence[str], listener: Any = None) -> None:
+        def assigned(_c: Any, parts: list[ck.TopicPartition]) -> None:
+            self._notify(listener, "on_partitions_assigned", parts)
+
+        def revoked(_c: Any, parts: list[ck.TopicPartition]) -> None:
+            for p in parts:
+                self._paused.pop(_kp(p), None)
+            self._notify(listener, "on_partitions_revoked", parts)
+
+        call(self._c.subscribe, list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
+
+    def _notify(self, listener: Any, what: str, parts: list[ck.TopicPartition]) -> None:
+        """Run a listener callback; an error in it is raised from the poll that ran it, after
+        librdkafka has applied the assignment (an exception must not leave it half done)."""
+        if listener is None:
+            return
+        try:
+            getattr(listener, what)([_kp(p) for p in parts])
+        except BaseException as exc:  # raised again from poll()
+            self._callback_error = self._callback_error or exc
+
+    def group_metadata(self) -> Any:
+        return self._c.consumer_group_metadata()
+
+    def assignment(self) -> set[TopicPartition]:
+        return {_kp(p) for p in call(self._c.assignment)}
+
+    # ------------------------------------------------------------------ records
+    def poll(self, timeout_ms: int = 0, max_records: int | None = None) -> dict[TopicPartition, list[Record]]:
+        """Records by partition: at most ``max_records``, waiting at most ``timeout_ms``."""
+        n = max_records or self.max_poll_records
+        if self._paused:
+            msgs = self._resume_moved(n)
+        else:
+            msgs = call(self._c.consume, n, max(0.0, timeout_ms / 1000.0))
+        self._raise_callback_error()
+        out: dict[TopicPartition, list[Record]] = {}
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.code() == ck.KafkaError._PARTITION_EOF:
+                    continue
+                raise translate(ck.KafkaException(err))
+            out.setdefault(TopicPartition(msg.topic(), msg.partition()), []).append(record(msg))
+        self._track_quiet(bool(out))
+        return out
+
+    def _raise_callback_error(self) -> None:
+        if self._callback_error is not None:
+            exc, self._callback_error = self._callback_error, None
+            raise exc
+
+    def _track_quiet(self, got: bool) -> None:
+        now = time.monotonic()
+        if got:
+            self._empty_since = None
+        elif self._empty_since is None:
+            self._empty_since = now
+        elif now - self._empty_since >= PAUSE_AFTER_S and not self._paused:
+            self._pause_all()
+
+    def _pause_all(self) -> None:
+        parts = sorted(self.assignment())
+        if not parts:
+            return
+        marks = {tp: self._high(tp) for tp in parts}
+        call(self._c.pause, [_ck(tp) for tp in parts])
+        self._paused = marks
+
+    def _high(self, tp: TopicPartition) -> int:
+        """The partition's high watermark, asked of the broker now (-1 when it did not say)."""
+        try:
+            return int(call(self._c.get_watermark_offsets, _ck(tp), timeout=CALL_TIMEOUT_S, cached=False)[1])
+        except (KafkaError, ValueError) as exc:
+            log.info("watermark of %s[%d] not read: %s", tp.topic, tp.partition, exc)
+            return -1
+
+    def _resume_moved(self, n: int) -> list[Any]:
+        """Resume the paused partitions whose high watermark moved; their first records."""
+        moved = [tp for tp, mark in self._paused.items() if mark < 0 or self._high(tp) != mark]
+        if not moved:
+            # a poll all the same: it serves rebalances and tells librdkafka that the member
+            # is alive (max.poll.interval.ms counts polls); paused partitions return nothing
+            return list(call(self._c.consume, n, 0))
+        self._resume(moved)
+        for tp in moved:
+            self._high(tp)  # wakes the broker thread: the resumed partitions are fetched now
+        deadline = time.monotonic() + RESUME_WINDOW_S
+        msgs: list[Any] = []
+        while not msgs and time.monotonic() < deadline:
+            msgs = call(self._c.consume, n, 0.005)
+        return msgs
+
+    def _resume(self, parts: Iterable[TopicPartition]) -> None:
+        parts = [tp for tp in parts if tp in self._paused]
+        if parts:
+            call(self._c.resume, [_ck(tp) for tp in parts])
+            for tp in parts:
+                del self._paused[tp]
+        self._empty_since = None
+
+    # ------------------------------------------------------------------ offsets
+    def committed(self, tp: TopicPartition) -> int | None:
+        got = call(self._c.committed, [_ck(tp)], timeout=CALL_TIMEOUT_S)
+        return got[0].offset if got and got[0].offset >= 0 else None
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._resume([tp])
+        call(self._c.seek, _ck(tp, offset))
+
+    def seek_to_beginning(self, *tps: TopicPartition) -> None:
+        for tp in tps:
+            self.seek(tp, ck.OFFSET_BEGINNING)
+
+    def position(self, tp: TopicPartition, timeout_ms: int | None = None) -> int | None:
+        got = call(self._c.position, [_ck(tp)])
+        if got and got[0].offset >= 0:
+            return int(got[0].offset)
+        return self.committed(tp)  # nothing consumed yet: where consumption starts
+
+    def end_offsets(self, tps: Iterable[TopicPartition],
+                    timeout_ms: int | None = None) -> dict[TopicPartition, int]:
+        timeout = (timeout_ms or CALL_TIMEOUT_S * 1000) / 1000.0
+        return {tp: int(call(self._c.get_watermark_offsets, _ck(tp), timeout=timeout, cached=False)[1])
+                for tp in tps}
+
+    def topics(self) -> set[str]:
+        return set(call(self._c.list_topics, timeout=CALL_TIMEOUT_S).topics)
+
+    def partitions_for_topic(self, topic: str) -> set[int] | None:
+        meta = call(self._c.list_topics, topic, timeout=CALL_TIMEOUT_S).topics.get(topic)
+        if meta is None or meta.error is not None:
+            return None
+        return set(meta.partitions)
+
+    def close(self, autocommit: bool = False) -> None:
+        """Leave the group; nothing is committed (offsets move only inside transactions)."""
+        self._c.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """Where a record landed (kafka-python's ``RecordMetadata`` field names)."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+class Sent:
+    """A record's delivery, completed by librdkafka's delivery report (served by ``flush``)."""
+
+    def __init__(self) -> None:
+        self.is_done = False
+        self.exception: Exception | None = None
+        self.value: Delivered | None = None
+
+    def report(self, err: ck.KafkaError | None, msg: Any) -> None:
+        if err is not None:
+            self.exception = translate(ck.KafkaException(err))
+        else:
+            self.value = Delivered(msg.topic(), msg.partition(), msg.offset())
+        self.is_done = True
+
+    def failed(self) -> bool:
+        return self.is_done and self.exception is not None
+
+    def get(self, timeout: float | None = None) -> Delivered:
+        if not self.is_done:
+            raise KafkaTimeoutError("the record's delivery report has not arrived")
+        if self.exception is not None:
+            raise self.exception
+        assert self.value is not None
+        return self.value
+
+
+class RdProducer:
+    """A transactional, idempotent producer on librdkafka with the calls the exactly-once loop
+    makes of kafka-python's ``KafkaProducer``. ``disconnects`` counts the broker connections
+    librdkafka reported lost; services/runtime/kafka_io.py's ``ConnectionWatch`` reads it to
+    abort a transaction that lived through a reconnect, as it does with kafka-python."""
+
+    def __init__(self, kafka: KafkaSettings, *, transactional_id: str | None = None,
+                 transaction_timeout_ms: int | None = None, linger_ms: int = 5,
+                 batch_size: int | None = None, max_request_size: int | None = None,
+                 **_ignored: Any) -> None:
+        max_bytes = max_request_size or kafka.max_message_bytes
+        conf: dict[str, Any] = {
+            **base_config(kafka),
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": linger_ms,
+            "message.max.bytes": max_bytes,
+            "error_cb": self._on_error,
+        }
+        if batch_size:
+            conf["batch.size"] = min(batch_size, max_bytes)
+        if transactional_id:
+            conf["transactional.id"] = transactional_id
+        if transaction_timeout_ms:
+            conf["transaction.timeout.ms"] = transaction_timeout_ms
+            # librdkafka refuses a request timeout longer than the transaction's
+            conf["socket.timeout.ms"] = min(conf["socket.timeout.ms"], transaction_timeout_ms)
+        self.disconnects = 0
+        self._p = configured(ck.Producer, conf)
+
+    def _on_error(self, err: ck.KafkaError) -> None:
+        if err.code() in _DISCONNECTS:
+            self.disconnects += 1
+        log.info("librdkafka: %s", err.str())
+
+    def init_transactions(self) -> None:
+        call(self._p.init_transactions, CALL_TIMEOUT_S)
+
+    def begin_transaction(self) -> None:
+        call(self._p.begin_transaction)
+
+    def send(self, topic: str, value: bytes | None = None, key: bytes | None = None,
+             headers: list[tuple[str, bytes]] | None = None, partition: int | None = None) -> Sent:
+        sent = Sent()
+        kw: dict[str, Any] = {"value": value, "key": key, "on_delivery": sent.report}
+        if headers:
+            kw["headers"] = headers
+        if partition is not None:
+            kw["partition"] = partition
+        while True:
+            try:
+                call(self._p.produce, topic, **kw)
+                break
+            except BufferError:  # the local queue is full: let deliveries drain it
+                self._p.poll(0.05)
+        self._p.poll(0)
+        return sent
+
+    def flush(self, timeout: float | None = None) -> None:
+        left = self._p.flush(CALL_TIMEOUT_S if timeout is None else timeout)
+        if left:
+            raise KafkaTimeoutError(f"{left} records not delivered in {timeout}s")
+
+    def send_offsets_to_transaction(self, offsets: Mapping[TopicPartition, Any], group_metadata: Any) -> None:
+        parts = [_ck(tp, om.offset) for tp, om in offsets.items()]
+        call(self._p.send_offsets_to_transaction, parts, group_metadata, CALL_TIMEOUT_S)
+
+    def commit_transaction(self) -> None:
+        call(self._p.commit_transaction, CALL_TIMEOUT_S)
+
+    def abort_transaction(self) -> None:
+        call(self._p.abort_transaction, CALL_TIMEOUT_S)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Deliver what is buffered for at most ``timeout`` seconds (0: drop it), then close."""
+        if timeout == 0:  # a broken producer: drop what it holds; librdkafka frees it with the object
+            self._p.purge(blocking=False)
+            self._p.poll(0)
+            return
+        self._p.flush(timeout or CALL_TIMEOUT_S)
+        try:
+            self._p.close()
+        except (RuntimeError, ck.KafkaException) as exc:
+            log.info("closing a librdkafka producer: %s", exc)
