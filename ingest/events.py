@@ -38,6 +38,10 @@ Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 """A non-negative count that a consumer reading 64-bit integers can hold."""
 Arm = Literal["stable", "canary", "holdout"]
 LogProb = Annotated[float, Field(le=0.0, allow_inf_nan=False)]
+CompletionKind = Literal["edit", "question", "empty", "tool_call"]
+"""What a completion was: a proposed edit, a clarifying question, nothing (or a refusal),
+or tool calls (``tool_call``, an additive value: events without it stay valid). The gateway's
+rule for chat answers is in docs/gateway.md."""
 
 
 class _Model(BaseModel):
@@ -90,8 +94,8 @@ class CompletionServed(_EventBase):
     latency_ms: Annotated[float, Field(ge=0, le=3_600_000, allow_inf_nan=False)]
     tool_calls: Count = 0
     invalid_tool_calls: Count = 0
-    completion_kind: Literal["edit", "question", "empty"] = "edit"
-    """What the completion was: a proposed edit, a clarifying question, or nothing."""
+    completion_kind: CompletionKind = "edit"
+    """What the completion was (:data:`CompletionKind`)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> CompletionServed:
@@ -248,7 +252,7 @@ class RewardRecord(_Model):
     completion_tokens: list[int]
     behavior_logprobs: list[float]
     latency_ms: float
-    completion_kind: Literal["edit", "question", "empty"] = "edit"
+    completion_kind: CompletionKind = "edit"
     tool_calls: int = 0
     invalid_tool_calls: int = 0
     accepted: bool | None = None
