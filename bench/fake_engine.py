@@ -8,6 +8,13 @@ vLLM's shape with ``return_token_ids`` (``prompt_token_ids``, per-choice ``token
 ``logprobs.content`` or completion ``logprobs.token_logprobs``), whole or streamed as
 server-sent events, one event per token. Each token takes ``token_ms`` (a sleep, not work),
 like an engine's decode step.
+
+A chat request that declares ``tools`` (and a ``tool_choice`` other than ``none``) is answered
+with one tool call instead of text, as vLLM answers one: to the function ``tool_choice``
+names, else the first declared; its ``arguments`` are the text of the last user message, so
+a test decides whether they are valid. Streamed, the call comes as OpenAI's deltas: the
+first with its id and name, then the arguments in pieces, one token each; the answer ends
+with ``finish_reason: tool_calls``.
 """
 
 from __future__ import annotations
@@ -49,49 +56,96 @@ class FakeEngine(LoopbackServer):
         return out
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        fake = self
+        return type("Handler", (_Handler,), {"fake": self})
 
-        class Handler(JsonHandler):
-            def setup(self) -> None:
-                super().setup()
-                fake.connections += 1
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server names its handlers so)
-                self.answer({"object": "list", "data": [{"id": "base", "object": "model"}]})
+class _Handler(JsonHandler):
+    fake: FakeEngine
 
-            def do_POST(self) -> None:  # noqa: N802 (http.server names its handlers so)
-                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-                fake.posts += 1
-                chat = self.path.endswith("/chat/completions")
-                n = int(req.get("max_tokens") or 16)
-                ids = [3 + (int(req.get("seed") or 0) + i) % 60 for i in range(n)]
-                head = {"id": "cmpl-fake", "model": req.get("model"), "created": int(time.time()),
-                        "object": "chat.completion" if chat else "text_completion"}
-                if not req.get("stream"):
-                    time.sleep(fake.token_s * n)
-                    whole = {**fake.choice(chat, ids, True, False), "prompt_token_ids": PROMPT_IDS}
-                    self.answer({**head, "prompt_token_ids": PROMPT_IDS, "choices": [whole]})
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                if chat:
-                    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": [],
-                               "prompt_token_ids": PROMPT_IDS}
-                    self._event({**head, "prompt_token_ids": PROMPT_IDS, "choices": [opening]})
-                for k, tok in enumerate(ids):
-                    time.sleep(fake.token_s)
-                    self._event({**head, "choices": [fake.choice(chat, [tok], k == n - 1, True)],
-                                 **({} if chat or k else {"prompt_token_ids": PROMPT_IDS})})
-                self._chunk(b"data: [DONE]\n\n")
-                self._chunk(b"")
+    def setup(self) -> None:
+        super().setup()
+        self.fake.connections += 1
 
-            def _event(self, data: dict[str, Any]) -> None:
-                self._chunk(b"data: " + json.dumps(data).encode() + b"\n\n")
+    def do_GET(self) -> None:  # noqa: N802 (http.server names its handlers so)
+        self.answer({"object": "list", "data": [{"id": "base", "object": "model"}]})
 
-            def _chunk(self, data: bytes) -> None:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-                self.wfile.flush()
+    def do_POST(self) -> None:  # noqa: N802 (http.server names its handlers so)
+        req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        self.fake.posts += 1
+        chat = self.path.endswith("/chat/completions")
+        if chat and req.get("tools") and req.get("tool_choice") != "none":
+            self._tool_call(req)
+            return
+        n = int(req.get("max_tokens") or 16)
+        ids = [3 + (int(req.get("seed") or 0) + i) % 60 for i in range(n)]
+        head = {"id": "cmpl-fake", "model": req.get("model"), "created": int(time.time()),
+                "object": "chat.completion" if chat else "text_completion"}
+        if not req.get("stream"):
+            time.sleep(self.fake.token_s * n)
+            whole = {**self.fake.choice(chat, ids, True, False), "prompt_token_ids": PROMPT_IDS}
+            self.answer({**head, "prompt_token_ids": PROMPT_IDS, "choices": [whole]})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if chat:
+            opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": [],
+                       "prompt_token_ids": PROMPT_IDS}
+            self._event({**head, "prompt_token_ids": PROMPT_IDS, "choices": [opening]})
+        for k, tok in enumerate(ids):
+            time.sleep(self.fake.token_s)
+            self._event({**head, "choices": [self.fake.choice(chat, [tok], k == n - 1, True)],
+                         **({} if chat or k else {"prompt_token_ids": PROMPT_IDS})})
+        self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
 
-        return Handler
+    def _tool_call(self, req: dict[str, Any]) -> None:
+        whole, events = tool_call_answer(req)
+        if not req.get("stream"):
+            self.answer(whole)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for event in events:
+            self._event(event)
+        self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
+
+    def _event(self, data: dict[str, Any]) -> None:
+        self._chunk(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+
+def tool_call_answer(req: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The whole answer and the stream events of a tool call to ``req`` (the module doc)."""
+    choice = req.get("tool_choice")
+    name = choice["function"]["name"] if isinstance(choice, dict) else req["tools"][0]["function"]["name"]
+    users = [m for m in req["messages"] if m.get("role") == "user"]
+    arguments = str(users[-1].get("content") or "") if users else ""
+    parts = [arguments[i:i + 8] for i in range(0, len(arguments), 8)] or [""]
+    ids = [3 + i % 60 for i in range(len(parts))]
+    lps = [{"token": f"w{i}", "logprob": -0.5, "top_logprobs": []} for i in ids]
+    head = {"id": "chatcmpl-fake", "model": req.get("model"), "created": int(time.time()),
+            "prompt_token_ids": PROMPT_IDS}
+    call = {"id": "call_fake0", "type": "function", "function": {"name": name, "arguments": ""}}
+    message = {"role": "assistant", "content": None,
+               "tool_calls": [{**call, "function": {"name": name, "arguments": arguments}}]}
+    whole = {**head, "object": "chat.completion", "choices": [{
+        "index": 0, "message": message, "token_ids": ids, "logprobs": {"content": lps},
+        "finish_reason": "tool_calls", "prompt_token_ids": PROMPT_IDS}]}
+    head["object"] = "chat.completion.chunk"
+    opening = {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **call}]}
+    first = {"index": 0, "delta": opening, "token_ids": [], "finish_reason": None}
+    events: list[dict[str, Any]] = [{**head, "choices": [first]}]
+    for k, (part, tok) in enumerate(zip(parts, ids, strict=True)):
+        events.append({**head, "choices": [{
+            "index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": part}}]},
+            "token_ids": [tok], "logprobs": {"content": [lps[k]]},
+            "finish_reason": "tool_calls" if k == len(parts) - 1 else None}]})
+    return whole, events

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
+from services.gateway.chat import calls
 from services.gateway.generation import GenRequest, Piece, UpstreamError, clean_logprob
 from services.gateway.models import Generation
 
@@ -58,17 +59,21 @@ def parse_choice(kind: str, data: Any) -> Piece:
         raise UpstreamError(502, "engine response has no choices") from None
     if not isinstance(choice, dict):
         raise UpstreamError(502, "engine response choice is not an object")
+    holder: Any = {}
     if kind == "chat":
         holder = choice.get("message") or choice.get("delta") or {}
-        text = holder.get("content") if isinstance(holder, dict) else None
+        holder = holder if isinstance(holder, dict) else {}
+        text = holder.get("content")
     else:
         text = choice.get("text")
     tokens = _ids(choice.get("token_ids")) or []
     prompt = _ids(choice.get("prompt_token_ids")) or _ids(data.get("prompt_token_ids"))
     logprobs = sampled_logprobs(kind, choice.get("logprobs"))
+    refusal = holder.get("refusal")
     return Piece(text=text if isinstance(text, str) else "", tokens=tokens, logprobs=logprobs,
                  finish_reason=choice.get("finish_reason"), prompt_tokens=prompt,
-                 client_logprobs=choice.get("logprobs"))
+                 client_logprobs=choice.get("logprobs"), tool_calls=calls.deltas(holder.get("tool_calls")),
+                 refusal=refusal if isinstance(refusal, str) else None)
 
 
 def engine_body(req: GenRequest, model: str, stream: bool) -> dict[str, Any]:
@@ -83,6 +88,12 @@ def engine_body(req: GenRequest, model: str, stream: bool) -> dict[str, Any]:
         body["seed"] = req.seed
     if req.kind == "chat":
         body.update(messages=list(req.messages), logprobs=True, top_logprobs=req.logprobs or 0)
+        if req.tools:  # tool_choice and parallel_tool_calls mean nothing without tools
+            body["tools"] = list(req.tools)
+            if req.tool_choice is not None:
+                body["tool_choice"] = req.tool_choice
+            if req.parallel_tool_calls is not None:
+                body["parallel_tool_calls"] = req.parallel_tool_calls
     else:
         prompt = req.prompt if isinstance(req.prompt, str) else list(req.prompt or ())
         body.update(prompt=prompt, logprobs=max(1, req.logprobs or 0))

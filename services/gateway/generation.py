@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from services.gateway.chat import calls
+
 Kind = Literal["completion", "chat"]
 
 
@@ -32,6 +34,10 @@ class GenRequest:
     logprobs: int | None = None
     """Top alternatives per token the client asked for (completions ``logprobs``, chat
     ``top_logprobs`` when ``logprobs`` is true); None: the client gets no logprobs."""
+    tools: tuple[dict[str, Any], ...] = ()
+    """Chat: the declared tools, checked (services/gateway/chat/declared.py), for the engine."""
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 @dataclass
@@ -47,6 +53,9 @@ class Piece:
     """The prompt as the backend tokenized it (set on the first piece that knows it)."""
     client_logprobs: Any = None
     """The logprobs object to show the client for this piece (OpenAI shape), if any."""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    """Chat: tool-call deltas in OpenAI's stream shape (services/gateway/chat/calls.py)."""
+    refusal: str | None = None
 
 
 @dataclass
@@ -59,6 +68,9 @@ class Served:
     text_parts: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     client_logprobs: list[Any] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    """The tool calls assembled from the pieces' deltas."""
+    refusal: str | None = None
 
     def add(self, piece: Piece) -> None:
         if piece.prompt_tokens is not None and not self.prompt_tokens:
@@ -71,6 +83,10 @@ class Served:
             self.finish_reason = piece.finish_reason
         if piece.client_logprobs is not None:
             self.client_logprobs.append(piece.client_logprobs)
+        if piece.tool_calls:
+            calls.merge(self.tool_calls, piece.tool_calls)
+        if piece.refusal:
+            self.refusal = (self.refusal or "") + piece.refusal
 
     @property
     def text(self) -> str:

@@ -84,6 +84,11 @@ class PolicyBackend:
         self.tokenizer = tokenizer
 
     def stream(self, req: GenRequest, stream: bool = True) -> Iterator[Piece]:
+        """Tools are not shown to a local policy and its answers make no tool calls, so a
+        request that requires one (``tool_choice`` ``required`` or a named function) is refused."""
+        if req.tools and req.tool_choice not in (None, "auto", "none"):
+            raise BadRequestError("this model is a local policy and makes no tool calls: send tool_choice "
+                                  "'auto' or 'none', or serve it on an engine (docs/serving.md)")
         prompt = prompt_ids(req, self.tokenizer)
         if self.vocab_size is not None and prompt and max(prompt) >= self.vocab_size:
             raise BadRequestError(f"prompt token ids must be below the vocabulary size {self.vocab_size}")

@@ -16,8 +16,10 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from services.gateway.chat.calls import MAX_CALLS, client_calls
+from services.gateway.chat.declared import PastToolCall, Tool, ToolChoice, Toolset, toolset
 from services.gateway.generation import GenRequest, Served
 
 MAX_TOKENS_LIMIT = 4096
@@ -98,6 +100,29 @@ class Message(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[PastToolCall], Field(max_length=MAX_CALLS)] | None = None
+    """An assistant turn's tool calls, sent back in the history."""
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """A ``tool`` message: the call it answers."""
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+    def wire(self) -> dict[str, Any]:
+        """The message as the engine gets it: text content, and the tool-call fields it has."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            if self.content is None:
+                out["content"] = None
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -117,16 +142,27 @@ class ChatBody(_Body):
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def toolset(self) -> Toolset | None:
+        """The request's checked tools (raises ``ValueError``: services/gateway/chat/declared.py)."""
+        return toolset(self.tools, self.tool_choice)
 
     def to_request(self, default_max_tokens: int) -> GenRequest:
         try:
-            messages = tuple({"role": m.role, "content": m.text()} for m in self.messages)
+            messages = tuple(m.wire() for m in self.messages)
         except ValueError as exc:
             raise ValueError(f"messages: {exc}") from None
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        picked = self.tool_choice
+        choice = picked.model_dump() if isinstance(picked, BaseModel) else picked
         return GenRequest("chat", max_tokens, self.temperature, messages=messages, top_p=self.top_p,
                           stop=self.stops(), seed=self.seed,
-                          logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+                          logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                          tools=tuple(t.model_dump(exclude_none=True) for t in self.tools or ()),
+                          tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls)
 
 
 def validation_error(exc: ValidationError) -> str:
@@ -176,8 +212,12 @@ def answer(kind: str, rid: str, model: str, created: int, served: Served,
     finish = served.finish_reason or "length"
     choice: dict[str, Any]
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": served.text},
-                  "logprobs": logprobs, "finish_reason": finish}
+        message: dict[str, Any] = {"role": "assistant", "content": served.text}
+        if served.tool_calls:
+            message.update(content=served.text or None, tool_calls=client_calls(served.tool_calls))
+        if served.refusal:
+            message["refusal"] = served.refusal
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": served.text, "logprobs": logprobs, "finish_reason": finish}
@@ -187,12 +227,19 @@ def answer(kind: str, rid: str, model: str, created: int, served: Served,
 
 
 def chunk(kind: str, rid: str, model: str, created: int, text: str, logprobs: Any,
-          finish_reason: str | None, first: bool = False) -> dict[str, Any]:
-    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
+          finish_reason: str | None, first: bool = False,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``); ``tool_calls``:
+    a chat chunk's tool-call deltas (services/gateway/chat/calls.py)."""
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish_reason is not None and not text:
             delta = {}
+        relayed = [c for c in tool_calls or () if c["index"] < MAX_CALLS]
+        if relayed:
+            delta["tool_calls"] = relayed
+            if not text:
+                delta["content"] = None
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
                                   "finish_reason": finish_reason}
         obj = "chat.completion.chunk"

@@ -26,6 +26,9 @@ from pydantic import ValidationError
 from deployer.routing import Arm
 from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
 from services.gateway import openai_api as api
+from services.gateway.chat import calls
+from services.gateway.chat.classify import answer_kind
+from services.gateway.chat.declared import Toolset
 from services.gateway.generation import BadRequestError, GenRequest, Piece, Served, UpstreamError
 from services.gateway.models import Backend
 from services.gateway.openai_api import Response, error_response, json_response
@@ -68,6 +71,8 @@ class Call:
     started: float
     arm: Arm = "stable"
     version: str = ""
+    tools: Toolset | None = None
+    """Chat: the declared tools the answer's tool calls are validated against."""
 
 
 class OpenAIRoutes:
@@ -113,6 +118,7 @@ class OpenAIRoutes:
         try:
             body = model.model_validate(data)
             req = body.to_request(self.gw.settings.default_max_tokens)
+            tools = body.toolset() if isinstance(body, api.ChatBody) else None
         except ValidationError as exc:
             return oai_error(400, api.validation_error(exc))
         except ValueError as exc:
@@ -129,7 +135,7 @@ class OpenAIRoutes:
         if not api.ID_RE.match(session) or (rid is not None and not api.ID_RE.match(rid)):
             return oai_error(400, "session and request ids must be 1-128 chars of A-Za-z0-9_.:-")
         return Call(kind, req, body, user, session, rid or uuid.uuid4().hex, rid is not None,
-                    time.perf_counter())
+                    time.perf_counter(), tools=tools)
 
     # ----------------------------------------------------------------- generation
     def _serve(self, call: Call) -> Response:
@@ -312,9 +318,7 @@ class OpenAIRoutes:
             "session_id": call.session_id, "user_key": call.user_key,
             "model": {"name": self.gw.model_name, "version": call.version}, "arm": call.arm,
             "prompt_tokens": served.prompt_tokens, "completion_tokens": served.tokens,
-            "logprobs": served.logprobs, "latency_ms": latency_ms,
-            "tool_calls": 0, "invalid_tool_calls": 0,
-            "completion_kind": "edit" if served.tokens else "empty",
+            "logprobs": served.logprobs, "latency_ms": latency_ms, **answer_fields(call, served),
         })
         GATEWAY_REQUESTS.labels(call.arm, call.version, "200").inc()
         GATEWAY_SECONDS.labels(call.arm).observe(gen_s)
@@ -334,7 +338,7 @@ class _Events:
         self.served.add(piece)
         shown = piece.client_logprobs if call.req.logprobs is not None else None
         obj = api.chunk(call.kind, call.request_id, self.name, self.created, piece.text, shown,
-                        piece.finish_reason, self.first)
+                        piece.finish_reason, self.first, piece.tool_calls)
         if self.first:
             obj["rtrl"] = {"request_id": call.request_id, "arm": call.arm, "version": call.version}
             self.first = False
@@ -355,6 +359,18 @@ class _Events:
         GATEWAY_ERRORS.labels(call.arm, call.version, "stream").inc()
         return api.sse(api.error_body(f"model {call.version} failed while streaming: {exc}",
                                       kind="server_error"))
+
+
+def answer_fields(call: Call, served: Served) -> dict[str, Any]:
+    """The exposure event's ``tool_calls``, ``invalid_tool_calls`` and ``completion_kind``:
+    a chat answer's calls validated against the request's tools, its kind by
+    services/gateway/chat/classify.py; a completion is an edit unless it is empty."""
+    if call.kind != "chat":
+        return {"tool_calls": 0, "invalid_tool_calls": 0,
+                "completion_kind": "edit" if served.tokens else "empty"}
+    made, invalid = calls.count(call.tools, served.tool_calls)
+    kind = answer_kind(served.text, made, served.refusal, served.finish_reason)
+    return {"tool_calls": made, "invalid_tool_calls": invalid, "completion_kind": kind}
 
 
 def _duplicate(call: Call) -> Response:
