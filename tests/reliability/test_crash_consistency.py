@@ -24,6 +24,7 @@ from services.runtime.kafka_io import ensure_topics
 from services.settings.model import Settings
 from tests.reliability import scale
 from tests.reliability.workload import (
+    CLIENTS,
     RTRL,
     Progress,
     RewardCounter,
@@ -49,7 +50,8 @@ def settings(isolated_settings: Settings) -> Settings:
     return isolated_settings
 
 
-def test_sigkills_lose_and_duplicate_nothing(settings: Settings, tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", CLIENTS)
+def test_sigkills_lose_and_duplicate_nothing(settings: Settings, tmp_path: Path, client: str) -> None:
     sc = scale.current()
     rng = random.Random(20261122)
     t_start = time.monotonic()
@@ -59,7 +61,7 @@ def test_sigkills_lose_and_duplicate_nothing(settings: Settings, tmp_path: Path)
     # land mid-stream (CI: 12k records in 60 s; soak: 100k in 250 s)
     stream_s = min(600.0, max(60.0, len(wl.records) / 400))
     rate = len(wl.records) / stream_s
-    env = env_for(settings, tmp_path)
+    env = env_for(settings, tmp_path, RTRL_KAFKA__CLIENT=client)
     ensure_topics(settings)  # before any reader: a metadata request would auto-create one partition
     workers = {
         kind: [Worker(kind, f"{kind}-{i}", env, tmp_path / f"{kind}-{i}.log", ["--max-batch", "200"])

@@ -16,6 +16,7 @@ from services.runtime.kafka_io import ensure_topics
 from services.settings.model import Settings
 from tests.reliability import scale
 from tests.reliability.workload import (
+    CLIENTS,
     Progress,
     RewardCounter,
     Streamer,
@@ -46,9 +47,11 @@ def test_cpu_share_reads_what_the_process_burns() -> None:
     assert cpu_seconds(pid) - t0 >= 0.3  # a busy loop shows up: the reading can fail
 
 
-def test_idle_workers_use_at_most_two_percent_of_a_core(settings: Settings, tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", CLIENTS)
+def test_idle_workers_use_at_most_two_percent_of_a_core(settings: Settings, tmp_path: Path,
+                                                        client: str) -> None:
     sc = scale.current()
-    env = env_for(settings, tmp_path)
+    env = env_for(settings, tmp_path, RTRL_KAFKA__CLIENT=client)
     for name in ("RTRL_INGEST__POLL_TIMEOUT_MS", "RTRL_REWARD__POLL_TIMEOUT_MS", "RTRL_REWARD__IDLE_POLL_MS"):
         env.pop(name, None)  # the defaults a deployment gets
     ensure_topics(settings)

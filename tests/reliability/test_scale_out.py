@@ -21,6 +21,7 @@ from services.runtime.kafka_io import ensure_topics
 from services.settings.model import Settings
 from tests.reliability import scale
 from tests.reliability.workload import (
+    CLIENTS,
     Progress,
     RewardCounter,
     Streamer,
@@ -84,14 +85,15 @@ def settled_spread(workers: dict[str, list[Worker]], rewards: RewardCounter,
         rewards.poll(200)
 
 
-def test_workers_joining_and_dying_mid_stream_lose_and_duplicate_nothing(settings: Settings,
-                                                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", CLIENTS)
+def test_workers_joining_and_dying_mid_stream_lose_and_duplicate_nothing(settings: Settings, tmp_path: Path,
+                                                                         client: str) -> None:
     sc = scale.current()
     rng = random.Random(20261127)
     wl = build(sc.scale_out_events, seed=11)
     stream_s = max(60.0, len(wl.records) / 150)
     rate = len(wl.records) / stream_s
-    env = env_for(settings, tmp_path, RTRL_TOPICS__PARTITIONS=str(PARTITIONS))
+    env = env_for(settings, tmp_path, RTRL_TOPICS__PARTITIONS=str(PARTITIONS), RTRL_KAFKA__CLIENT=client)
     ensure_topics(settings)
 
     def worker(kind: str, i: int) -> Worker:

@@ -237,6 +237,11 @@ class Streamer(threading.Thread):
 
 
 # ---------------------------------------------------------------------- processes
+CLIENTS = ("kafka-python", "librdkafka")
+"""The Kafka clients of the exactly-once workers (``RTRL_KAFKA__CLIENT``): every check that
+runs workers runs on both."""
+
+
 def env_for(settings: Settings, tmp: Path, **extra: str) -> dict[str, str]:
     return service_env(settings, tmp / "no-stack", **{
         "RTRL_AUTH__KEYS": json.dumps({KEY_ID: SECRET}),
