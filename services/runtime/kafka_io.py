@@ -14,6 +14,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 
+from services.runtime.rdkafka import RdConsumer
 from services.settings.model import KafkaSettings, Settings, TopicSettings
 
 log = logging.getLogger(__name__)
@@ -58,19 +59,8 @@ def make_member(kafka: KafkaSettings, group_id: str, **overrides: Any) -> Any:
     names: kafka-python's consumer (:func:`make_consumer`) or librdkafka's
     (services/runtime/rdkafka.py). Overrides use kafka-python's names."""
     if kafka.client == "librdkafka":
-        from services.runtime.rdkafka import RdConsumer
-
         return RdConsumer(kafka, group_id, **overrides)
     return make_consumer(kafka, group_id, **overrides)
-
-
-def make_transactional_producer(kafka: KafkaSettings, transactional_id: str, **overrides: Any) -> Any:
-    """A transactional producer (not yet initialised) on the client ``kafka.client`` names."""
-    if kafka.client == "librdkafka":
-        from services.runtime.rdkafka import RdProducer
-
-        return RdProducer(kafka, transactional_id=transactional_id, **overrides)
-    return make_producer(kafka, transactional_id=transactional_id, **overrides)
 
 
 def make_admin(kafka: KafkaSettings) -> KafkaAdminClient:

@@ -1,9 +1,10 @@
-"""The librdkafka transport (confluent-kafka) of the exactly-once loop.
+"""The librdkafka transport (confluent-kafka) of the exactly-once loop: its consumer here, its
+transactional producer beside the other producers in services/runtime/transactions.py.
 
 ``RTRL_KAFKA__CLIENT=librdkafka`` gives the ingest and reward workers this consumer and
 transactional producer instead of kafka-python's. The loop (services/runtime/exactly_once.py)
 is written against the part of kafka-python's interface it uses; :class:`RdConsumer` and
-:class:`RdProducer` implement that part on confluent-kafka's ``Consumer`` and ``Producer``:
+``RdProducer`` implement that part on confluent-kafka's ``Consumer`` and ``Producer``:
 records come back as :class:`Record` (kafka-python's field names), partitions as
 kafka-python's ``TopicPartition``, and every librdkafka error is raised as a kafka-python
 error class, so the loop's recovery (retriable ``KafkaError``, ``ProducerFencedError``) is
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -50,7 +51,7 @@ CALL_TIMEOUT_S = 10.0
 
 _FENCED = {ck.KafkaError._FENCED, ck.KafkaError.INVALID_PRODUCER_EPOCH,
            getattr(ck.KafkaError, "PRODUCER_FENCED", ck.KafkaError._FENCED)}
-_DISCONNECTS = {ck.KafkaError._TRANSPORT, ck.KafkaError._ALL_BROKERS_DOWN}
+DISCONNECTS = {ck.KafkaError._TRANSPORT, ck.KafkaError._ALL_BROKERS_DOWN}
 
 T = TypeVar("T")
 
@@ -133,7 +134,7 @@ def record(msg: Any) -> Record:
                   list(msg.headers() or []))
 
 
-def _ck(tp: TopicPartition, offset: int = ck.OFFSET_INVALID) -> ck.TopicPartition:
+def to_ck(tp: TopicPartition, offset: int = ck.OFFSET_INVALID) -> ck.TopicPartition:
     return ck.TopicPartition(tp.topic, tp.partition, offset)
 
 
@@ -148,7 +149,7 @@ class RdConsumer:
 
     def __init__(self, kafka: KafkaSettings, group_id: str, *, max_poll_records: int = 500,
                  max_poll_interval_ms: int | None = None, group_instance_id: str | None = None,
-                 fetch_max_wait_ms: int | None = None, **_ignored: Any) -> None:
+                 fetch_max_wait_ms: int | None = None, client: Any = None, **_ignored: Any) -> None:
         conf = {
             **base_config(kafka),
             "group.id": group_id,
@@ -165,7 +166,8 @@ class RdConsumer:
             conf["group.instance.id"] = group_instance_id
         if fetch_max_wait_ms is not None:
             conf["fetch.wait.max.ms"] = fetch_max_wait_ms
-        self._c = configured(ck.Consumer, conf)
+        self._c = client if client is not None else configured(ck.Consumer, conf)
+        """confluent-kafka's ``Consumer`` (``client``: one given, e.g. by a unit test)."""
         self.max_poll_records = max_poll_records
         self._paused: dict[TopicPartition, int] = {}
         """Partitions paused while quiet, with the high watermark each had then."""
@@ -239,13 +241,14 @@ class RdConsumer:
         if not parts:
             return
         marks = {tp: self._high(tp) for tp in parts}
-        call(self._c.pause, [_ck(tp) for tp in parts])
+        call(self._c.pause, [to_ck(tp) for tp in parts])
         self._paused = marks
 
     def _high(self, tp: TopicPartition) -> int:
         """The partition's high watermark, asked of the broker now (-1 when it did not say)."""
         try:
-            return int(call(self._c.get_watermark_offsets, _ck(tp), timeout=CALL_TIMEOUT_S, cached=False)[1])
+            marks = call(self._c.get_watermark_offsets, to_ck(tp), timeout=CALL_TIMEOUT_S, cached=False)
+            return int(marks[1])
         except (KafkaError, ValueError) as exc:
             log.info("watermark of %s[%d] not read: %s", tp.topic, tp.partition, exc)
             return -1
@@ -269,26 +272,26 @@ class RdConsumer:
     def _resume(self, parts: Iterable[TopicPartition]) -> None:
         parts = [tp for tp in parts if tp in self._paused]
         if parts:
-            call(self._c.resume, [_ck(tp) for tp in parts])
+            call(self._c.resume, [to_ck(tp) for tp in parts])
             for tp in parts:
                 del self._paused[tp]
         self._empty_since = None
 
     # ------------------------------------------------------------------ offsets
     def committed(self, tp: TopicPartition) -> int | None:
-        got = call(self._c.committed, [_ck(tp)], timeout=CALL_TIMEOUT_S)
+        got = call(self._c.committed, [to_ck(tp)], timeout=CALL_TIMEOUT_S)
         return got[0].offset if got and got[0].offset >= 0 else None
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self._resume([tp])
-        call(self._c.seek, _ck(tp, offset))
+        call(self._c.seek, to_ck(tp, offset))
 
     def seek_to_beginning(self, *tps: TopicPartition) -> None:
         for tp in tps:
             self.seek(tp, ck.OFFSET_BEGINNING)
 
     def position(self, tp: TopicPartition, timeout_ms: int | None = None) -> int | None:
-        got = call(self._c.position, [_ck(tp)])
+        got = call(self._c.position, [to_ck(tp)])
         if got and got[0].offset >= 0:
             return int(got[0].offset)
         return self.committed(tp)  # nothing consumed yet: where consumption starts
@@ -296,7 +299,7 @@ class RdConsumer:
     def end_offsets(self, tps: Iterable[TopicPartition],
                     timeout_ms: int | None = None) -> dict[TopicPartition, int]:
         timeout = (timeout_ms or CALL_TIMEOUT_S * 1000) / 1000.0
-        return {tp: int(call(self._c.get_watermark_offsets, _ck(tp), timeout=timeout, cached=False)[1])
+        return {tp: int(call(self._c.get_watermark_offsets, to_ck(tp), timeout=timeout, cached=False)[1])
                 for tp in tps}
 
     def topics(self) -> set[str]:
@@ -347,89 +350,3 @@ class Sent:
             raise self.exception
         assert self.value is not None
         return self.value
-
-
-class RdProducer:
-    """A transactional, idempotent producer on librdkafka with the calls the exactly-once loop
-    makes of kafka-python's ``KafkaProducer``. ``disconnects`` counts the broker connections
-    librdkafka reported lost; services/runtime/kafka_io.py's ``ConnectionWatch`` reads it to
-    abort a transaction that lived through a reconnect, as it does with kafka-python."""
-
-    def __init__(self, kafka: KafkaSettings, *, transactional_id: str | None = None,
-                 transaction_timeout_ms: int | None = None, linger_ms: int = 5,
-                 batch_size: int | None = None, max_request_size: int | None = None,
-                 **_ignored: Any) -> None:
-        max_bytes = max_request_size or kafka.max_message_bytes
-        conf: dict[str, Any] = {
-            **base_config(kafka),
-            "enable.idempotence": True,
-            "acks": "all",
-            "linger.ms": linger_ms,
-            "message.max.bytes": max_bytes,
-            "error_cb": self._on_error,
-        }
-        if batch_size:
-            conf["batch.size"] = min(batch_size, max_bytes)
-        if transactional_id:
-            conf["transactional.id"] = transactional_id
-        if transaction_timeout_ms:
-            conf["transaction.timeout.ms"] = transaction_timeout_ms
-            # librdkafka refuses a request timeout longer than the transaction's
-            conf["socket.timeout.ms"] = min(conf["socket.timeout.ms"], transaction_timeout_ms)
-        self.disconnects = 0
-        self._p = configured(ck.Producer, conf)
-
-    def _on_error(self, err: ck.KafkaError) -> None:
-        if err.code() in _DISCONNECTS:
-            self.disconnects += 1
-        log.info("librdkafka: %s", err.str())
-
-    def init_transactions(self) -> None:
-        call(self._p.init_transactions, CALL_TIMEOUT_S)
-
-    def begin_transaction(self) -> None:
-        call(self._p.begin_transaction)
-
-    def send(self, topic: str, value: bytes | None = None, key: bytes | None = None,
-             headers: list[tuple[str, bytes]] | None = None, partition: int | None = None) -> Sent:
-        sent = Sent()
-        kw: dict[str, Any] = {"value": value, "key": key, "on_delivery": sent.report}
-        if headers:
-            kw["headers"] = headers
-        if partition is not None:
-            kw["partition"] = partition
-        while True:
-            try:
-                call(self._p.produce, topic, **kw)
-                break
-            except BufferError:  # the local queue is full: let deliveries drain it
-                self._p.poll(0.05)
-        self._p.poll(0)
-        return sent
-
-    def flush(self, timeout: float | None = None) -> None:
-        left = self._p.flush(CALL_TIMEOUT_S if timeout is None else timeout)
-        if left:
-            raise KafkaTimeoutError(f"{left} records not delivered in {timeout}s")
-
-    def send_offsets_to_transaction(self, offsets: Mapping[TopicPartition, Any], group_metadata: Any) -> None:
-        parts = [_ck(tp, om.offset) for tp, om in offsets.items()]
-        call(self._p.send_offsets_to_transaction, parts, group_metadata, CALL_TIMEOUT_S)
-
-    def commit_transaction(self) -> None:
-        call(self._p.commit_transaction, CALL_TIMEOUT_S)
-
-    def abort_transaction(self) -> None:
-        call(self._p.abort_transaction, CALL_TIMEOUT_S)
-
-    def close(self, timeout: float | None = None) -> None:
-        """Deliver what is buffered for at most ``timeout`` seconds (0: drop it), then close."""
-        if timeout == 0:  # a broken producer: drop what it holds; librdkafka frees it with the object
-            self._p.purge(blocking=False)
-            self._p.poll(0)
-            return
-        self._p.flush(timeout or CALL_TIMEOUT_S)
-        try:
-            self._p.close()
-        except (RuntimeError, ck.KafkaException) as exc:
-            log.info("closing a librdkafka producer: %s", exc)

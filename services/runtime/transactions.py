@@ -17,17 +17,29 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import confluent_kafka as ck
 from kafka import KafkaProducer
+from kafka.errors import KafkaTimeoutError
+from kafka.structs import TopicPartition
 
 from ingest.contracts.keys import fenced_key
 from ingest.contracts.transactions import generation_id, generation_of, process_id
-from services.runtime.kafka_io import close_quietly, make_transactional_producer
+from services.runtime.kafka_io import close_quietly, make_producer
+from services.runtime.rdkafka import CALL_TIMEOUT_S, DISCONNECTS, Sent, base_config, call, configured, to_ck
 from services.settings.model import KafkaSettings
 
 log = logging.getLogger("rtrl.exactly_once")
+
+
+def make_transactional_producer(kafka: KafkaSettings, transactional_id: str, **overrides: Any) -> Any:
+    """A transactional producer (not yet initialised) on the client ``kafka.client`` names:
+    kafka-python's, or librdkafka's (:class:`RdProducer`). Overrides use kafka-python's names."""
+    if kafka.client == "librdkafka":
+        return RdProducer(kafka, transactional_id=transactional_id, **overrides)
+    return make_producer(kafka, transactional_id=transactional_id, **overrides)
 
 
 def unique_transactional_id(service: str, group_id: str) -> str:
@@ -111,3 +123,89 @@ class TransactionalProducers:
             raise
         self.txn_id = txn_id
         return producer
+
+
+class RdProducer:
+    """A transactional, idempotent producer on librdkafka with the calls the exactly-once loop
+    makes of kafka-python's ``KafkaProducer``. ``disconnects`` counts the broker connections
+    librdkafka reported lost; ``kafka_io.ConnectionWatch`` reads it to
+    abort a transaction that lived through a reconnect, as it does with kafka-python."""
+
+    def __init__(self, kafka: KafkaSettings, *, transactional_id: str | None = None,
+                 transaction_timeout_ms: int | None = None, linger_ms: int = 5,
+                 batch_size: int | None = None, max_request_size: int | None = None,
+                 **_ignored: Any) -> None:
+        max_bytes = max_request_size or kafka.max_message_bytes
+        conf: dict[str, Any] = {
+            **base_config(kafka),
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": linger_ms,
+            "message.max.bytes": max_bytes,
+            "error_cb": self._on_error,
+        }
+        if batch_size:
+            conf["batch.size"] = min(batch_size, max_bytes)
+        if transactional_id:
+            conf["transactional.id"] = transactional_id
+        if transaction_timeout_ms:
+            conf["transaction.timeout.ms"] = transaction_timeout_ms
+            # librdkafka refuses a request timeout longer than the transaction's
+            conf["socket.timeout.ms"] = min(conf["socket.timeout.ms"], transaction_timeout_ms)
+        self.disconnects = 0
+        self._p = configured(ck.Producer, conf)
+
+    def _on_error(self, err: ck.KafkaError) -> None:
+        if err.code() in DISCONNECTS:
+            self.disconnects += 1
+        log.info("librdkafka: %s", err.str())
+
+    def init_transactions(self) -> None:
+        call(self._p.init_transactions, CALL_TIMEOUT_S)
+
+    def begin_transaction(self) -> None:
+        call(self._p.begin_transaction)
+
+    def send(self, topic: str, value: bytes | None = None, key: bytes | None = None,
+             headers: list[tuple[str, bytes]] | None = None, partition: int | None = None) -> Sent:
+        sent = Sent()
+        kw: dict[str, Any] = {"value": value, "key": key, "on_delivery": sent.report}
+        if headers:
+            kw["headers"] = headers
+        if partition is not None:
+            kw["partition"] = partition
+        while True:
+            try:
+                call(self._p.produce, topic, **kw)
+                break
+            except BufferError:  # the local queue is full: let deliveries drain it
+                self._p.poll(0.05)
+        self._p.poll(0)
+        return sent
+
+    def flush(self, timeout: float | None = None) -> None:
+        left = self._p.flush(CALL_TIMEOUT_S if timeout is None else timeout)
+        if left:
+            raise KafkaTimeoutError(f"{left} records not delivered in {timeout}s")
+
+    def send_offsets_to_transaction(self, offsets: Mapping[TopicPartition, Any], group_metadata: Any) -> None:
+        parts = [to_ck(tp, om.offset) for tp, om in offsets.items()]
+        call(self._p.send_offsets_to_transaction, parts, group_metadata, CALL_TIMEOUT_S)
+
+    def commit_transaction(self) -> None:
+        call(self._p.commit_transaction, CALL_TIMEOUT_S)
+
+    def abort_transaction(self) -> None:
+        call(self._p.abort_transaction, CALL_TIMEOUT_S)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Deliver what is buffered for at most ``timeout`` seconds (0: drop it), then close."""
+        if timeout == 0:  # a broken producer: drop what it holds; librdkafka frees it with the object
+            self._p.purge(blocking=False)
+            self._p.poll(0)
+            return
+        self._p.flush(timeout or CALL_TIMEOUT_S)
+        try:
+            self._p.close()
+        except (RuntimeError, ck.KafkaException) as exc:
+            log.info("closing a librdkafka producer: %s", exc)
