@@ -13,10 +13,11 @@ the same on both transports.
 **Idle fetching.** librdkafka fetches in its own thread, whatever the application polls. A
 broker that answers an empty fetch at once instead of holding it for ``fetch.wait.max.ms``
 (the embedded broker does; Apache Kafka does not) turns that into about 6,000 fetches/s and
-more than half a core per idle consumer. So once a poll has found nothing for
-``PAUSE_AFTER_S``, :class:`RdConsumer` pauses its partitions and remembers their high
-watermarks; each later poll asks the broker for the watermarks (one ListOffsets request per
-partition) and resumes only the partitions whose watermark moved. A resumed partition is
+more than half a core per idle consumer. So once polls have found nothing for
+``PAUSE_AFTER_S``, :class:`RdConsumer` pauses the partitions it has read to their end
+(librdkafka's end-of-partition events say which) and remembers their high watermarks; each
+later poll asks the broker for the watermarks (one ListOffsets request per paused partition)
+and resumes only the partitions whose watermark moved. A resumed partition is
 fetched within milliseconds: the ListOffsets request that follows the resume wakes
 librdkafka's broker thread, which otherwise looks at resumed partitions once a second.
 """
@@ -159,6 +160,7 @@ class RdConsumer:
             "isolation.level": "read_committed",
             "session.timeout.ms": 6000,
             "heartbeat.interval.ms": 1500,
+            "enable.partition.eof": True,  # tells which partitions are read to their end
         }
         if max_poll_interval_ms:
             conf["max.poll.interval.ms"] = max_poll_interval_ms
@@ -171,6 +173,9 @@ class RdConsumer:
         self.max_poll_records = max_poll_records
         self._paused: dict[TopicPartition, int] = {}
         """Partitions paused while quiet, with the high watermark each had then."""
+        self._at_end: set[TopicPartition] = set()
+        """Partitions read to their end (librdkafka said so) with no record since: only these
+        may be paused; a partition with records still to read must keep fetching."""
         self._empty_since: float | None = None
         self._callback_error: BaseException | None = None
 
@@ -182,6 +187,7 @@ class RdConsumer:
         def revoked(_c: Any, parts: list[ck.TopicPartition]) -> None:
             for p in parts:
                 self._paused.pop(_kp(p), None)
+                self._at_end.discard(_kp(p))
             self._notify(listener, "on_partitions_revoked", parts)
 
         call(self._c.subscribe, list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
@@ -213,12 +219,15 @@ class RdConsumer:
         self._raise_callback_error()
         out: dict[TopicPartition, list[Record]] = {}
         for msg in msgs:
+            tp = TopicPartition(msg.topic(), msg.partition())
             err = msg.error()
             if err is not None:
                 if err.code() == ck.KafkaError._PARTITION_EOF:
+                    self._at_end.add(tp)
                     continue
                 raise translate(ck.KafkaException(err))
-            out.setdefault(TopicPartition(msg.topic(), msg.partition()), []).append(record(msg))
+            self._at_end.discard(tp)
+            out.setdefault(tp, []).append(record(msg))
         self._track_quiet(bool(out))
         return out
 
@@ -237,7 +246,7 @@ class RdConsumer:
             self._pause_all()
 
     def _pause_all(self) -> None:
-        parts = sorted(self.assignment())
+        parts = sorted(self.assignment() & self._at_end)
         if not parts:
             return
         marks = {tp: self._high(tp) for tp in parts}
@@ -284,6 +293,7 @@ class RdConsumer:
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self._resume([tp])
+        self._at_end.discard(tp)
         call(self._c.seek, to_ck(tp, offset))
 
     def seek_to_beginning(self, *tps: TopicPartition) -> None:

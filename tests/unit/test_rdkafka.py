@@ -80,6 +80,23 @@ class _Msg:
         return self._err
 
 
+def _eof(partition: int) -> _Msg:
+    return _Msg(partition, 0, ck.KafkaError(ck.KafkaError._PARTITION_EOF))
+
+
+def test_a_partition_with_records_to_read_is_never_paused(fake: _FakeConsumer) -> None:
+    c = RdConsumer(KafkaSettings(), "g", client=fake)
+    fake.queue = [_eof(0)]
+    c.poll()
+    c.poll()
+    assert fake.paused == {0}  # partition 1 never reached its end (e.g. its fetch is starting)
+    fake.queue = [_Msg(0, 5)]
+    fake.high[0] = 6
+    c.poll()
+    c.poll()
+    assert fake.paused == set()  # partition 0 got a record: no longer at its end
+
+
 class _FakeConsumer:
     """What RdConsumer calls of confluent-kafka's Consumer, over two partitions of topic t."""
 
@@ -144,8 +161,10 @@ def test_a_record_error_is_raised_as_a_retriable_error(fake: _FakeConsumer) -> N
 def test_a_quiet_member_pauses_and_resumes_only_partitions_that_moved(fake: _FakeConsumer) -> None:
     c = RdConsumer(KafkaSettings(), "g", client=fake)
     assert c.poll() == {} and not fake.paused  # the first empty poll starts the quiet clock
+    assert c.poll() == {} and not fake.paused  # quiet, but not read to the end: keeps fetching
+    fake.queue = [_eof(0), _eof(1)]
     assert c.poll() == {}
-    assert fake.paused == {0, 1}  # quiet long enough: nothing is fetched any more
+    assert fake.paused == {0, 1}  # read to the end and quiet: nothing is fetched any more
     reads = fake.watermark_reads
     polls = len(fake.consumes)
     assert c.poll() == {} and fake.paused == {0, 1}  # watermarks unchanged: stays paused
@@ -164,6 +183,7 @@ def test_a_seek_resumes_the_partition_and_revocation_forgets_it(fake: _FakeConsu
     fake.seek = seeks.append  # type: ignore[attr-defined]
     c = RdConsumer(KafkaSettings(), "g", client=fake)
     c.poll()
+    fake.queue = [_eof(0), _eof(1)]
     c.poll()
     assert fake.paused == {0, 1}
     c.seek(TopicPartition("t", 0), 3)
