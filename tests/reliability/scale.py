@@ -65,6 +65,12 @@ def current() -> Scale:
     return SCALES[name]
 
 
+def named(test: str, client: str) -> str:
+    """The record name of a test run on a Kafka client: the test's own name on the default
+    client (kafka-python), ``<test>_<client>`` on another."""
+    return test if client == "kafka-python" else f"{test}_{client}"
+
+
 def record(test: str, figures: dict[str, Any]) -> Path:
     """Write one test's measured figures to ``$RTRL_RELIABILITY_OUT/<test>.json`` (default
     ``reports/reliability``) and print them, so the docs' table can be rebuilt from a run."""

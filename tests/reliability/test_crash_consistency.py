@@ -153,7 +153,7 @@ def test_sigkills_lose_and_duplicate_nothing(settings: Settings, tmp_path: Path,
         "loadavg_1m_start_end": [round(load_start, 1), round(os.getloadavg()[0], 1)],
         "wall_s": round(wall_s, 1),
     }
-    scale.record("crash_consistency", figures)
+    scale.record(scale.named("crash_consistency", client), {**figures, "client": client})
     print("\n".join(kill_log))
     print(rep.render())
 

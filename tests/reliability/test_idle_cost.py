@@ -77,8 +77,9 @@ def test_idle_workers_use_at_most_two_percent_of_a_core(settings: Settings, tmp_
         wall = time.monotonic() - w0
         share = {w.kind: (cpu_seconds(w.pid) - start[w.kind]) / wall for w in workers}
         lags = prog.lags()
-        scale.record("idle_cost", {"seconds": round(wall, 1), "lags_after": list(lags),
-                                   **{f"{k}_core_share": round(v, 4) for k, v in share.items()}})
+        figures = {"client": client, "seconds": round(wall, 1), "lags_after": list(lags),
+                   **{f"{k}_core_share": round(v, 4) for k, v in share.items()}}
+        scale.record(scale.named("idle_cost", client), figures)
         assert all(w.alive() for w in workers)
         assert max(lags) <= 4, f"the workers were not idle: lags {lags}"
         for kind, used in share.items():

@@ -151,7 +151,7 @@ def test_workers_joining_and_dying_mid_stream_lose_and_duplicate_nothing(setting
         "loadavg_1m_end": round(os.getloadavg()[0], 1),
         **reconcile_figures(rep),
     }
-    scale.record("scale_out", figures)
+    scale.record(scale.named("scale_out", client), {**figures, "client": client})
     print("\n".join(events))
     print(rep.render())
 
