@@ -20,10 +20,10 @@ def _tool(parameters: Any, name: str = "f") -> Tool:
 
 
 def _refused(tools: list[Tool], choice: Any = None) -> str:
-    started = time.monotonic()
+    started = time.thread_time()
     with pytest.raises(ValueError, match=r".") as info:
         toolset(tools, choice)
-    assert time.monotonic() - started < 2.0, "refused, but slowly"
+    assert time.thread_time() - started < 2.0, "refused, but only after much CPU"
     return str(info.value)
 
 
@@ -88,11 +88,11 @@ def test_malformed_tool_definitions_fail_validation(bad: dict[str, Any]) -> None
 def test_a_pattern_that_backtracks_forever_in_python_runs_in_linear_time() -> None:
     schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a|a)*$"}}}
     tools = toolset([_tool(schema)], None)
-    started = time.monotonic()
+    started = time.thread_time()
     [verdict] = calls.judge(tools, [{"id": "c", "type": "function",
                                      "function": {"name": "f", "arguments": '{"s": "' + "a" * 5000 + '!"}'}}])
     assert verdict is not None and verdict.reason == "schema_mismatch"
-    assert time.monotonic() - started < 1.0
+    assert time.thread_time() - started < 1.0
 
 
 def test_draft_07_schemas_are_read_as_draft_07() -> None:
