@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -257,6 +258,51 @@ def test_duplicate_key_finder() -> None:
     assert duplicate_key(b'{"a": 1, "b": [{"a": 2}, {"a": 3}]}') is None  # the same key in two objects
     assert duplicate_key(b"[" * 50_000) is None  # not JSON: another check reports it
     assert duplicate_key(b'{"a": 1}') is None
+    assert duplicate_key(b'{"a": "x\\"y", "a": 2}') == "a"  # escapes: read object by object
+    assert duplicate_key('{"k": ":", "v": "\\":", "k": 1}') == "k"
+    assert duplicate_key(b'{"a" :1, "b":{"a":2}}') is None  # a name in two objects is no repeat
+
+
+def _slow_duplicate(data: str) -> str | None:
+    """The plain reference: every object parsed, its keys compared."""
+    found: list[str] = []
+
+    def hook(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        names = [k for k, _ in pairs]
+        if not found:
+            found.extend(k for i, k in enumerate(names) if k in names[:i])
+        return dict(pairs)
+
+    json.loads(data, object_pairs_hook=hook)
+    return found[0] if found else None
+
+
+def _random_doc(rng: random.Random, depth: int = 0) -> str:
+    """A JSON object written by hand (so keys may repeat), with escapes, colons and quotes in
+    strings, and whitespace around the colons."""
+    names = ["a", "b", "k:", 'q"', "\\", "", "a b", "\u00e9"]
+    parts = []
+    for _ in range(rng.randint(0, 5)):
+        key = json.dumps(rng.choice(names))
+        roll = rng.random()
+        if roll < 0.3 and depth < 3:
+            value = _random_doc(rng, depth + 1)
+        elif roll < 0.5 and depth < 3:
+            value = "[" + ", ".join(_random_doc(rng, depth + 1) for _ in range(rng.randint(0, 2))) + "]"
+        else:
+            value = json.dumps(rng.choice(["x", 'say "hi":', "a\\b", 3, None, True, ":", "\"k\": 1"]))
+        parts.append(f"{key}{rng.choice(['', ' ', chr(10)])}:{rng.choice(['', ' '])}{value}")
+    return "{" + ", ".join(parts) + "}"
+
+
+def test_duplicate_key_finder_agrees_with_parsing_every_object() -> None:
+    rng = random.Random(20261128)
+    docs = [_random_doc(rng) for _ in range(3000)]
+    for doc in docs:
+        expected = _slow_duplicate(doc)
+        assert duplicate_key(doc) == expected, doc
+        assert duplicate_key(doc.encode()) == expected, doc
+    assert sum(_slow_duplicate(d) is not None for d in docs) > 300  # both kinds were tried
 
 
 SECRET_TEXT = "s3cr3t-payload-TEXT"
