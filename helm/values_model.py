@@ -81,6 +81,8 @@ class Kafka(_Values):
     """TLS material for SSL / SASL_SSL."""
     client_id: str = "rtrl"
     """Client id prefix the brokers see (quotas, logs)."""
+    client: Literal["kafka-python", "librdkafka"] = "kafka-python"
+    """Kafka client of the ingest and reward workers (librdkafka: confluent-kafka)."""
 
 
 class Topics(_Values):
