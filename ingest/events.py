@@ -96,6 +96,9 @@ class CompletionServed(_EventBase):
     invalid_tool_calls: Count = 0
     completion_kind: CompletionKind = "edit"
     """What the completion was (:data:`CompletionKind`)."""
+    temperature: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] = 1.0
+    """The sampling temperature the completion was drawn at, hence of ``logprobs`` (0:
+    greedy, logged at temperature 1). Additive: an event without it was sampled at 1."""
 
     @model_validator(mode="after")
     def _consistent(self) -> CompletionServed:
@@ -251,6 +254,8 @@ class RewardRecord(_Model):
     prompt_tokens: list[int]
     completion_tokens: list[int]
     behavior_logprobs: list[float]
+    temperature: float = 1.0
+    """The sampling temperature of ``behavior_logprobs`` (the served event's)."""
     latency_ms: float
     completion_kind: CompletionKind = "edit"
     tool_calls: int = 0

@@ -267,6 +267,7 @@ def close(window: Window, spec: RewardSpec, now: float) -> Closed:
         prompt_tokens=list(s.prompt_tokens),
         completion_tokens=list(s.completion_tokens),
         behavior_logprobs=list(s.logprobs),
+        temperature=s.temperature,
         latency_ms=s.latency_ms,
         completion_kind=s.completion_kind,
         tool_calls=s.tool_calls,

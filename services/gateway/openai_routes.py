@@ -319,6 +319,7 @@ class OpenAIRoutes:
             "model": {"name": self.gw.model_name, "version": call.version}, "arm": call.arm,
             "prompt_tokens": served.prompt_tokens, "completion_tokens": served.tokens,
             "logprobs": served.logprobs, "latency_ms": latency_ms, **answer_fields(call, served),
+            "temperature": call.req.temperature,
         })
         GATEWAY_REQUESTS.labels(call.arm, call.version, "200").inc()
         GATEWAY_SECONDS.labels(call.arm).observe(gen_s)

@@ -351,7 +351,7 @@ class Gateway:
             "session_id": req.session_id, "user_key": req.user_key, "model": model, "arm": arm,
             "prompt_tokens": req.prompt_tokens, "completion_tokens": gen.tokens,
             "logprobs": gen.logprobs, "latency_ms": latency_ms, "tool_calls": gen.tool_calls,
-            "invalid_tool_calls": invalid, "completion_kind": kind,
+            "invalid_tool_calls": invalid, "completion_kind": kind, "temperature": req.temperature,
         })
         GATEWAY_REQUESTS.labels(arm, version, "200").inc()
         GATEWAY_SECONDS.labels(arm).observe(time.perf_counter() - started)

@@ -193,3 +193,12 @@ def test_content_type_must_be_json_when_given(content_type: str | None, code: in
     assert resp.code == code
     if code == 415:
         assert "application/json" in json.loads(resp.body)["error"]["message"]
+
+
+def test_the_exposure_names_the_sampling_temperature() -> None:
+    backend = FakeBackend([5, 6, 1])
+    gw, logged = make(backend)
+    post(gw, {**REQ, "temperature": 0.7})
+    post(gw, REQ)
+    assert [c[2] for c in backend.calls] == [0.7, 1.0]
+    assert [CompletionServed(**f).temperature for f in logged] == [0.7, 1.0]

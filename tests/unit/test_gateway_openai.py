@@ -165,6 +165,14 @@ def test_answer_has_openai_fields_and_rtrl_extras(path: str, body: dict[str, Any
     assert counts == [("1", "stable", False)]
 
 
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_the_exposure_names_the_sampling_temperature(path: str, body: dict[str, Any]) -> None:
+    gw, logged, _ = make(StreamBackend())
+    call(gw, path, {**body, "temperature": 0.7})
+    call(gw, path, body)
+    assert [CompletionServed(**f).temperature for f in logged] == [0.7, 1.0]
+
+
 def test_logprobs_are_shown_only_when_asked() -> None:
     gw, _, _ = make(StreamBackend())
     _, out = call(gw, "/v1/completions", {**COMPLETION, "logprobs": 1})
