@@ -60,13 +60,15 @@ class HFPolicy:
         return next(self.model.parameters()).device
 
     def batch_logprobs(
-        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+        temperatures: Sequence[float] | None = None,
     ) -> tuple[Tensor, Tensor]:
         prompts = [list(p) or [self.bos] for p in prompts]
         ids, attn, positions, targets, tmask = pad_batch(prompts, completions, self.max_len)
         dev = self._device()
         logits = self.model(input_ids=ids.to(dev), attention_mask=attn.to(dev)).logits
-        return completion_logprobs(logits, positions.to(dev), targets.to(dev), tmask.to(dev)), tmask.to(dev)
+        lp = completion_logprobs(logits, positions.to(dev), targets.to(dev), tmask.to(dev), temperatures)
+        return lp, tmask.to(dev)
 
     @torch.inference_mode()
     def sample(

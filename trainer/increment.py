@@ -371,17 +371,18 @@ def build_samples(records: Sequence[RewardRecord], group_size: int, normalize_st
 
 
 def to_samples(records: Sequence[RewardRecord], advantages: Sequence[float]) -> list[Sample]:
-    return [Sample(list(r.prompt_tokens), list(r.completion_tokens), list(r.behavior_logprobs), a)
-            for r, a in zip(records, advantages, strict=True)]
+    return [Sample(list(r.prompt_tokens), list(r.completion_tokens), list(r.behavior_logprobs), a,
+                   r.temperature) for r, a in zip(records, advantages, strict=True)]
 
 
 def score_heldout(
     candidate: TrainablePolicy, parent: TrainablePolicy, records: Sequence[RewardRecord], batch: int = 64
 ) -> list[HeldoutScore]:
-    prompts = [r.prompt_tokens for r in records]
-    completions = [r.completion_tokens for r in records]
-    cand = score_records(candidate, prompts, completions, batch)
-    par = score_records(parent, prompts, completions, batch)
+    """Held-out records scored under both policies at the temperature each was served with."""
+    prompts, completions = [r.prompt_tokens for r in records], [r.completion_tokens for r in records]
+    temperatures = [r.temperature for r in records]
+    cand = score_records(candidate, prompts, completions, batch, temperatures)
+    par = score_records(parent, prompts, completions, batch, temperatures)
     return [HeldoutScore(r.reward, r.behavior_logprobs, c, p)
             for r, c, p in zip(records, cand, par, strict=True)]
 

@@ -7,6 +7,10 @@ log π_engine)`` absorb a small difference; a large one means the trainer is not
 model the engine serves (another base, another tokenizer, a wrong chat template), and every
 weight is then noise. Each increment measures it for its parent on the records the parent
 served, before its first step; the gate blocks the candidate when the mean exceeds a bound.
+
+Both sides are the distribution the token was sampled from: the engine logs it after
+temperature, and the trainer scores each record at its event's ``temperature``
+(trainer/temperature.py; an event without one was sampled at 1).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def measure_parent(parent: TrainablePolicy, records: Sequence[RewardRecord], ver
     served by other versions were sampled from other weights and say nothing about the engine."""
     mine = [r for r in records if r.model.version == version and r.completion_tokens][:limit]
     prompts, completions = [r.prompt_tokens for r in mine], [r.completion_tokens for r in mine]
-    trainer = score_records(parent, prompts, completions, batch)
+    trainer = score_records(parent, prompts, completions, batch, [r.temperature for r in mine])
     found = mismatch(trainer, [list(r.behavior_logprobs) for r in mine], truncate)
     log.info("train-inference mismatch of version %s on %d served tokens: mean %.4g, p99 %.4g nats, "
              "%.1f%% of weights truncated", version, found.tokens, found.mean_abs, found.p99_abs,

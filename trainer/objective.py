@@ -247,3 +247,6 @@ class Sample:
     completion: list[int]
     behavior_logprobs: list[float]
     advantage: float
+    temperature: float = 1.0
+    """The sampling temperature of ``behavior_logprobs``: the KL band's probe scores at it, as
+    the gate does; the loss scores at 1 (docs/trainer.md)."""

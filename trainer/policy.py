@@ -13,7 +13,9 @@ Sampling keeps a key/value cache, so a 16-token completion costs about 10 ms on 
 
 Log-probabilities returned by ``sample`` are those of the distribution actually sampled
 from (i.e. after temperature); they are the behavior log-probabilities the gateway logs.
-``score`` always scores at temperature 1, the distribution the trainer optimises.
+``score`` always scores at temperature 1, the distribution the trainer optimises;
+``batch_logprobs`` and :func:`score_records` score at given temperatures when asked
+(trainer/temperature.py), as the train-inference mismatch and the gate do.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.nn.functional as F  # noqa: N812 (the conventional torch alias)
 from torch import Tensor, nn
 
 from ingest.contracts.registry import POLICY_MANIFEST
+from trainer.temperature import temperature_column, tempered_log_softmax
 from trainer.tokens import BOS, EOS, VOCAB_SIZE
 
 MANIFEST = POLICY_MANIFEST
@@ -93,10 +96,12 @@ class TrainablePolicy(Policy, Protocol):
         ...
 
     def batch_logprobs(
-        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+        temperatures: Sequence[float] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Differentiable per-token log-probabilities, shape [B, T] right-padded, and the
-        float mask [B, T] that is 1 on real completion tokens."""
+        float mask [B, T] that is 1 on real completion tokens; at temperature 1, or at one
+        served temperature per completion (trainer/temperature.py)."""
         ...
 
     def clone(self) -> TrainablePolicy:
@@ -165,11 +170,13 @@ def _gather_index(starts: Tensor, t_len: int) -> Tensor:
 
 
 def completion_logprobs(
-    logits: Tensor, positions: Tensor, targets: Tensor, tmask: Tensor
+    logits: Tensor, positions: Tensor, targets: Tensor, tmask: Tensor,
+    temperatures: Sequence[float] | None = None,
 ) -> Tensor:
-    """Log-probabilities [B, T] of ``targets`` read at ``positions`` of ``logits`` [B, L, V];
-    zero where ``tmask`` is 0."""
-    logp = F.log_softmax(logits.float(), dim=-1)
+    """Log-probabilities [B, T] of ``targets`` read at ``positions`` of ``logits`` [B, L, V]
+    at one served temperature per row (None: 1); zero where ``tmask`` is 0."""
+    temps = temperature_column(temperatures)
+    logp = tempered_log_softmax(logits, None if temps is None else temps.to(logits.device))
     pos = positions.clamp(0, logits.shape[1] - 1)
     picked = logp.gather(1, pos[:, :, None].expand(-1, -1, logp.shape[-1]))
     out = picked.gather(2, targets[:, :, None]).squeeze(-1)
@@ -264,12 +271,14 @@ class TinyTransformer(nn.Module):
         return self
 
     def batch_logprobs(
-        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+        temperatures: Sequence[float] | None = None,
     ) -> tuple[Tensor, Tensor]:
         ids, _attn, positions, targets, tmask = pad_batch(prompts, completions, self.config.max_len)
         dev = self.head.weight.device
         logits = self(ids.to(dev))
-        return completion_logprobs(logits, positions.to(dev), targets.to(dev), tmask.to(dev)), tmask.to(dev)
+        lp = completion_logprobs(logits, positions.to(dev), targets.to(dev), tmask.to(dev), temperatures)
+        return lp, tmask.to(dev)
 
     def clone(self) -> TinyTransformer:
         twin = TinyTransformer(self.config)
@@ -363,14 +372,16 @@ def n_trainable(module: nn.Module) -> int:
 
 @torch.no_grad()
 def score_records(policy: TrainablePolicy, prompts: Sequence[Sequence[int]],
-                  completions: Sequence[Sequence[int]], batch: int = 64) -> list[list[float]]:
+                  completions: Sequence[Sequence[int]], batch: int = 64,
+                  temperatures: Sequence[float] | None = None) -> list[list[float]]:
     """Each completion's per-token log-probabilities under ``policy`` (in eval mode), scored in
-    batches of ``batch``."""
+    batches of ``batch``, at the temperature each was served with (None: all at 1)."""
     policy.module.eval()
     out: list[list[float]] = []
     for i in range(0, len(completions), batch):
         chunk = completions[i : i + batch]
-        lp, _ = policy.batch_logprobs(prompts[i : i + batch], chunk)
+        temps = None if temperatures is None else temperatures[i : i + batch]
+        lp, _ = policy.batch_logprobs(prompts[i : i + batch], chunk, temps)
         out.extend(lp[j, : len(c)].tolist() for j, c in enumerate(chunk))
     return out
 

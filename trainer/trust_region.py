@@ -155,24 +155,26 @@ class Probe:
 
     def __init__(self, parent: TrainablePolicy, picked: Sequence[Sample], truncate: float,
                  batch: int = 64) -> None:
-        self.batches: list[tuple[list[list[int]], list[list[int]], torch.Tensor, torch.Tensor,
-                                 torch.Tensor]] = []
+        self.batches: list[tuple[list[list[int]], list[list[int]], list[float], torch.Tensor,
+                                 torch.Tensor, torch.Tensor]] = []
         self.truncate = truncate
         with torch.no_grad():
             for i in range(0, len(picked), batch):
                 chunk = picked[i : i + batch]
                 prompts, completions = [s.prompt for s in chunk], [s.completion for s in chunk]
-                parent_logp, mask = parent.batch_logprobs(prompts, completions)
+                temps = [s.temperature for s in chunk]  # as served, as the gate scores them
+                parent_logp, mask = parent.batch_logprobs(prompts, completions, temps)
                 behavior = padded([s.behavior_logprobs for s in chunk], parent_logp)
-                self.batches.append((prompts, completions, parent_logp, behavior, mask.to(parent_logp.dtype)))
+                self.batches.append((prompts, completions, temps, parent_logp, behavior,
+                                     mask.to(parent_logp.dtype)))
 
     @torch.no_grad()
     def kl(self, policy: TrainablePolicy) -> float:
         was_training = policy.module.training
         policy.module.eval()
         total, n = 0.0, 0
-        for prompts, completions, parent_logp, behavior, mask in self.batches:
-            logp, _ = policy.batch_logprobs(prompts, completions)
+        for prompts, completions, temps, parent_logp, behavior, mask in self.batches:
+            logp, _ = policy.batch_logprobs(prompts, completions, temps)
             total += completion_kl(logp, parent_logp, behavior, mask, self.truncate) * len(prompts)
             n += len(prompts)
         policy.module.train(was_training)

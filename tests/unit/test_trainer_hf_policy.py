@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from trainer.hf_policy import HFPolicy  # noqa: E402
 from trainer.loop import LoopConfig, Sample, rl_train  # noqa: E402
-from trainer.policy import Policy, load_policy  # noqa: E402
+from trainer.policy import Policy, load_policy, score_records  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,13 @@ def test_sample_and_score_agree(tiny_dir: Path) -> None:
     assert 1 <= len(tokens) <= 10 and len(logps) == len(tokens)
     assert policy.score([0, 5, 6], tokens) == pytest.approx(logps, abs=1e-4)
     assert policy.sample([0, 5, 6], 10, seed=1) == (tokens, logps)
+
+
+def test_scored_at_the_sampling_temperature_it_matches_what_was_sampled(tiny_dir: Path) -> None:
+    policy = HFPolicy.from_pretrained(tiny_dir)
+    tokens, logps = policy.sample([0, 5, 6], 10, temperature=0.7, seed=1)
+    [scored] = score_records(policy, [[0, 5, 6]], [tokens], temperatures=[0.7])
+    assert scored == pytest.approx(logps, abs=1e-4)
 
 
 def test_min_new_tokens_keeps_eos_out(tiny_dir: Path) -> None:
