@@ -1,7 +1,8 @@
 """The reward spec: a versioned TOML file that defines how feedback becomes a reward.
 
 The packaged default lives at ``ingest/reward/specs/default.toml`` (its comments document every
-field); ``Settings.reward_spec`` points at another file. ``load_spec`` validates the file
+field); ``ingest/reward/specs/agent.toml`` adds the session terms (``[session]``) to it;
+``Settings.reward_spec`` points at another file. ``load_spec`` validates the file
 and names the offending field on error, so a bad spec stops the reward service at start-up
 instead of producing wrong rewards.
 """
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ingest.reward.sessions import SessionWindow
 
 PositiveSeconds = Annotated[int, Field(gt=0, le=30 * 86_400)]
 
@@ -76,6 +79,38 @@ class WindowSpec(_Frozen):
     followup_s: Annotated[float, Field(ge=0)] = 60.0
 
 
+class SessionSpec(_Frozen):
+    """Session terms and the session window (docs/rewards.md, "Sessions"). A spec without a
+    ``[session]`` table defines no session rewards; its per-request rewards are unchanged."""
+
+    completed: float = 1.0
+    """The outcome term: the session ended ``completed``."""
+    handed_back: float = 0.0
+    abandoned: float = -0.5
+    timed_out: float = 0.0
+    """No ``session.end`` within the window: nothing is known of the outcome."""
+    persisted_edits: Annotated[float, Field(ge=0)] = 1.0
+    """Weight of the mean persistence ratio of the session's reported edits."""
+    dissatisfied: Annotated[float, Field(ge=0)] = 0.5
+    dissatisfied_max_count: Annotated[int, Field(ge=0)] = 2
+    per_turn: Annotated[float, Field(ge=0)] = 0.02
+    per_1k_tokens: Annotated[float, Field(ge=0)] = 0.002
+    """Per 1000 tokens used (prompt + completion tokens of every served turn)."""
+    invalid_tool_call: Annotated[float, Field(ge=0)] = 0.25
+    """Charged to the turn that made the call, not shared."""
+    invalid_max_per_turn: Annotated[float, Field(ge=0)] = 1.0
+    idle_s: Annotated[float, Field(gt=0, le=30 * 86_400)] = 1800.0
+    """A session without a ``session.end`` closes this long after its latest event ..."""
+    max_s: Annotated[float, Field(gt=0, le=30 * 86_400)] = 86_400.0
+    """... or this long after its earliest, whichever comes first."""
+    max_turns: Annotated[int, Field(gt=0)] = 10_000
+    """More turns than this is flagged (``too_many_turns``); every turn is still credited."""
+
+    @property
+    def window(self) -> SessionWindow:
+        return SessionWindow(idle_s=self.idle_s, max_s=self.max_s, max_turns=self.max_turns)
+
+
 class RewardSpec(_Frozen):
     """One version of the reward definition (see ingest/reward/specs/default.toml for field docs)."""
 
@@ -87,6 +122,8 @@ class RewardSpec(_Frozen):
     tool_calls: ToolCallSpec = ToolCallSpec()
     no_edit: NoEditSpec = NoEditSpec()
     window: WindowSpec = WindowSpec()
+    session: SessionSpec | None = None
+    """Session terms; None (no ``[session]`` table): no session rewards."""
 
     @property
     def window_s(self) -> float:

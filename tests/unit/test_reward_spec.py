@@ -1,12 +1,19 @@
-"""Reward spec loading and its error messages."""
+"""Reward spec loading, its error messages, and the optional session terms (additive)."""
 
 from __future__ import annotations
 
+import json
+import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
-from ingest.reward.spec import SpecError, default_spec_text, load_spec, parse_spec
+from ingest.reward.maths import Feedback, compute_reward
+from ingest.reward.sessions import SessionWindow
+from ingest.reward.spec import RewardSpec, SessionSpec, SpecError, default_spec_text, load_spec, parse_spec
+from services.demo.config import demo_spec_text
 
 
 def test_packaged_default_loads_with_version() -> None:
@@ -47,3 +54,65 @@ def test_invalid_specs_name_the_problem(text: str, needle: str) -> None:
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="cannot read reward spec"):
         load_spec(tmp_path / "nope.toml")
+
+
+# ------------------------------------------------------------------ session terms (additive)
+AGENT_TOML = Path(__file__).resolve().parents[2] / "ingest" / "reward" / "specs" / "agent.toml"
+
+
+def test_a_spec_without_a_session_table_has_no_session_terms() -> None:
+    assert load_spec().session is None
+
+
+def test_the_packaged_agent_spec_is_the_default_plus_documented_session_terms() -> None:
+    agent, default = load_spec(AGENT_TOML), load_spec()
+    assert agent.version == "agent-v1" and agent.session == SessionSpec()
+    assert agent.session is not None
+    assert agent.model_copy(update={"version": default.version, "session": None}) == default
+    assert agent.session.window == SessionWindow(idle_s=1800.0, max_s=86_400.0, max_turns=10_000)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('version = "v"\n[session]\nidle_s = 0', "session.idle_s"),
+        ('version = "v"\n[session]\nper_turn = -1', "session.per_turn"),
+        ('version = "v"\n[session]\nturn_cost = 1', "session.turn_cost"),
+        ('version = "v"\n[session]\nmax_turns = 0', "session.max_turns"),
+    ],
+)
+def test_invalid_session_terms_name_the_field(text: str, needle: str) -> None:
+    with pytest.raises(SpecError, match="reward spec") as info:
+        parse_spec(text, "x.toml")
+    assert needle in str(info.value)
+
+
+@dataclass(frozen=True)
+class _Served:
+    completion_kind: Literal["edit", "question", "empty", "tool_call"]
+    latency_ms: float
+    invalid_tool_calls: int
+
+
+def _rewards(spec: RewardSpec, seed: int = 7, n: int = 300) -> str:
+    """Per-request rewards of seeded random requests, as the bytes of their JSON."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        fb = Feedback(accepted=rng.choice([True, False, None]),
+                      persistence={h: (rng.randrange(50), 50) for h in (30, 600, 3600) if rng.random() < 0.5},
+                      dissatisfied=rng.choice([0, 0, 1, 3]))
+        served = _Served(rng.choice(["edit", "question", "empty", "tool_call"]), rng.uniform(0, 9000),
+                         rng.randrange(6))
+        out.append(compute_reward(fb, served, spec))
+    return json.dumps(out)
+
+
+@pytest.mark.parametrize("base", ["default", "demo"])
+def test_adding_session_terms_leaves_per_request_rewards_byte_identical(base: str) -> None:
+    text = default_spec_text() if base == "default" else demo_spec_text(default_spec_text())
+    with_session = text + "\n[session]\ncompleted = 2.0\nper_turn = 0.5\nidle_s = 60\n"
+    before, after = parse_spec(text), parse_spec(with_session)
+    assert before.session is None and after.session is not None
+    assert _rewards(after) == _rewards(before)
+    assert _rewards(load_spec(AGENT_TOML)) == _rewards(load_spec())
