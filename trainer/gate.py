@@ -121,8 +121,8 @@ def mismatch_check(found: Mismatch | None, bound: float, reasons: list[str], not
     elif not found.mean_abs <= bound:
         reasons.append(f"train-inference mismatch of the parent {found.mean_abs:.3g} nats/token (p99 "
                        f"{found.p99_abs:.3g}) exceeds {bound:g}: the trainer is not scoring what the "
-                       "engine served (another model, tokenizer or chat template, or sampling at a "
-                       "temperature other than 1)")
+                       "engine served (another model, tokenizer or chat template, or sampling the "
+                       "events do not record: top-p/top-k, a minimum length, a temperature left out)")
 
 
 def evaluate(
