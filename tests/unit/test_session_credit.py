@@ -1,6 +1,6 @@
-"""Session credit (ingest/reward/session_credit.py): the worked example of docs/rewards.md read
-from the page, hand-computed cases, and a plain reference on seeded random sessions with
-hostile extras, in any arrival order."""
+"""Session credit (ingest/reward/session_credit.py): the worked example and the terms of
+docs/rewards.md read from the page, hand-computed cases, and a plain reference on seeded random
+sessions with hostile extras, in any arrival order."""
 
 from __future__ import annotations
 
@@ -105,6 +105,26 @@ def test_the_worked_example_timed_out_has_the_return_the_doc_gives() -> None:
     said = re.search(r"timed_out`.*?return of ([+\-][0-9]+\.[0-9]+)", doc_section(), re.S)
     assert said is not None
     assert sum(session_return(session, facts, AGENT).values()) == pytest.approx(number(said.group(1)))
+
+
+def test_the_terms_table_of_docs_rewards_md_gives_agent_v1s_values() -> None:
+    text = DOC.read_text()
+    section = text[text.index("## Sessions\n"):text.index("### The credit rule")]
+    cells = {row[0]: row[1] for row in table_rows(section, "term")}
+    a = AGENT
+    expected = {
+        "outcome": [a.completed, a.handed_back, a.abandoned, a.timed_out],
+        "persisted_edits": [a.persisted_edits],
+        "dissatisfied": [-a.dissatisfied, a.dissatisfied_max_count],
+        "turns": [-a.per_turn],
+        "tokens": [-a.per_1k_tokens, 1000],
+        "invalid_tool_calls": [-a.invalid_tool_call, -a.invalid_max_per_turn],
+    }
+    numbers = {k: [number(n) for n in re.findall(r"[+\-−]?\d+(?:\.\d+)?", v)] for k, v in cells.items()}
+    assert numbers == expected
+    window = re.search(r"`idle_s` \(([\d ]+)\), `max_s` \(([\d ]+)\) and `max_turns` \(([\d ]+)\)", section)
+    assert window is not None
+    assert [number(g.replace(" ", "")) for g in window.groups()] == [a.idle_s, a.max_s, a.max_turns]
 
 
 # ------------------------------------------------------------------ building sessions
