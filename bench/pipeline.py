@@ -6,6 +6,9 @@ In one run:
     (no parsing, plain consumer group, commit after each flushed batch);
 (b) events/s of one ``rtrl serve ingest`` process (raw -> events, the same records) and
     of one ``rtrl serve reward`` process (the events ingest forwarded), each as a ratio to (a);
+    with ``--client librdkafka`` also (a) as a confluent-kafka (librdkafka) process and (b)
+    with ``RTRL_KAFKA__CLIENT=librdkafka``, each client's workers as a ratio to its own pipe,
+    kafka-python's beside them;
 (c) p50/p99 from producing the event that closes a window (the last persistence report)
     to its reward record being readable (read_committed) on the rewards topic, with events
     produced at half the reward worker's measured rate.
@@ -56,6 +59,30 @@ PIPE = textwrap.dedent("""
         p.flush()
         c.commit()
 """)
+
+PIPE_RDKAFKA = textwrap.dedent("""
+    import sys
+    import confluent_kafka as ck
+    boot, src, dst, group = sys.argv[1:5]
+    c = ck.Consumer({"bootstrap.servers": boot, "group.id": group, "enable.auto.commit": False,
+                     "auto.offset.reset": "earliest"})
+    c.subscribe([src])
+    p = ck.Producer({"bootstrap.servers": boot, "acks": "all", "linger.ms": 5, "enable.idempotence": True})
+    while True:
+        msgs = [m for m in c.consume(500, 0.2) if m.error() is None]
+        for m in msgs:
+            while True:
+                try:
+                    p.produce(dst, value=m.value(), key=m.key(), headers=m.headers())
+                    break
+                except BufferError:
+                    p.poll(0.05)
+        p.flush()
+        if msgs:
+            c.commit(asynchronous=False)
+""")
+PIPES = {"kafka-python": PIPE, "librdkafka": PIPE_RDKAFKA}
+"""The do-nothing pipe of each client."""
 
 KEY_ID = "bench"
 
@@ -245,34 +272,42 @@ def pct(values: list[float], q: float) -> float:
     return vals[min(len(vals) - 1, round(q * (len(vals) - 1)))]
 
 
-def run(n_events: int, latency_s: float) -> dict[str, Any]:
+def throughput(bench: Bench, client: str, n: int) -> dict[str, float]:
+    """Events/s of ``client``'s do-nothing pipe and of one ingest and one reward worker on it,
+    each worker as a ratio to the pipe. Each client's workers keep their own Redis keys, so
+    neither sees the other's events as duplicates."""
+    tag = "" if client == "kafka-python" else "-rd"
+    env = bench.env(RTRL_KAFKA__CLIENT=client, RTRL_REDIS__KEY_PREFIX=f"bench{tag}:")
+    out: dict[str, float] = {}
+    pipe = bench.spawn([sys.executable, "-c", PIPES[client], bench.stack.kafka_bootstrap, "b.raw",
+                        "b.pipe", f"pipe{tag}"], env, f"pipe{tag}")
+    try:
+        out["pipe_eps"] = bench.measure(f"pipe{tag}", "b.raw", n, pipe, 600)
+    finally:
+        bench.stop(pipe)
+    for kind, topic in (("ingest", "b.raw"), ("reward", "b.events")):
+        proc = bench.rtrl("serve", kind, "--group-id", f"{kind}{tag}", "--instance-id", f"{kind}{tag}-0",
+                          env=env, name=f"{kind}{tag}")
+        try:
+            out[f"{kind}_eps"] = bench.measure(f"{kind}{tag}", topic, n, proc, 600)
+        finally:
+            bench.stop(proc)
+        out[f"{kind}_ratio"] = out[f"{kind}_eps"] / out["pipe_eps"]
+    return out
+
+
+def run(n_events: int, latency_s: float, client: str = "kafka-python") -> dict[str, Any]:
+    """The figures of the module doc; with ``client="librdkafka"`` for both clients (the
+    kafka-python ones at the top level, as without it, and librdkafka's under ``librdkafka``)."""
     workdir = Path(tempfile.mkdtemp(prefix="rtrl-bench-"))
     stack = EmbeddedStack(data_dir=workdir / "stack", kafka_port=free_port(), redis_port=free_port(),
                           reuse_redis_url=None, with_mlflow=False).up(timeout_s=90)
     try:
         bench = Bench(stack, workdir)
         n = bench.produce_raw(max(1, n_events // 5))
-        out: dict[str, Any] = {"events": n}
-        pipe = bench.spawn([sys.executable, "-c", PIPE, stack.kafka_bootstrap, "b.raw", "b.pipe", "pipe"],
-                           bench.env(), "pipe")
-        try:
-            out["pipe_eps"] = bench.measure("pipe", "b.raw", n, pipe, 600)
-        finally:
-            bench.stop(pipe)
-        ingest = bench.rtrl("serve", "ingest", "--group-id", "ingest", "--instance-id", "ingest-0",
-                            env=bench.env(), name="ingest")
-        try:
-            out["ingest_eps"] = bench.measure("ingest", "b.raw", n, ingest, 600)
-        finally:
-            bench.stop(ingest)
-        reward = bench.rtrl("serve", "reward", "--group-id", "reward", "--instance-id", "reward-0",
-                            env=bench.env(), name="reward")
-        try:
-            out["reward_eps"] = bench.measure("reward", "b.events", n, reward, 600)
-        finally:
-            bench.stop(reward)
-        out["ingest_ratio"] = out["ingest_eps"] / out["pipe_eps"]
-        out["reward_ratio"] = out["reward_eps"] / out["pipe_eps"]
+        out: dict[str, Any] = {"events": n, **throughput(bench, "kafka-python", n)}
+        if client == "librdkafka":
+            out["librdkafka"] = throughput(bench, "librdkafka", n)
         out["latency_rate_eps"] = out["reward_eps"] / 2
         lat = latency(bench, out["latency_rate_eps"], latency_s)
         out["latency_n"] = len(lat)
@@ -288,9 +323,11 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="rtrl bench pipeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--events", type=int, default=20_000, help="events per throughput run")
     ap.add_argument("--latency-seconds", type=float, default=15.0, help="duration of the latency run")
+    ap.add_argument("--client", choices=sorted(PIPES), default="kafka-python",
+                    help="librdkafka: also the workers on librdkafka against a librdkafka pipe")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = ap.parse_args(argv)
-    r = run(args.events, args.latency_seconds)
+    r = run(args.events, args.latency_seconds, args.client)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
@@ -304,6 +341,13 @@ def main(argv: list[str]) -> int:
           f">= 0.5 {'ok' if ok_i else 'MISSED'}")
     print(f"{'(b) rtrl serve reward':36s} {r['reward_eps']:10.0f} {r['reward_ratio']:8.2f}  "
           f">= 0.5 {'ok' if ok_r else 'MISSED'}")
+    rd = r.get("librdkafka")
+    if rd is not None:
+        print(f"{'(a) do-nothing librdkafka pipe':36s} {rd['pipe_eps']:10.0f} {1.0:8.2f}")
+        for kind in ("ingest", "reward"):
+            ok = rd[f"{kind}_ratio"] >= 0.5
+            print(f"{'(b) rtrl serve ' + kind + ' on librdkafka':36s} {rd[f'{kind}_eps']:10.0f} "
+                  f"{rd[f'{kind}_ratio']:8.2f}  >= 0.5 {'ok' if ok else 'MISSED'}")
     print(f"(c) close -> reward record at {r['latency_rate_eps']:.0f} events/s ({r['latency_n']} windows): "
           f"p50 {r['close_p50_s'] * 1000:.0f} ms, p99 {r['close_p99_s'] * 1000:.0f} ms, "
           f"max {r['close_max_s'] * 1000:.0f} ms  (target p99 < 1 s: {'ok' if ok_l else 'MISSED'})")
