@@ -365,10 +365,13 @@ class _Events:
 def answer_fields(call: Call, served: Served) -> dict[str, Any]:
     """The exposure event's ``tool_calls``, ``invalid_tool_calls`` and ``completion_kind``:
     a chat answer's calls validated against the request's tools, its kind by
-    services/gateway/chat/classify.py; a completion is an edit unless it is empty."""
+    services/gateway/chat/classify.py. A completion makes no calls: its text is classified by
+    the same rule, except token ids served without any text (a token-id policy has no
+    tokenizer), which cannot be read and stay an ``edit``."""
     if call.kind != "chat":
-        return {"tool_calls": 0, "invalid_tool_calls": 0,
-                "completion_kind": "edit" if served.tokens else "empty"}
+        unread = bool(served.tokens) and not served.text and served.finish_reason != "content_filter"
+        kind = "edit" if unread else answer_kind(served.text, 0, served.refusal, served.finish_reason)
+        return {"tool_calls": 0, "invalid_tool_calls": 0, "completion_kind": kind}
     made, invalid = calls.count(call.tools, served.tool_calls)
     kind = answer_kind(served.text, made, served.refusal, served.finish_reason)
     return {"tool_calls": made, "invalid_tool_calls": invalid, "completion_kind": kind}
