@@ -34,9 +34,54 @@ pytestmark = pytest.mark.unit
     ("add sort list key", 0, None, "length", "edit"),
     ("Whichever you prefer works: use sorted().", 0, None, "stop", "edit"),
     ("The answer?\nNo: use sorted().", 0, None, "stop", "edit"),
+    ("I'm sorry, but I cannot help with that.", 0, None, "stop", "empty"),
+    ("I'm sorry, but I cannot help with that.", 2, None, "tool_calls", "tool_call"),
 ])
 def test_answer_kind(text: str, tool_calls: int, refusal: str | None, finish: str, kind: str) -> None:
     assert answer_kind(text, tool_calls, refusal, finish) == kind
+
+
+@pytest.mark.parametrize("text", [
+    "I can't help with that.",
+    "I cannot assist with this request.",
+    "I’m sorry, but I can’t provide that.",
+    "I'm sorry, but I cannot comply with that request.",
+    "Sorry, I won't do that.",
+    "I am sorry. I will not help with this.",
+    "Unfortunately, I'm unable to assist with that.",
+    "I'm afraid I won't be able to help with that.",
+    "I must decline this request.",
+    "As an AI, I won't write malware.",
+    "As an AI language model, I cannot browse the internet.",
+    "**I can't help with that.**",
+    "I can't help with that. Is there anything else I can help you with?",
+    "  i  cannot   do that!\n",
+])
+def test_a_refusal_in_prose_is_empty(text: str) -> None:
+    assert answer_kind(text, 0, None, "stop") == "empty"
+
+
+@pytest.mark.parametrize(("text", "kind"), [
+    ("I can't reproduce this, but here is a fix:\n```python\nxs.sort()\n```", "edit"),
+    ("I can't help with that.\n```sh\nrm -rf build\n```", "edit"),
+    ("I can't reproduce this, but the fix is to use sorted().", "edit"),
+    ("Sorry for the delay -- here is the patch: replace the loop with sum(xs).", "edit"),
+    ("Sorry, but the test fails because the list is empty.", "edit"),
+    ("I cannot help but notice the loop is quadratic: use a set.", "edit"),
+    ("I can't do that for you. Instead, call sorted(xs).", "edit"),
+    ("I can't help with the CI, however the bug is on line 3.", "edit"),
+    ("As an AI, I can't run your code, but the error is on line 3.", "edit"),
+    ("I can provide a fix: use sorted().", "edit"),
+    ("I won't repeat the whole file: change line 3 to return xs.", "edit"),
+    ("I can't help with that. " + "The config is read from the environment first. " * 6, "edit"),
+    ("Can't you use X?", "question"),
+    ("I can't help you without the file: which one is it?", "question"),
+    ("Sorry, but I can't see the attachment. Could you paste it?", "question"),
+    ("Which file? I can't help without it.", "question"),
+    ("Why can't you use sorted()", "question"),
+])
+def test_near_refusals_keep_their_kind(text: str, kind: str) -> None:
+    assert answer_kind(text, 0, None, "stop") == kind
 
 
 def _tool(name: str, parameters: dict[str, Any] | None) -> Tool:

@@ -56,6 +56,8 @@ def _kind(backend: TextBackend, stream: bool, path: str = "/v1/completions",
     (["Replace the loop", " with sum(xs)."], "stop", "edit"),
     ([" ", "\n"], "stop", "empty"),
     (["partial"], "content_filter", "empty"),
+    (["I'm sorry, but", " I can't help with that."], "stop", "empty"),
+    (["I can't reproduce this,", " but the fix is sorted(xs)."], "stop", "edit"),
 ])
 def test_a_completion_is_classified_by_its_text(parts: list[str], finish: str, kind: str,
                                                 stream: bool) -> None:

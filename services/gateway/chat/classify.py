@@ -9,13 +9,14 @@ The rule, first match wins (docs/gateway.md, "What kind of answer"):
    ``finish_reason: content_filter``), or the text is blank.
 3. ``edit``: the text holds a fenced code block (a line opening with three backticks or tildes):
    it proposes code, whatever question follows it.
-4. ``question``: the text's last line ends with ``?``, or its first word is an interrogative
+4. ``empty``: a refusal in prose (:func:`refuses`): a short text that opens by declining and
+   offers nothing else.
+5. ``question``: the text's last line ends with ``?``, or its first word is an interrogative
    (:data:`QUESTION_WORDS`, the word a simulated user also reads as a question,
    services/sim/chat_world.py): it asks instead of answering.
-5. ``edit``: any other text answers the request.
+6. ``edit``: any other text answers the request.
 
-Pure: text in, kind out. Refusals phrased in prose ("I can't help with that") are not
-guessed at: they read as ``edit`` or ``question`` by the rules above.
+Pure: text in, kind out.
 """
 
 from __future__ import annotations
@@ -30,6 +31,21 @@ QUESTION_WORDS = frozenset({"which", "what", "where", "when", "who", "whom", "wh
 """First words that make an answer without code a clarifying question."""
 _FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
 
+REFUSAL_MAX_CHARS = 280
+"""A prose refusal is at most this long (stripped): a longer text that opens by declining goes on
+to say something, and is read by the other rules."""
+_APOLOGY = r"(?:(?:i'm|i am) (?:sorry|afraid)|sorry|i apologi[sz]e|unfortunately)[,.;:!]? (?:but )?"
+_NOT = (r"i(?: can't| cannot| can not| won't| will not| won't be able to| will not be able to"
+        r"| am unable to|'m unable to| am not able to|'m not able to| am not going to|'m not going to)")
+_VERB = r" (?:help|assist|comply|fulfil|fulfill|provide|do that|do this|support)\b"
+_DECLINE = r"i(?: must| have to| will have to|'ll have to) (?:decline|refuse)\b"
+_AS_AI = r"as an ai(?: language model| model| assistant)?,? "
+_REFUSAL = re.compile(rf"(?:{_APOLOGY})?(?:{_NOT}{_VERB}|{_DECLINE})|{_AS_AI}{_NOT}\b")
+"""Refusal openings, on lower-cased text with one space between words and straight apostrophes:
+"I can't help", "I'm sorry, but I cannot provide", "I must decline", "As an AI, I won't"."""
+_OFFER = re.compile(r"\b(?:but|however|instead)\b")
+"""After the opening, a word that offers something else ("but here is", "instead, use")."""
+
 
 def answer_kind(text: str, tool_calls: int = 0, refusal: str | None = None,
                 finish_reason: str | None = None) -> AnswerKind:
@@ -40,8 +56,27 @@ def answer_kind(text: str, tool_calls: int = 0, refusal: str | None = None,
         return "empty"
     if _FENCE.search(text):
         return "edit"
+    if refuses(text):
+        return "empty"
     if text.rstrip().endswith("?"):
         return "question"
     if text.split(None, 1)[0].strip(string.punctuation).lower() in QUESTION_WORDS:
         return "question"
     return "edit"
+
+
+def refuses(text: str) -> bool:
+    """A refusal in prose: the text is at most :data:`REFUSAL_MAX_CHARS` long, opens (after
+    markdown emphasis or quotes) with a refusal opening (:data:`_REFUSAL`), the sentence of
+    that opening does not end in ``?`` (then it asks), and nothing after the opening offers
+    something else (:data:`_OFFER`). Deliberately narrow: a refusal it misses reads as an
+    edit or a question."""
+    if len(text.strip()) > REFUSAL_MAX_CHARS:
+        return False
+    plain = " ".join(text.replace("\u2019", "'").lower().split()).lstrip("*_>\"' ")
+    opening = _REFUSAL.match(plain)
+    if opening is None:
+        return False
+    rest = plain[opening.end():]
+    end = re.search(r"[.!?]", rest)
+    return not (end is not None and end.group() == "?") and _OFFER.search(rest) is None
