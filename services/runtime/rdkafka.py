@@ -49,6 +49,9 @@ RESUME_WINDOW_S = 0.1
 """Longest a poll waits for records of partitions it has just resumed."""
 CALL_TIMEOUT_S = 10.0
 """Deadline of librdkafka's blocking calls (transactions, offsets, metadata)."""
+PROBE_TIMEOUT_S = 1.0
+"""Deadline of one watermark request of a paused partition: a poll makes one per paused
+partition and must stay well inside ``max.poll.interval.ms``."""
 
 _FENCED = {ck.KafkaError._FENCED, ck.KafkaError.INVALID_PRODUCER_EPOCH,
            getattr(ck.KafkaError, "PRODUCER_FENCED", ck.KafkaError._FENCED)}
@@ -86,6 +89,28 @@ def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return fn(*args, **kwargs)
     except ck.KafkaException as exc:
         raise translate(exc) from exc
+
+
+class FatalConsumerError(SystemExit):
+    """librdkafka says the consumer cannot go on (e.g. another member took its static
+    ``group.instance.id``): the process stops, as no retry can fix it."""
+
+
+def fail(exc: ck.KafkaException) -> BaseException:
+    """What a consumer raises for a librdkafka exception: :func:`translate`'s error, or
+    :class:`FatalConsumerError` when librdkafka calls the error fatal."""
+    err = exc.args[0] if exc.args and isinstance(exc.args[0], ck.KafkaError) else None
+    if err is not None and err.fatal():
+        return FatalConsumerError(f"the librdkafka consumer failed for good: {err.name()}: {err.str()}")
+    return translate(exc)
+
+
+def consumer_call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """:func:`call` for consumer calls: a fatal error stops the process (:func:`fail`)."""
+    try:
+        return fn(*args, **kwargs)
+    except ck.KafkaException as exc:
+        raise fail(exc) from exc
 
 
 def configured(cls: Callable[[dict[str, Any]], T], conf: dict[str, Any]) -> T:
@@ -172,25 +197,37 @@ class RdConsumer:
         """confluent-kafka's ``Consumer`` (``client``: one given, e.g. by a unit test)."""
         self.max_poll_records = max_poll_records
         self._paused: dict[TopicPartition, int] = {}
-        """Partitions paused while quiet, with the high watermark each had then."""
-        self._at_end: set[TopicPartition] = set()
-        """Partitions read to their end (librdkafka said so) with no record since: only these
-        may be paused; a partition with records still to read must keep fetching."""
+        """Partitions paused while quiet, with the end offset each was read to."""
+        self._at_end: dict[TopicPartition, int] = {}
+        """Partitions read to their end with no record since, and that end: the offset of
+        librdkafka's end-of-partition event (the last stable offset under read_committed), or
+        the watermark that last resumed the partition. Only these may be paused, and a paused
+        one resumes when the broker's watermark differs from it: a record that arrived
+        between the end-of-partition event and the pause moves the watermark past the mark."""
         self._empty_since: float | None = None
         self._callback_error: BaseException | None = None
 
     # ------------------------------------------------------------------ group
     def subscribe(self, topics: Sequence[str], listener: Any = None) -> None:
+        # librdkafka keeps an application's pause across a rebalance: a partition paused
+        # before it was revoked would come back paused, and nothing here would resume it
         def assigned(_c: Any, parts: list[ck.TopicPartition]) -> None:
+            self._unpause(parts)
             self._notify(listener, "on_partitions_assigned", parts)
 
         def revoked(_c: Any, parts: list[ck.TopicPartition]) -> None:
-            for p in parts:
-                self._paused.pop(_kp(p), None)
-                self._at_end.discard(_kp(p))
+            self._unpause(parts)
             self._notify(listener, "on_partitions_revoked", parts)
 
-        call(self._c.subscribe, list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
+        consumer_call(self._c.subscribe, list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
+
+    def _unpause(self, parts: list[ck.TopicPartition]) -> None:
+        """Resume these partitions and forget what was known of them (inside a rebalance)."""
+        if parts:
+            self._c.resume(parts)
+        for p in parts:
+            self._paused.pop(_kp(p), None)
+            self._at_end.pop(_kp(p), None)
 
     def _notify(self, listener: Any, what: str, parts: list[ck.TopicPartition]) -> None:
         """Run a listener callback; an error in it is raised from the poll that ran it, after
@@ -206,7 +243,7 @@ class RdConsumer:
         return self._c.consumer_group_metadata()
 
     def assignment(self) -> set[TopicPartition]:
-        return {_kp(p) for p in call(self._c.assignment)}
+        return {_kp(p) for p in consumer_call(self._c.assignment)}
 
     # ------------------------------------------------------------------ records
     def poll(self, timeout_ms: int = 0, max_records: int | None = None) -> dict[TopicPartition, list[Record]]:
@@ -215,7 +252,7 @@ class RdConsumer:
         if self._paused:
             msgs = self._resume_moved(n)
         else:
-            msgs = call(self._c.consume, n, max(0.0, timeout_ms / 1000.0))
+            msgs = consumer_call(self._c.consume, n, max(0.0, timeout_ms / 1000.0))
         self._raise_callback_error()
         out: dict[TopicPartition, list[Record]] = {}
         for msg in msgs:
@@ -223,10 +260,10 @@ class RdConsumer:
             err = msg.error()
             if err is not None:
                 if err.code() == ck.KafkaError._PARTITION_EOF:
-                    self._at_end.add(tp)
+                    self._at_end[tp] = msg.offset()
                     continue
-                raise translate(ck.KafkaException(err))
-            self._at_end.discard(tp)
+                raise fail(ck.KafkaException(err))
+            self._at_end.pop(tp, None)
             out.setdefault(tp, []).append(record(msg))
         self._track_quiet(bool(out))
         return out
@@ -242,21 +279,21 @@ class RdConsumer:
             self._empty_since = None
         elif self._empty_since is None:
             self._empty_since = now
-        elif now - self._empty_since >= PAUSE_AFTER_S and not self._paused:
-            self._pause_all()
+        elif now - self._empty_since >= PAUSE_AFTER_S:
+            self._pause_quiet()
 
-    def _pause_all(self) -> None:
-        parts = sorted(self.assignment() & self._at_end)
-        if not parts:
-            return
-        marks = {tp: self._high(tp) for tp in parts}
-        call(self._c.pause, [to_ck(tp) for tp in parts])
-        self._paused = marks
+    def _pause_quiet(self) -> None:
+        """Pause the partitions read to their end that are not paused yet."""
+        parts = sorted(tp for tp in self.assignment() if tp in self._at_end and tp not in self._paused)
+        if parts:
+            consumer_call(self._c.pause, [to_ck(tp) for tp in parts])
+            self._paused.update({tp: self._at_end[tp] for tp in parts})
 
     def _high(self, tp: TopicPartition) -> int:
         """The partition's high watermark, asked of the broker now (-1 when it did not say)."""
         try:
-            marks = call(self._c.get_watermark_offsets, to_ck(tp), timeout=CALL_TIMEOUT_S, cached=False)
+            marks = consumer_call(self._c.get_watermark_offsets, to_ck(tp), timeout=PROBE_TIMEOUT_S,
+                                  cached=False)
             return int(marks[1])
         except (KafkaError, ValueError) as exc:
             log.info("watermark of %s[%d] not read: %s", tp.topic, tp.partition, exc)
@@ -264,44 +301,48 @@ class RdConsumer:
 
     def _resume_moved(self, n: int) -> list[Any]:
         """Resume the paused partitions whose high watermark moved; their first records."""
-        moved = [tp for tp, mark in self._paused.items() if mark < 0 or self._high(tp) != mark]
+        highs = {tp: self._high(tp) for tp in self._paused}
+        moved = [tp for tp, mark in self._paused.items() if highs[tp] != mark]
         if not moved:
             # a poll all the same: it serves rebalances and tells librdkafka that the member
             # is alive (max.poll.interval.ms counts polls); paused partitions return nothing
-            return list(call(self._c.consume, n, 0))
+            return list(consumer_call(self._c.consume, n, 0))
         self._resume(moved)
         for tp in moved:
+            self._at_end[tp] = highs[tp]  # read up to here once resumed, unless a record says more
             self._high(tp)  # wakes the broker thread: the resumed partitions are fetched now
         deadline = time.monotonic() + RESUME_WINDOW_S
         msgs: list[Any] = []
         while not msgs and time.monotonic() < deadline:
-            msgs = call(self._c.consume, n, 0.005)
+            msgs = consumer_call(self._c.consume, n, 0.005)
         return msgs
 
     def _resume(self, parts: Iterable[TopicPartition]) -> None:
         parts = [tp for tp in parts if tp in self._paused]
         if parts:
-            call(self._c.resume, [to_ck(tp) for tp in parts])
+            consumer_call(self._c.resume, [to_ck(tp) for tp in parts])
             for tp in parts:
                 del self._paused[tp]
         self._empty_since = None
 
     # ------------------------------------------------------------------ offsets
     def committed(self, tp: TopicPartition) -> int | None:
-        got = call(self._c.committed, [to_ck(tp)], timeout=CALL_TIMEOUT_S)
+        got = consumer_call(self._c.committed, [to_ck(tp)], timeout=CALL_TIMEOUT_S)
+        if got and got[0].error is not None:  # not "nothing committed": rewinding to 0 would replay
+            raise fail(ck.KafkaException(got[0].error))
         return got[0].offset if got and got[0].offset >= 0 else None
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self._resume([tp])
-        self._at_end.discard(tp)
-        call(self._c.seek, to_ck(tp, offset))
+        self._at_end.pop(tp, None)
+        consumer_call(self._c.seek, to_ck(tp, offset))
 
     def seek_to_beginning(self, *tps: TopicPartition) -> None:
         for tp in tps:
             self.seek(tp, ck.OFFSET_BEGINNING)
 
     def position(self, tp: TopicPartition, timeout_ms: int | None = None) -> int | None:
-        got = call(self._c.position, [to_ck(tp)])
+        got = consumer_call(self._c.position, [to_ck(tp)])
         if got and got[0].offset >= 0:
             return int(got[0].offset)
         return self.committed(tp)  # nothing consumed yet: where consumption starts
@@ -309,14 +350,15 @@ class RdConsumer:
     def end_offsets(self, tps: Iterable[TopicPartition],
                     timeout_ms: int | None = None) -> dict[TopicPartition, int]:
         timeout = (timeout_ms or CALL_TIMEOUT_S * 1000) / 1000.0
-        return {tp: int(call(self._c.get_watermark_offsets, to_ck(tp), timeout=timeout, cached=False)[1])
-                for tp in tps}
+        marks = {tp: consumer_call(self._c.get_watermark_offsets, to_ck(tp), timeout=timeout, cached=False)
+                 for tp in tps}
+        return {tp: int(m[1]) for tp, m in marks.items()}
 
     def topics(self) -> set[str]:
-        return set(call(self._c.list_topics, timeout=CALL_TIMEOUT_S).topics)
+        return set(consumer_call(self._c.list_topics, timeout=CALL_TIMEOUT_S).topics)
 
     def partitions_for_topic(self, topic: str) -> set[int] | None:
-        meta = call(self._c.list_topics, topic, timeout=CALL_TIMEOUT_S).topics.get(topic)
+        meta = consumer_call(self._c.list_topics, topic, timeout=CALL_TIMEOUT_S).topics.get(topic)
         if meta is None or meta.error is not None:
             return None
         return set(meta.partitions)

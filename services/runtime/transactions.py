@@ -152,12 +152,20 @@ class RdProducer:
             conf["transaction.timeout.ms"] = transaction_timeout_ms
             # librdkafka refuses a request timeout longer than the transaction's
             conf["socket.timeout.ms"] = min(conf["socket.timeout.ms"], transaction_timeout_ms)
-        self.disconnects = 0
+        self._disconnects = 0
         self._p = configured(ck.Producer, conf)
+
+    @property
+    def disconnects(self) -> int:
+        """Broker connections lost so far. librdkafka reports them only from ``poll`` or
+        ``flush``, so this polls first: a connection that dropped during a commit (which
+        flushes before its last request) is counted when the loop asks right after it."""
+        self._p.poll(0)
+        return self._disconnects
 
     def _on_error(self, err: ck.KafkaError) -> None:
         if err.code() in DISCONNECTS:
-            self.disconnects += 1
+            self._disconnects += 1
         log.info("librdkafka: %s", err.str())
 
     def init_transactions(self) -> None:

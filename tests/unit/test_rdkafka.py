@@ -80,18 +80,19 @@ class _Msg:
         return self._err
 
 
-def _eof(partition: int) -> _Msg:
-    return _Msg(partition, 0, ck.KafkaError(ck.KafkaError._PARTITION_EOF))
+def _eof(partition: int, end: int) -> _Msg:
+    """librdkafka's end-of-partition event: its offset is where the partition ends."""
+    return _Msg(partition, end, ck.KafkaError(ck.KafkaError._PARTITION_EOF))
 
 
 def test_a_partition_with_records_to_read_is_never_paused(fake: _FakeConsumer) -> None:
     c = RdConsumer(KafkaSettings(), "g", client=fake)
-    fake.queue = [_eof(0)]
+    fake.queue = [_eof(0, 5)]
     c.poll()
     c.poll()
     assert fake.paused == {0}  # partition 1 never reached its end (e.g. its fetch is starting)
-    fake.queue = [_Msg(0, 5)]
     fake.high[0] = 6
+    fake.queue = [_Msg(0, 5)]
     c.poll()
     c.poll()
     assert fake.paused == set()  # partition 0 got a record: no longer at its end
@@ -162,7 +163,7 @@ def test_a_quiet_member_pauses_and_resumes_only_partitions_that_moved(fake: _Fak
     c = RdConsumer(KafkaSettings(), "g", client=fake)
     assert c.poll() == {} and not fake.paused  # the first empty poll starts the quiet clock
     assert c.poll() == {} and not fake.paused  # quiet, but not read to the end: keeps fetching
-    fake.queue = [_eof(0), _eof(1)]
+    fake.queue = [_eof(0, 5), _eof(1, 7)]
     assert c.poll() == {}
     assert fake.paused == {0, 1}  # read to the end and quiet: nothing is fetched any more
     reads = fake.watermark_reads
@@ -183,7 +184,7 @@ def test_a_seek_resumes_the_partition_and_revocation_forgets_it(fake: _FakeConsu
     fake.seek = seeks.append  # type: ignore[attr-defined]
     c = RdConsumer(KafkaSettings(), "g", client=fake)
     c.poll()
-    fake.queue = [_eof(0), _eof(1)]
+    fake.queue = [_eof(0, 5), _eof(1, 7)]
     c.poll()
     assert fake.paused == {0, 1}
     c.seek(TopicPartition("t", 0), 3)
@@ -205,6 +206,49 @@ def test_a_seek_resumes_the_partition_and_revocation_forgets_it(fake: _FakeConsu
     fake.callbacks["on_assign"](fake, [ck.TopicPartition("t", 0)])  # the error waits for the poll
     with pytest.raises(RuntimeError, match="recover failed"):
         c.poll()
+
+
+def test_a_record_written_just_before_the_pause_resumes_the_partition(fake: _FakeConsumer) -> None:
+    c = RdConsumer(KafkaSettings(), "g", client=fake)
+    fake.queue = [_eof(0, 5), _eof(1, 7)]
+    c.poll()
+    fake.high[0] = 6  # written after the end-of-partition event, before the pause
+    fake.queue = [_Msg(0, 5)]
+    fake.paused = {0, 1}  # as if the pause had purged what was fetched
+    c._paused = {TopicPartition("t", 0): 5, TopicPartition("t", 1): 7}
+    got = c.poll()
+    assert [r.offset for r in got[TopicPartition("t", 0)]] == [5]  # its mark was the end, not the watermark
+    assert fake.paused == {1}
+
+
+def test_a_rebalance_resumes_what_the_member_had_paused(fake: _FakeConsumer) -> None:
+    c = RdConsumer(KafkaSettings(), "g", client=fake)
+    c.subscribe(["t"])
+    fake.queue = [_eof(0, 5), _eof(1, 7)]
+    c.poll()
+    c.poll()
+    assert fake.paused == {0, 1}
+    fake.callbacks["on_revoke"](fake, [ck.TopicPartition("t", 0), ck.TopicPartition("t", 1)])
+    fake.callbacks["on_assign"](fake, [ck.TopicPartition("t", 0), ck.TopicPartition("t", 1)])
+    assert fake.paused == set()  # librdkafka would have kept the pause across the rebalance
+    fake.queue = [_Msg(1, 7)]
+    assert [r.offset for r in c.poll()[TopicPartition("t", 1)]] == [7]
+
+
+def test_a_fatal_consumer_error_stops_the_process_and_a_committed_error_is_no_empty_offset(
+        fake: _FakeConsumer) -> None:
+    c = RdConsumer(KafkaSettings(), "g", client=fake)
+    fatal = ck.KafkaError(ck.KafkaError.FENCED_INSTANCE_ID, "fenced", fatal=True)
+    fake.queue = [_Msg(0, 1, fatal)]
+    with pytest.raises(rdkafka.FatalConsumerError, match="for good"):
+        c.poll()
+    class Failed:  # a partition of committed()'s answer that carries an error
+        offset = ck.OFFSET_INVALID
+        error = ck.KafkaError(ck.KafkaError.TOPIC_AUTHORIZATION_FAILED)
+
+    fake.committed = lambda parts, timeout: [Failed()]  # type: ignore[attr-defined]
+    with pytest.raises(RdKafkaError):
+        c.committed(TopicPartition("t", 0))
 
 
 def test_a_delivery_report_completes_the_send() -> None:
