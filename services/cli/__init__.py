@@ -4,7 +4,9 @@ this file only routes, so ``rtrl --help`` stays fast (no torch, Ray or MLflow im
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+from types import FrameType
 
 from services.cli import exit_codes
 from services.cli.backends import backend_failure, message
@@ -89,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.UNAVAILABLE
 
 
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM as Ctrl-C for a benchmark: its ``finally`` blocks stop the private stack and the
+    processes it started (the default SIGTERM would leave them running)."""
+    raise KeyboardInterrupt
+
+
 def _route(args: list[str]) -> int:
     if not args or args[0] in {"-h", "--help", "help"}:
         print(_usage())
@@ -103,6 +111,8 @@ def _route(args: list[str]) -> int:
             for k, v in table.items():
                 print(f"  {k:10s} {v[1]}")
             return 0 if rest else exit_codes.USAGE
+        if head == "bench":
+            signal.signal(signal.SIGTERM, _interrupted)
         return _run(table, rest[0], rest[1:], f"{head} target")
     if head in {"up", "down"}:
         return _run(COMMANDS, head, [head, *rest], "command")

@@ -40,3 +40,20 @@ def test_stack_commands_answer_help_without_touching_the_stack(
     assert "usage: rtrl up" in capsys.readouterr().out
     assert not (tmp_path / "stack").exists()
     get_settings.cache_clear()
+
+
+def test_a_benchmark_stops_on_sigterm_as_on_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    import services.cli as cli
+
+    seen: list[object] = []
+    monkeypatch.setattr(cli, "_run", lambda *a: seen.append(signal.getsignal(signal.SIGTERM)) or 0)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cli.main(["bench", "pipeline"]) == 0
+        assert seen == [cli._interrupted]
+        with pytest.raises(KeyboardInterrupt):
+            cli._interrupted(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
