@@ -202,8 +202,13 @@ def main(argv: list[str]) -> int:
         def mine(recs: list[Any]) -> list[dict[str, Any]]:
             return [d for d in (json.loads(r.value) for r in recs) if d["request_id"].startswith(run + "-")]
 
-        rewards = mine(_read_from(settings, t.rewards, start[t.rewards], window_s + 90,
-                                  until=lambda recs: len(mine(recs)) >= n_served))
+        def done(recs: list[Any]) -> bool:  # every reward, or a service gone (no more will come)
+            return len(mine(recs)) >= n_served or any(p.poll() is not None for p in procs.values())
+
+        rewards = mine(_read_from(settings, t.rewards, start[t.rewards], window_s + 90, until=done))
+        gone = [n for n, p in procs.items() if p.poll() is not None]
+        if gone and len(rewards) < n_served:
+            print(f"stopped waiting: {', '.join(gone)} exited early (logs in {logdir})", file=progress)
         forwarded = [r for r in _read_from(settings, t.events, start[t.events], 3)
                      if r.key and r.key.decode().startswith(run + "-")]
         dlq = _read_from(settings, t.dlq, start[t.dlq], 3)

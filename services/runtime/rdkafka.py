@@ -366,39 +366,3 @@ class RdConsumer:
     def close(self, autocommit: bool = False) -> None:
         """Leave the group; nothing is committed (offsets move only inside transactions)."""
         self._c.close()
-
-
-@dataclass(frozen=True, slots=True)
-class Delivered:
-    """Where a record landed (kafka-python's ``RecordMetadata`` field names)."""
-
-    topic: str
-    partition: int
-    offset: int
-
-
-class Sent:
-    """A record's delivery, completed by librdkafka's delivery report (served by ``flush``)."""
-
-    def __init__(self) -> None:
-        self.is_done = False
-        self.exception: Exception | None = None
-        self.value: Delivered | None = None
-
-    def report(self, err: ck.KafkaError | None, msg: Any) -> None:
-        if err is not None:
-            self.exception = translate(ck.KafkaException(err))
-        else:
-            self.value = Delivered(msg.topic(), msg.partition(), msg.offset())
-        self.is_done = True
-
-    def failed(self) -> bool:
-        return self.is_done and self.exception is not None
-
-    def get(self, timeout: float | None = None) -> Delivered:
-        if not self.is_done:
-            raise KafkaTimeoutError("the record's delivery report has not arrived")
-        if self.exception is not None:
-            raise self.exception
-        assert self.value is not None
-        return self.value

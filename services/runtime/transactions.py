@@ -18,6 +18,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import confluent_kafka as ck
@@ -28,7 +29,15 @@ from kafka.structs import TopicPartition
 from ingest.contracts.keys import fenced_key
 from ingest.contracts.transactions import generation_id, generation_of, process_id
 from services.runtime.kafka_io import close_quietly, make_producer
-from services.runtime.rdkafka import CALL_TIMEOUT_S, DISCONNECTS, Sent, base_config, call, configured, to_ck
+from services.runtime.rdkafka import (
+    CALL_TIMEOUT_S,
+    DISCONNECTS,
+    base_config,
+    call,
+    configured,
+    to_ck,
+    translate,
+)
 from services.settings.model import KafkaSettings
 
 log = logging.getLogger("rtrl.exactly_once")
@@ -123,6 +132,42 @@ class TransactionalProducers:
             raise
         self.txn_id = txn_id
         return producer
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """Where a record landed (kafka-python's ``RecordMetadata`` field names)."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+class Sent:
+    """A record's delivery, completed by librdkafka's delivery report (served by ``flush``)."""
+
+    def __init__(self) -> None:
+        self.is_done = False
+        self.exception: Exception | None = None
+        self.value: Delivered | None = None
+
+    def report(self, err: ck.KafkaError | None, msg: Any) -> None:
+        if err is not None:
+            self.exception = translate(ck.KafkaException(err))
+        else:
+            self.value = Delivered(msg.topic(), msg.partition(), msg.offset())
+        self.is_done = True
+
+    def failed(self) -> bool:
+        return self.is_done and self.exception is not None
+
+    def get(self, timeout: float | None = None) -> Delivered:
+        if not self.is_done:
+            raise KafkaTimeoutError("the record's delivery report has not arrived")
+        if self.exception is not None:
+            raise self.exception
+        assert self.value is not None
+        return self.value
 
 
 class RdProducer:

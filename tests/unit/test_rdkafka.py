@@ -14,7 +14,8 @@ from kafka.structs import TopicPartition
 from services.runtime import rdkafka
 from services.runtime.exactly_once import RETRIABLE
 from services.runtime.kafka_io import ConnectionWatch
-from services.runtime.rdkafka import RdConsumer, RdKafkaError, Sent, base_config, translate
+from services.runtime.rdkafka import RdConsumer, RdKafkaError, base_config, translate
+from services.runtime.transactions import Sent
 from services.settings.model import KafkaSettings
 
 pytestmark = pytest.mark.unit
