@@ -250,17 +250,19 @@ def latency(bench: Bench, rate: float, duration_s: float) -> list[float]:
     reader = threading.Thread(target=_read_arrivals, args=(s.kafka, arrived, done), daemon=True)
     reader.start()
     prod = make_producer(s.kafka, linger_ms=1)
-    _warm_up(bench, prod, worker, arrived)
-    per_request = 5
-    payloads = _payloads(int(rate * duration_s / per_request) + 1)
-    sent = _send_paced(prod, payloads, per_request / rate, duration_s)
-    deadline = time.monotonic() + 30
-    while len([r for r in sent if r in arrived]) < len(sent) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    done.set()
-    reader.join(5)
-    prod.close()
-    bench.stop(worker)
+    try:  # an interrupted bench stops its worker too
+        _warm_up(bench, prod, worker, arrived)
+        per_request = 5
+        payloads = _payloads(int(rate * duration_s / per_request) + 1)
+        sent = _send_paced(prod, payloads, per_request / rate, duration_s)
+        deadline = time.monotonic() + 30
+        while len([r for r in sent if r in arrived]) < len(sent) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        done.set()
+        reader.join(5)
+        prod.close()
+        bench.stop(worker)
     missing = [r for r in sent if r not in arrived]
     if missing:
         raise RuntimeError(f"{len(missing)} of {len(sent)} rewards never arrived")

@@ -323,7 +323,7 @@ class ExactlyOnceLoop(Generic[R]):
         elif self.in_transaction:
             self._abort()
         for tp in sorted(self.owned):
-            committed = self.consumer.committed(tp)  # blocking: a rejoin under way may complete
+            committed = self.consumer.committed(tp, timeout_ms=10_000)  # unbounded, SIGTERM went unseen
             try:
                 if committed is None:
                     self.consumer.seek_to_beginning(tp)

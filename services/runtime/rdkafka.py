@@ -326,8 +326,9 @@ class RdConsumer:
         self._empty_since = None
 
     # ------------------------------------------------------------------ offsets
-    def committed(self, tp: TopicPartition) -> int | None:
-        got = consumer_call(self._c.committed, [to_ck(tp)], timeout=CALL_TIMEOUT_S)
+    def committed(self, tp: TopicPartition, timeout_ms: int | None = None) -> int | None:
+        timeout = (timeout_ms or CALL_TIMEOUT_S * 1000) / 1000.0
+        got = consumer_call(self._c.committed, [to_ck(tp)], timeout=timeout)
         if got and got[0].error is not None:  # not "nothing committed": rewinding to 0 would replay
             raise fail(ck.KafkaException(got[0].error))
         return got[0].offset if got and got[0].offset >= 0 else None

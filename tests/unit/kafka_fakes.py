@@ -111,7 +111,7 @@ class FakeConsumer:
     def assignment(self) -> set[TopicPartition]:
         return set(self.partitions)
 
-    def committed(self, tp: TopicPartition) -> int | None:
+    def committed(self, tp: TopicPartition, timeout_ms: int | None = None) -> int | None:
         return self.committed_offsets.get(tp)
 
     def seek(self, tp: TopicPartition, offset: int) -> None:

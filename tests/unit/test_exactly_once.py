@@ -181,7 +181,7 @@ def test_a_rebalance_during_the_rewind_does_not_stop_the_worker() -> None:
     consumer.committed_offsets = {TP0: 3, TP1: 5}
     real_committed = consumer.committed
 
-    def committed(tp: TopicPartition) -> int | None:
+    def committed(tp: TopicPartition, timeout_ms: int | None = None) -> int | None:
         if tp == TP0:  # the rejoin completes while the offset is fetched: TP0 went elsewhere
             consumer.partitions = [TP1]
             consumer.listener.on_partitions_revoked([TP0, TP1])
