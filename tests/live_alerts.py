@@ -5,8 +5,10 @@ ServiceMonitor's targets, and its HTTP API."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -60,10 +62,34 @@ class Prom:
         got = self.query(expr)
         return float(got[0]["value"][1]) if got else 0.0
 
+    def targets(self) -> dict[str, str]:
+        """Each component's last scrape as Prometheus saw it: health, duration and error."""
+        out = {}
+        for t in _get(f"{self.base}/targets")["data"]["activeTargets"]:
+            seen = f'{t["health"]} in {t["lastScrapeDuration"]:.3f} s at {t["lastScrape"]} {t["lastError"]}'
+            out[t["labels"].get("app_kubernetes_io_component", t["scrapeUrl"])] = seen.rstrip()
+        return out
+
+    def evaluated_after(self, wall: float) -> bool:
+        """Whether every rule group has been evaluated since ``wall`` (a ``time.time()``): an
+        alert made pending by a scrape that failed before then is resolved or still pending
+        on its own merits by now, not left over from a target that was still starting."""
+        groups = _get(f"{self.base}/rules")["data"]["groups"]
+        return bool(groups) and all(_unix(g["lastEvaluation"]) > wall for g in groups)
+
     def names(self) -> set[str]:
         series = set(_get(f"{self.base}/label/__name__/values")["data"])
         families = {m["metric"] for m in _get(f"{self.base}/targets/metadata")["data"]}
         return series | families
+
+
+def _unix(rfc3339: str) -> float:
+    """Prometheus's RFC 3339 timestamp (up to nanoseconds; ``Z`` or an offset) as seconds
+    since the epoch."""
+    got = re.fullmatch(r"([^.]+?)(\.\d+)?(Z|[+-]\d\d:\d\d)", rfc3339)
+    assert got is not None, f"not an RFC 3339 timestamp: {rfc3339!r}"
+    zone = "+00:00" if got[3] == "Z" else got[3]
+    return datetime.datetime.fromisoformat(got[1] + zone).timestamp() + float(got[2] or 0)
 
 
 def prometheus_binary() -> str:

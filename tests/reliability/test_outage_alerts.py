@@ -142,7 +142,8 @@ class Outages:
         while time.monotonic() < end:
             active = self.active()
             looks += 1
-            assert not active, f"alerts active in normal operation (look {looks}): {active}"
+            assert not active, (f"alerts active in normal operation (look {looks}): {active}; "
+                                f"last scrapes: {json.dumps(self.prom.targets(), indent=1)}")
             time.sleep(SAMPLE_S)
         return looks
 
@@ -220,6 +221,8 @@ def _start(sup: Supervisor, prom: live.Prom, ports: dict[str, int]) -> None:
         sup.start(ProcSpec(name, serve_argv(name), {"RTRL_HTTP__PORT": str(ports[name])}))
     live.wait(lambda: live.ready(ports["gateway"]), 120, "the gateway never became ready", sup)
     live.wait(lambda: live.all_up(prom, len(SERVICES)), 180, "not every service is scraped", sup)
+    up_at = time.time()  # a rule evaluated before every target answered may still show it pending
+    live.wait(lambda: prom.evaluated_after(up_at), 120, "the alert rules are not evaluated", sup)
 
 
 def _problems(phase: dict[str, Any], books: dict[str, Any]) -> list[str]:
