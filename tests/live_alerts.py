@@ -5,10 +5,8 @@ ServiceMonitor's targets, and its HTTP API."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import re
 import shutil
 import subprocess
 import time
@@ -22,6 +20,7 @@ import pytest
 import yaml
 
 from deployer.adapters.mlflow_registry import MlflowRegistry
+from services.report.cohorts import parse_ts
 from services.settings.model import Settings
 from services.stack.supervisor import Supervisor
 from trainer.policy import TinyConfig, TinyTransformer
@@ -75,21 +74,12 @@ class Prom:
         alert made pending by a scrape that failed before then is resolved or still pending
         on its own merits by now, not left over from a target that was still starting."""
         groups = _get(f"{self.base}/rules")["data"]["groups"]
-        return bool(groups) and all(_unix(g["lastEvaluation"]) > wall for g in groups)
+        return bool(groups) and all(parse_ts(g["lastEvaluation"]) > wall for g in groups)
 
     def names(self) -> set[str]:
         series = set(_get(f"{self.base}/label/__name__/values")["data"])
         families = {m["metric"] for m in _get(f"{self.base}/targets/metadata")["data"]}
         return series | families
-
-
-def _unix(rfc3339: str) -> float:
-    """Prometheus's RFC 3339 timestamp (up to nanoseconds; ``Z`` or an offset) as seconds
-    since the epoch."""
-    got = re.fullmatch(r"([^.]+?)(\.\d+)?(Z|[+-]\d\d:\d\d)", rfc3339)
-    assert got is not None, f"not an RFC 3339 timestamp: {rfc3339!r}"
-    zone = "+00:00" if got[3] == "Z" else got[3]
-    return datetime.datetime.fromisoformat(got[1] + zone).timestamp() + float(got[2] or 0)
 
 
 def prometheus_binary() -> str:
