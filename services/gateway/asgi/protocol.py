@@ -46,6 +46,45 @@ LINGER_S = 1.0
 closing a socket with unread input sends a reset that can destroy the answer in flight."""
 
 
+class OnePass:
+    """The transport as one request's response sees it: what is written within one pass of
+    the event loop goes out in one ``write``. uvicorn writes a response's status line and
+    headers, then its body, in two calls; on two sockets that is two segments, and a client
+    woken by the first parses the head while the gateway waits to send the rest. Held bytes
+    go out in the loop's next pass, ahead of anything scheduled after them (a later request on
+    the connection, the answer's bookkeeping): a stream's chunks wait no longer than that."""
+
+    __slots__ = ("_loop", "_parts", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport, self._loop = transport, loop
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._parts:
+            self._loop.call_soon(self.flush)
+        self._parts.append(data)
+
+    def flush(self) -> None:
+        parts, self._parts = self._parts, []
+        if parts and not self._transport.is_closing():
+            self._transport.write(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class Refusal(Exception):  # noqa: N818 (a refusal, not a failure)
     """Raised from a parser callback: answer ``status`` and close."""
 
@@ -203,6 +242,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if version not in ("1.0", "1.1"):
             self._raise(Refusal(505, "http_version", f"HTTP/{version} is not supported; use HTTP/1.1"))
         super().on_headers_complete()
+        self.cycle.transport = OnePass(self.transport, self.loop)  # type: ignore[assignment]
 
     def timeout_keep_alive_handler(self) -> None:
         """No new request within ``idle_timeout_s`` of the last answer."""
