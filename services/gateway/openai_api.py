@@ -12,7 +12,7 @@ import hashlib
 import http
 import json
 import re
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol
 
@@ -285,6 +285,10 @@ class Response:
     written as soon as it is produced; ``body`` is ignored."""
     astream: AsyncGenerator[bytes, None] | None = None
     """The same, produced on the event loop (a relayed engine stream)."""
+    after: Callable[[], object] | None = None
+    """Bookkeeping that need not delay the answer (metrics, the judge's served counts): the
+    server runs it once the answer is written. The exposure is never in it: it is spooled
+    before the answer exists."""
 
 
 ERROR_CODES: dict[int, str] = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -189,12 +190,13 @@ class OpenAIRoutes:
             GATEWAY_ERRORS.labels(call.arm, call.version, "upstream").inc()
             return oai_error(502, f"cannot log this completion: {problem}", "server_error", arm=call.arm,
                              version=call.version)
-        latency_ms = self._log(call, served)
+        latency_ms, gen_s = self._expose(call, served)
         extension = {"request_id": call.request_id, "arm": call.arm, "version": call.version,
                      "latency_ms": latency_ms}
         created = int(time.time())
         obj = api.answer(call.kind, call.request_id, self.gw.model_name, created, served, extension)
-        return Response(200, json_response(200, obj).body, headers=self._headers(call))
+        return Response(200, json_response(200, obj).body, headers=self._headers(call),
+                        after=functools.partial(self._tally, call, gen_s))
 
     def _start(self, call: Call, arm: Arm, version: str, backend: Backend,
                stable: tuple[str, Backend]) -> tuple[Iterator[Piece], Piece] | Response:
@@ -308,11 +310,17 @@ class OpenAIRoutes:
                 ("X-Rtrl-Model-Version", call.version))
 
     def _log(self, call: Call, served: Served) -> float:
-        """Log the exposure event; the latency it records (ms)."""
+        """Log the exposure event and count the answer; the latency it records (ms)."""
+        latency_ms, gen_s = self._expose(call, served)
+        self._tally(call, gen_s)
+        return latency_ms
+
+    def _expose(self, call: Call, served: Served) -> tuple[float, float]:
+        """Log the exposure event (spooled before the answer is sent): the latency it records
+        (ms) and the seconds generation took."""
         gen_s = time.perf_counter() - call.started
         sim_ms = self.gw.settings.simulated_ms_per_token * len(served.tokens)
         latency_ms = round(gen_s * 1000.0 + sim_ms, 3)
-        self.gw.count(call.version, call.arm, False)
         self.gw.log_exposure({
             "event_id": uuid.uuid4().hex, "request_id": call.request_id, "ts": datetime.now(UTC),
             "session_id": call.session_id, "user_key": call.user_key,
@@ -321,9 +329,13 @@ class OpenAIRoutes:
             "logprobs": served.logprobs, "latency_ms": latency_ms, **answer_fields(call, served),
             "temperature": call.req.temperature,
         })
+        return latency_ms, gen_s
+
+    def _tally(self, call: Call, gen_s: float) -> None:
+        """Count one answered request: the judge's served counts and the request metrics."""
+        self.gw.count(call.version, call.arm, False)
         GATEWAY_REQUESTS.labels(call.arm, call.version, "200").inc()
         GATEWAY_SECONDS.labels(call.arm).observe(gen_s)
-        return latency_ms
 
 
 class _Events:

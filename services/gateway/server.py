@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -106,6 +107,14 @@ def validation_message(exc: ValidationError) -> str:
     return "invalid request: " + "; ".join(parts) + more
 
 
+def settled(resp: Response, defer: bool) -> Response:
+    """``resp`` with its deferred bookkeeping run now, unless the caller ``defer`` s it."""
+    if defer or resp.after is None:
+        return resp
+    resp.after()
+    return replace(resp, after=None)
+
+
 class Gateway:
     """The HTTP-independent core: ``handle(method, path, body)`` -> :class:`Response`."""
 
@@ -138,10 +147,12 @@ class Gateway:
 
     # ----------------------------------------------------------------- routing
     def handle(self, method: str, path: str, body: bytes, content_type: str | None = None,
-               headers: Headers | None = None, authenticated: bool = False) -> Response:
+               headers: Headers | None = None, authenticated: bool = False, defer: bool = False) -> Response:
         """``content_type``: the request's Content-Type header (None when absent); ``headers``:
         all of them (``Authorization``, ``X-Rtrl-User``, ...); ``authenticated``: the caller
-        has already passed the request through :meth:`authenticate`."""
+        has already passed the request through :meth:`authenticate`; ``defer``: the caller runs
+        the answer's :attr:`~services.gateway.openai_api.Response.after` once it is sent (else
+        it has run when this returns)."""
         path = path.split("?", 1)[0]
         headers = headers or {}
         routes: dict[str, tuple[str, Callable[[bytes], Response]]] = {
@@ -165,7 +176,7 @@ class Gateway:
                           headers=(("Allow", allowed),))
         if method == "POST" and (refused := _unsupported(content_type)) is not None:
             return refused
-        return fn(body)
+        return settled(fn(body), defer)
 
     def relays(self, method: str, path: str) -> bool:
         """Whether :meth:`ahandle` serves this request on the event loop: an OpenAI generation
@@ -175,9 +186,10 @@ class Gateway:
                 and stable is not None and getattr(stable[1], "relays", False))
 
     async def ahandle(self, path: str, body: bytes, content_type: str | None,
-                      headers: Headers) -> Response | None:
+                      headers: Headers, defer: bool = False) -> Response | None:
         """An authenticated request that :meth:`relays`, answered on the event loop; None when
-        it is the token-id API after all (blocking: run :meth:`handle` in a thread)."""
+        it is the token-id API after all (blocking: run :meth:`handle` in a thread).
+        ``defer`` as in :meth:`handle`."""
         refused = _unsupported(content_type)
         if refused is not None:
             return refused
@@ -187,7 +199,7 @@ class Gateway:
             return refused
         if kind == "completion" and "prompt_tokens" in data:
             return None
-        return await self.openai.acomplete(kind, data, headers)
+        return settled(await self.openai.acomplete(kind, data, headers), defer)
 
     def authenticate(self, path: str, headers: Headers) -> Response | None:
         """The 401 for a ``/v1/*`` request without a valid API key, else None. It comes before

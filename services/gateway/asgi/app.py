@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 
@@ -35,6 +35,7 @@ from services.gateway.openai_api import Response, error_response
 from services.gateway.server import Gateway
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -143,7 +144,7 @@ class GatewayApp:
     def _call(self, method: str, path: str, body: bytes, headers: RequestHeaders) -> Response:
         try:
             return self.gateway.handle(method, path, body, headers.get("content-type"), headers,
-                                       authenticated=True)
+                                       authenticated=True, defer=True)
         except Exception as exc:  # a bug answers 500; the server keeps serving
             log.exception("unhandled error on %s %s", method, path)
             GATEWAY_ERRORS.labels("none", "none", "internal").inc()
@@ -163,16 +164,16 @@ class GatewayApp:
     async def _relay(self, scope: Scope, receive: Receive, send: Send, body: bytes,
                      headers: RequestHeaders) -> bool:
         """Serve a generation request on the event loop (its model is on an engine). The work
-        runs as a task that is cancelled when the client leaves, which closes the engine's
+        runs in this task and is cancelled when the client leaves, which closes the engine's
         response. False: it is not one to serve here after all (the token-id API)."""
-        work = asyncio.ensure_future(self._ahandle(scope["path"], body, headers))
-        finished, resp = await _unless_gone(work, receive)
+        finished, resp = await _here_unless_gone(self._ahandle(scope["path"], body, headers), receive)
         if not finished:
             return True
         if resp is None:
             return False
         if resp.astream is None:
             await self._send_whole(send, resp)
+            _after(resp)
             return True
         await send(self._head(resp, (b"cache-control", b"no-cache")))
         await _unless_gone(asyncio.ensure_future(_pump(send, resp.astream)), receive)
@@ -180,7 +181,7 @@ class GatewayApp:
 
     async def _ahandle(self, path: str, body: bytes, headers: RequestHeaders) -> Response | None:
         try:
-            return await self.gateway.ahandle(path, body, headers.get("content-type"), headers)
+            return await self.gateway.ahandle(path, body, headers.get("content-type"), headers, defer=True)
         except Exception as exc:  # a bug answers 500; the server keeps serving
             log.exception("unhandled error on POST %s", path)
             GATEWAY_ERRORS.labels("none", "none", "internal").inc()
@@ -198,6 +199,7 @@ class GatewayApp:
         _, resp = await out.get()
         if resp.stream is None:
             await self._send_whole(send, resp)
+            _after(resp)
             await job
             return
         watcher = asyncio.create_task(_watch_disconnect(receive, gone, out))
@@ -243,6 +245,49 @@ class GatewayApp:
             if close is not None:
                 close()
             put("end", None)
+
+
+def _after(resp: Response) -> None:
+    """A whole answer's deferred bookkeeping, run once its bytes are out: the connection
+    (services/gateway/asgi/protocol.py, ``OnePass``) writes them in the loop's next pass, and
+    this runs right after, in the same pass."""
+    if resp.after is not None:
+        asyncio.get_running_loop().call_soon(_run_after, resp.after)
+
+
+def _run_after(after: Callable[[], object]) -> None:
+    try:
+        after()
+    except Exception:  # bookkeeping must never take the server down
+        log.exception("bookkeeping after an answer failed")
+
+
+async def _here_unless_gone(work: Awaitable[T], receive: Receive) -> tuple[bool, T | None]:
+    """:func:`_unless_gone` for work run in this task (no task of its own, no hop back):
+    when the client leaves, this task is cancelled at its next await, the work cleans up
+    (an engine response is closed), and the cancellation ends here. A cancellation of the
+    task from elsewhere (the server stopping) still propagates."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    def leave(watcher: asyncio.Future[None]) -> None:
+        nonlocal gone
+        if not watcher.cancelled():
+            gone = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    watcher.add_done_callback(leave)
+    try:
+        return True, await work
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:
+            return False, None
+        raise
+    finally:
+        watcher.remove_done_callback(leave)
+        watcher.cancel()
 
 
 async def _unless_gone(work: asyncio.Future[Any], receive: Receive) -> tuple[bool, Any]:
@@ -322,7 +367,8 @@ class GatewayServer:
         config = uvicorn.Config(
             GatewayApp(gateway, self._pool), http=guarded_protocol(s), lifespan="on", log_config=None,
             access_log=False, server_header=False, timeout_keep_alive=s.idle_timeout_s,  # type: ignore[arg-type]
-            backlog=s.listen_backlog, timeout_graceful_shutdown=5, loop="uvloop")
+            backlog=s.listen_backlog, timeout_graceful_shutdown=5, loop="uvloop",
+            proxy_headers=False)  # nothing reads X-Forwarded-*: the caps count the peer address
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="http", daemon=True)

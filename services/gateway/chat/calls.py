@@ -147,6 +147,8 @@ def judge(tools: Toolset | None, calls: list[dict[str, Any]]) -> list[Invalid | 
 def count(tools: Toolset | None, calls: list[dict[str, Any]]) -> tuple[int, int]:
     """(tool calls, invalid ones) of one answer (the calls past :data:`MAX_CALLS` count as one
     invalid call)."""
+    if not calls:
+        return 0, 0
     verdicts = judge(tools, calls)
     for call, bad in zip(calls, verdicts, strict=False):
         if bad is not None:
