@@ -66,6 +66,15 @@ def test_writes_within_one_pass_leave_as_one() -> None:
     assert passes(fn) == [("write", b"HTTP/1.1 200 OK\r\n\r\nbody")]
 
 
+def test_writelines_keeps_its_place_among_the_held_writes() -> None:
+    async def fn(t: OnePass, _raw: Recorder) -> None:
+        t.write(b"a")
+        t.writelines([b"b", b"c"])
+        t.write(b"d")
+
+    assert passes(fn) == [("write", b"abcd")]
+
+
 def test_writes_in_later_passes_are_not_held_back() -> None:
     async def fn(t: OnePass, raw: Recorder) -> None:
         t.write(b"head")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import httptools
@@ -64,6 +65,10 @@ class OnePass:
         if not self._parts:
             self._loop.call_soon(self.flush)
         self._parts.append(data)
+
+    def writelines(self, data: Iterable[bytes]) -> None:
+        for part in data:
+            self.write(part)
 
     def flush(self) -> None:
         parts, self._parts = self._parts, []
