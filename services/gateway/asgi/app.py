@@ -166,7 +166,7 @@ class GatewayApp:
         """Serve a generation request on the event loop (its model is on an engine). The work
         runs in this task and is cancelled when the client leaves, which closes the engine's
         response. False: it is not one to serve here after all (the token-id API)."""
-        finished, resp = await _here_unless_gone(self._ahandle(scope["path"], body, headers), receive)
+        finished, resp = await _unless_gone(self._ahandle(scope["path"], body, headers), receive)
         if not finished:
             return True
         if resp is None:
@@ -176,7 +176,7 @@ class GatewayApp:
             _after(resp)
             return True
         await send(self._head(resp, (b"cache-control", b"no-cache")))
-        await _unless_gone(asyncio.ensure_future(_pump(send, resp.astream)), receive)
+        await _unless_gone(_pump(send, resp.astream), receive)
         return True
 
     async def _ahandle(self, path: str, body: bytes, headers: RequestHeaders) -> Response | None:
@@ -262,11 +262,11 @@ def _run_after(after: Callable[[], object]) -> None:
         log.exception("bookkeeping after an answer failed")
 
 
-async def _here_unless_gone(work: Awaitable[T], receive: Receive) -> tuple[bool, T | None]:
-    """:func:`_unless_gone` for work run in this task (no task of its own, no hop back):
-    when the client leaves, this task is cancelled at its next await, the work cleans up
-    (an engine response is closed), and the cancellation ends here. A cancellation of the
-    task from elsewhere (the server stopping) still propagates."""
+async def _unless_gone(work: Awaitable[T], receive: Receive) -> tuple[bool, T | None]:
+    """(True, what ``work`` returns) once it is done, run in this task (no task of its own,
+    no hop back); (False, None) when the client left first: this task is cancelled at its
+    next await, the work cleans up (an engine response is closed), and the cancellation ends
+    here. A cancellation of the task from elsewhere (the server stopping) still propagates."""
     task = asyncio.current_task()
     assert task is not None
     gone = False
@@ -288,21 +288,6 @@ async def _here_unless_gone(work: Awaitable[T], receive: Receive) -> tuple[bool,
     finally:
         watcher.remove_done_callback(leave)
         watcher.cancel()
-
-
-async def _unless_gone(work: asyncio.Future[Any], receive: Receive) -> tuple[bool, Any]:
-    """(True, its result) once ``work`` is done; (False, None) when the client left first,
-    after cancelling ``work`` and letting it clean up."""
-    watcher = asyncio.ensure_future(_disconnected(receive))
-    watcher.add_done_callback(lambda _: work.cancel())  # a no-op once the work is done
-    try:
-        await asyncio.gather(work, return_exceptions=True)
-    finally:
-        if not work.done():  # this task itself was cancelled
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-        watcher.cancel()
-    return (True, work.result()) if not work.cancelled() else (False, None)
 
 
 async def _disconnected(receive: Receive) -> None:
