@@ -345,10 +345,10 @@ def main(argv: list[str]) -> int:
         from bench import judge_scale
 
         return judge_scale.main([a for a in argv if a != "--scale"])
-    if "--schedule" in argv:  # whole canaries on the deployer's schedule (bench/judge_schedule.py)
-        from bench import judge_schedule
+    if "--schedule" in argv:  # whole canaries on the deployer's schedule (bench/judge_schedule_run.py)
+        from bench import judge_schedule_run
 
-        return judge_schedule.main([a for a in argv if a != "--schedule"])
+        return judge_schedule_run.main([a for a in argv if a != "--schedule"])
     ap = argparse.ArgumentParser(prog="rtrl bench judge", description=__doc__.split("\n")[0],
                                  epilog="--scale: the judge's CPU per tick up to 1M requests "
                                         "(rtrl bench judge --scale --help); --schedule: whole "

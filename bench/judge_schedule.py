@@ -21,19 +21,17 @@ Traffic, in continuous time (nothing aligned to ticks or strata):
   24-hour cycle whose phase is random per canary.
 
 Shapes: A/A under drift; A/A with Zipf users; A/A with Pareto latency; a persistence
-regression of one MDE (Zipf users); a latency regression of one MDE. Per shape: how canaries
-ended (false rollbacks with a 95 % upper bound for A/A shapes; promotions within the budget;
-detections before any promotion for regressions), the canary users and hours at decision.
+regression of one and of two MDEs (Zipf users); a latency regression of one and of two MDEs.
+Per shape: how canaries ended (false rollbacks with a 95 % upper bound for A/A shapes;
+promotions within the budget; detections before any promotion for regressions), the canary
+users and hours at decision. ``--baselines`` adds Kayenta- and Flagger-style judges on the
+same traffic (bench/judge_schedule_baselines.py); the command is bench/judge_schedule_run.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import time
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +67,8 @@ SHAPES = {s.name: s for s in (
     Shape("A/A, Pareto latency", pareto=True),
     Shape("persistence -1 MDE, Zipf", aa=False, zipf=True, persistence_effect=-0.03),
     Shape("latency +1 MDE", aa=False, latency_effect_ms=100.0),
+    Shape("persistence -2 MDE, Zipf", aa=False, zipf=True, persistence_effect=-0.06),
+    Shape("latency +2 MDE", aa=False, latency_effect_ms=200.0),
 )}
 
 
@@ -210,45 +210,3 @@ def summarise(results: list[Result]) -> dict[str, object]:
         "median_hours_to_rollback": _median([r.hours for r in rolled]),
         "abort_reasons": sorted({r.reason.split(" (")[0][:80] for r in by["aborted"]})[:3],
     }
-
-
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="rtrl bench judge --schedule", description=__doc__.split("\n")[0])
-    ap.add_argument("--canaries", type=int, default=500, help="canaries per shape (default 500)")
-    ap.add_argument("--seed", type=int, default=1000)
-    ap.add_argument("--tick-s", type=float, default=30.0, help="the deployer's tick (default 30 s)")
-    ap.add_argument("--users-per-min", type=float, default=60.0, help="new users per minute (default 60)")
-    ap.add_argument("--shape", action="append", choices=sorted(SHAPES), metavar="NAME",
-                    help="run only this shape (repeatable; default: all)")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    if args.canaries < 1 or args.tick_s <= 0 or args.users_per_min <= 0:
-        ap.error("--canaries >= 1, --tick-s > 0 and --users-per-min > 0 are required")
-    t0 = time.perf_counter()
-    out: dict[str, dict[str, object]] = {}
-    with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        for i, name in enumerate(args.shape or list(SHAPES)):
-            seeds = [args.seed + 100_000 * i + k for k in range(args.canaries)]
-            results = list(pool.map(run_canary, [name] * len(seeds), seeds, [args.tick_s] * len(seeds),
-                                    [args.users_per_min] * len(seeds), chunksize=4))
-            out[name] = summarise(results)
-            if not args.json:
-                print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
-    print(f"{'shape':<28}{'n':>5}{'promoted':>10}{'rolled back':>13}{'(upper 95%)':>13}{'aborted':>9}"
-          f"{'undecided':>11}{'users→promote':>15}{'h→promote':>11}{'h→rollback':>12}")
-    for name, s in out.items():
-        def f(key: str, fmt: str, s: dict[str, object] = s) -> str:
-            v = s[key]
-            return "-" if v is None else format(v, fmt)
-        print(f"{name:<28}{s['canaries']:>5}{s['promotion_rate']:>10.1%}{s['rollback_rate']:>13.1%}"
-              f"{s['rollback_upper95']:>13.1%}{s['aborted']:>9}{s['undecided']:>11}"
-              f"{f('median_users_to_promotion', ',.0f'):>15}{f('median_hours_to_promotion', '.2f'):>11}"
-              f"{f('median_hours_to_rollback', '.2f'):>12}")
-    print(f"{args.canaries} canaries per shape, seed {args.seed}, tick {args.tick_s:g} s, "
-          f"{args.users_per_min:g} new users/min, {time.perf_counter() - t0:.0f} s")
-    return 0
-
