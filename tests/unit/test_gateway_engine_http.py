@@ -263,3 +263,14 @@ def test_connections_in_use_stay_within_the_limit_and_a_half_read_one_is_not_reu
             assert srv.connections == 3
             await client.aclose()
     run(main())
+
+
+def test_bytes_after_an_answer_keep_its_connection_from_being_reused() -> None:
+    async def main() -> None:
+        async with Scripted(reply(WHOLE_ANSWER + b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nbad")) as srv:
+            client = AsyncEngineClient(srv.url, timeout_s=5)
+            assert [await ask(client) for _ in range(3)] == ["ok"] * 3  # never the stray answer
+            assert srv.connections == 3
+            await client.aclose()
+    run(main())
+

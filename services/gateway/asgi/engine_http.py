@@ -48,6 +48,10 @@ class EngineHTTPError(Exception):
         self.before_answer = before_answer
 
 
+class _StrayError(Exception):
+    """A second answer began on the connection before a second request."""
+
+
 class _Decoder:
     """gzip or deflate bodies, bounded: one chunk may not expand beyond ``limit`` bytes."""
 
@@ -100,6 +104,9 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.complete:  # bytes after the answer, before another request
+            self._stray()
+            return
         self.got_bytes = True
         if not self.head_done:
             self.head_bytes += len(data)
@@ -112,7 +119,10 @@ class Connection(asyncio.Protocol):
         except EngineHTTPError as exc:
             self._fail(exc)
         except httptools.HttpParserError as exc:
-            cause = exc.__context__  # raised by a callback of ours: a limit or an encoding
+            cause = exc.__context__  # raised by a callback of ours: a limit, an encoding, stray bytes
+            if isinstance(cause, _StrayError):
+                self._stray()
+                return
             self._fail(cause if isinstance(cause, EngineHTTPError)
                        else EngineHTTPError(f"the engine's answer is malformed: {exc}"))
 
@@ -136,7 +146,17 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         pass
 
+    def _stray(self) -> None:
+        """The engine sent more than its answer: the answer stands, the connection is not reused."""
+        self.keep = False
+        if self.transport is not None:
+            self.transport.close()
+
     # ----------------------------------------------------------------- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _StrayError()
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.field_bytes += len(name) + len(value) + 4
         if self.field_bytes > HEAD_LIMIT:  # a whole head that came in one read
