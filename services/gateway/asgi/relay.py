@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -90,7 +90,8 @@ class AsyncEngineClient:
     # ----------------------------------------------------------------- requests
     async def _open(self, path: str, body: dict[str, Any]) -> tuple[Pool, Connection]:
         """A connection on which the engine has answered ``body``'s status and headers. A
-        kept-alive connection the engine closed before answering is replaced once."""
+        kept-alive connection the engine closed before answering is replaced (a new one never
+        is)."""
         pool = self._pool()
         request = pool.request(path, json.dumps(body).encode())
         while True:
@@ -110,13 +111,19 @@ class AsyncEngineClient:
                 pool.give(conn)
                 raise
 
-    async def _take(self, pool: Pool) -> tuple[Connection, bool]:
+    @contextlib.contextmanager
+    def _failures(self, timed_out: str, failed: str) -> Iterator[None]:
+        """A timeout as 504, a connection or an answer that failed as 502, saying what was done."""
         try:
+            yield
+        except TimeoutError:  # before OSError: it is one
+            raise UpstreamError(504, f"{self.name} {timed_out} {self.timeout_s:g}s") from None
+        except (OSError, EngineHTTPError) as exc:
+            raise UpstreamError(502, f"{self.name} {failed}: {exc}") from None
+
+    async def _take(self, pool: Pool) -> tuple[Connection, bool]:
+        with self._failures("took no connection in", "unreachable"):
             return await pool.take()
-        except TimeoutError:
-            raise UpstreamError(504, f"{self.name} took no connection in {self.timeout_s:g}s") from None
-        except OSError as exc:
-            raise UpstreamError(502, f"{self.name} unreachable: {exc}") from None
 
     async def pieces(self, model: str, req: GenRequest, stream: bool = True) -> AsyncGenerator[Piece, None]:
         """The engine's answer to ``req`` as pieces: one for a whole answer, one per server-sent
@@ -137,12 +144,8 @@ class AsyncEngineClient:
             pool.give(conn)  # kept only when read to its end: otherwise closed, and the engine sees it
 
     async def _read(self, conn: Connection, what: str) -> bytes:
-        try:
+        with self._failures(f"{what} timed out after", f"{what} failed"):
             return await conn.chunk()
-        except TimeoutError:
-            raise UpstreamError(504, f"{self.name} {what} timed out after {self.timeout_s:g}s") from None
-        except EngineHTTPError as exc:
-            raise UpstreamError(502, f"{self.name} {what} failed: {exc}") from None
 
     async def _read_json(self, conn: Connection) -> Any:
         raw = bytearray()
