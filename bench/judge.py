@@ -42,16 +42,16 @@ from bench.judge_sim import (
     flagger_thresholds,
     interval_values,
     metric_arrays,
+    metric_sums,
     simulate_arm,
+    stratified_by_tick,
     true_p99,
 )
 from rollback import baselines
 from rollback.stats import (
-    cap_factor,
     exceedance_log_lr,
     mixture_radius,
     ratio_mean_var,
-    strata_difference,
 )
 from rollback.types import DetectorPolicy, GuardrailPolicy, JudgePolicy, MetricSpec
 
@@ -80,35 +80,12 @@ def bench_policy(max_users: int, cfg: SimConfig | None = None) -> JudgePolicy:
     )
 
 
-# --- our judge, vectorised over canaries and looks ------------------------------------------
-def _metric_sums(s: Arr, n: Arr, cap: float | None) -> tuple[Arr, ...]:
-    """Per-tick (ΣS, ΣN, ΣS², ΣSN, ΣN², G) after the per-user cap, (canaries, ticks)."""
-    f = cap_factor(n, cap)
-    s, n = s * f, n * f
-    return (s.sum(-1), n.sum(-1), (s * s).sum(-1), (s * n).sum(-1), (n * n).sum(-1),
-            (n > 0).sum(-1, dtype=np.float64))
-
-
-def _looks(sums: tuple[Arr, ...]) -> tuple[Arr, ...]:
-    """Each look t sees the strata 0..t: (canaries, looks, strata)."""
-    ticks = sums[0].shape[-1]
-    seen = np.tril(np.ones((ticks, ticks)))
-    return tuple(x[:, None, :] * seen[None] for x in sums)
-
-
-def stratified_by_tick(stable: Arm, canary: Arm, name: str,
-                       cap: float | None) -> tuple[Arr, Arr, Arr, Arr]:
-    """(stable mean, canary mean, var stable, var canary) at every look, (canaries, looks)."""
-    s = _looks(_metric_sums(*metric_arrays(stable, name), cap))
-    c = _looks(_metric_sums(*metric_arrays(canary, name), cap))
-    return strata_difference(s, c)
-
-
+# --- our judge, vectorised over canaries and looks (sums per look: bench/judge_sim.py) ---------
 def ratio_by_tick(arm: Arm, name: str, cfg: SimConfig) -> tuple[Arr, Arr]:
     """One arm's plain (unstratified, uncapped) cumulative mean and cluster-robust variance at
     every tick, (canaries, ticks): the naive comparison's inputs."""
     s, n = metric_arrays(arm, name)
-    cs, cn, cs2, csn, cn2, g = (np.cumsum(x, axis=-1) for x in _metric_sums(s, n, None))
+    cs, cn, cs2, csn, cn2, g = (np.cumsum(x, axis=-1) for x in metric_sums(s, n, None))
     return ratio_mean_var(cs, cn, cs2, csn, cn2, g)
 
 
@@ -117,7 +94,7 @@ def guard_by_tick(stable: Arm, canary: Arm, policy: JudgePolicy, guardrail: str)
     g = policy.guardrails
     name, q0 = ("error_rate", g.max_error_rate) if guardrail == "error_rate" else ("p99_slow", 0.01)
     s, n = metric_arrays(canary, name)
-    sums = tuple(np.cumsum(x, axis=-1) for x in _metric_sums(s, n, None))
+    sums = tuple(np.cumsum(x, axis=-1) for x in metric_sums(s, n, None))
     k, total = sums[0], sums[1]
     _, clustered = ratio_mean_var(*sums)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -143,7 +120,8 @@ def bounds_by_tick(stable: Arm, canary: Arm, cfg: SimConfig, policy: JudgePolicy
     "insufficient" (too few users, or no stratum with two users in each arm)."""
     alpha = min(0.5, 2 * policy.alpha_per_test())
     users = np.minimum(cfg.cum_users("stable"), cfg.cum_users("canary"))
-    m_s, m_c, v_s, v_c = stratified_by_tick(stable, canary, name, policy.user_weight_cap)
+    m_s, m_c, v_s, v_c = stratified_by_tick(stable, canary, name, policy.user_weight_cap,
+                                            policy.tail_cap_quantile)
     est = m_c - m_s
     defined = np.isfinite(est) & np.isfinite(v_s + v_c) & (users >= policy.min_users)
     r = mixture_radius(np.maximum(v_s + v_c, (mde * 1e-3) ** 2), policy.mixture_scale * mde, alpha)

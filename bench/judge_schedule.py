@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 from scipy import stats as sps
@@ -42,7 +43,7 @@ from deployer.status import CanaryPolicy, CanaryStatus, Judgement, Observations
 from rollback.columns import ColumnBuilder
 from rollback.judge import judge
 from rollback.plan import plan_canary
-from rollback.types import CohortData, JudgePolicy, RequestOutcome
+from rollback.types import CohortData, JudgePolicy, RequestOutcome, Verdict
 
 HOURS = 6.0
 SESSION_MEAN_S = 2 * 3600.0
@@ -59,6 +60,11 @@ class Shape:
     pareto: bool = False
     persistence_effect: float = 0.0
     latency_effect_ms: float = 0.0
+
+    @property
+    def metric(self) -> str:
+        """The primary metric the shape regresses (persistence for A/A shapes)."""
+        return "latency_ms" if self.latency_effect_ms else "persistence"
 
 
 SHAPES = {s.name: s for s in (
@@ -80,6 +86,9 @@ class Result:
     hours: float
     canary_users: int
     reason: str
+    var_per_user: float = math.nan
+    """Canary users × the variance of the shape's metric's difference at the end (the plan's
+    per-user variance): what sizes a fixed-horizon test."""
 
 
 class Traffic:
@@ -157,6 +166,7 @@ def run_canary(shape_name: str, seed: int, tick_s: float, users_per_min: float) 
     outs: dict[str, list[RequestOutcome]] = {"stable": [], "canary": []}
     waiting: list[tuple[float, str, RequestOutcome]] = []
     state: dict[str, float] | None = None
+    verdict = None
     now = 0.0
     while now <= HOURS * 3600.0 + tick_s:
         judgement = None
@@ -180,9 +190,25 @@ def run_canary(shape_name: str, seed: int, tick_s: float, users_per_min: float) 
         if status.outcome:
             users = len({o.user_key for o in outs["canary"]})
             hours = (now - status.started_at) / 3600.0
-            return Result(shape.name, status.outcome, hours, users, status.reason[:160])
+            return Result(shape.name, status.outcome, hours, users, status.reason[:160],
+                          _var_per_user(verdict, shape.metric))
         now += tick_s if status.phase.value != "pending" else 1.0
     return Result(shape.name, "undecided", HOURS, len({o.user_key for o in outs["canary"]}), "")
+
+
+def _var_per_user(verdict: Verdict | None, metric: str) -> float:
+    ev = {e.metric: e for e in verdict.metrics}.get(metric) if verdict else None
+    if ev is None or not ev.n_canary or not math.isfinite(ev.var_canary + ev.var_stable):
+        return math.nan
+    return (ev.var_canary + ev.var_stable) * ev.n_canary
+
+
+def fixed_horizon_users(var_per_user: float, metric: str, policy: JudgePolicy, power: float = 0.95) -> float:
+    """Canary users a fixed-horizon test needs to catch a regression of one MDE of ``metric``
+    with ``power``, one-sided at the judge's per-test α, for this per-user variance."""
+    mde = {s.name: s.mde for s in policy.metrics}[metric]
+    z = NormalDist().inv_cdf(1.0 - policy.alpha_per_test()) + NormalDist().inv_cdf(power)
+    return math.ceil(z * z * var_per_user / (mde * mde)) if math.isfinite(var_per_user) else math.nan
 
 
 def upper95(k: int, n: int) -> float:
@@ -208,5 +234,6 @@ def summarise(results: list[Result]) -> dict[str, object]:
         "median_hours_to_promotion": _median([r.hours for r in promoted]),
         "median_users_to_rollback": _median([r.canary_users for r in rolled]),
         "median_hours_to_rollback": _median([r.hours for r in rolled]),
+        "median_var_per_user": _median([r.var_per_user for r in results if math.isfinite(r.var_per_user)]),
         "abort_reasons": sorted({r.reason.split(" (")[0][:80] for r in by["aborted"]})[:3],
     }

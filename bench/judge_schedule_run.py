@@ -1,8 +1,9 @@
 """``rtrl bench judge --schedule``: the command. Whole canaries on the deployer's schedule
 (bench/judge_schedule.py), and with ``--baselines`` the Kayenta- and Flagger-style judges on
 the same traffic (bench/judge_schedule_baselines.py); per shape and judge how the canaries
-ended, and for the two-MDE regressions the users to a decision against the fixed-horizon
-judge's."""
+ended, and for the two-MDE regressions the users to a decision against a fixed-horizon test
+sized to catch one MDE with 95 % power at the judge's per-test α (from the per-user variance
+the judge saw): the users a fixed design would have to wait for, whatever the effect."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import json
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from bench.judge_schedule import SHAPES, Result, run_canary, summarise
+from bench.judge_schedule import SHAPES, Result, fixed_horizon_users, run_canary, summarise
 from bench.judge_schedule_baselines import BASELINES, LABEL, run_baseline
+from rollback.types import JudgePolicy
 
 JUDGES = ("ours", *BASELINES)
 
@@ -23,13 +25,15 @@ def run_one(judge_name: str, shape: str, seed: int, tick_s: float, users_per_min
     return run_baseline(judge_name, shape, seed, tick_s, users_per_min)
 
 
-def users_ratio(out: dict[str, dict[str, dict[str, object]]], shape: str) -> float | None:
-    """Our median canary users to the rollback over the fixed-horizon judge's users."""
-    ours = out[shape].get("ours", {}).get("median_users_to_rollback")
-    fixed = out[shape].get("kayenta_fixed", {}).get("median_users_to_rollback")
-    if isinstance(ours, float) and isinstance(fixed, float) and fixed:
-        return ours / fixed
-    return None
+def users_ratio(out: dict[str, dict[str, dict[str, object]]], shape: str) -> dict[str, float] | None:
+    """Our median canary users to the rollback, and the users of a fixed-horizon test sized to
+    catch one MDE with 95 % power (from the per-user variance our judge saw, median)."""
+    ours, var = (out[shape].get("ours", {}).get(k)
+                 for k in ("median_users_to_rollback", "median_var_per_user"))
+    if not (isinstance(ours, float) and isinstance(var, float)):
+        return None
+    fixed = fixed_horizon_users(var, SHAPES[shape].metric, JudgePolicy())
+    return {"ours": ours, "fixed_horizon": fixed, "ratio": ours / fixed}
 
 
 def _table(out: dict[str, dict[str, dict[str, object]]]) -> None:
@@ -83,9 +87,10 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"shapes": out, "users_vs_fixed_horizon": ratios}, indent=2))
         return 0
     _table(out)
-    for name, ratio in ratios.items():
-        if ratio is not None:
-            print(f"{name}: ours needs {ratio:.2f}x the users of the fixed-horizon judge (median)")
+    for name, r in ratios.items():
+        if r is not None:
+            print(f"{name}: ours decided at {r['ours']:,.0f} canary users (median), {r['ratio']:.2f}x the "
+                  f"{r['fixed_horizon']:,.0f} of a fixed-horizon test powered (95%) for one MDE")
     print(f"{args.canaries} canaries per shape, seed {args.seed}, tick {args.tick_s:g} s, "
           f"{args.users_per_min:g} new users/min, {time.perf_counter() - t0:.0f} s")
     return 0

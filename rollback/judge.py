@@ -22,9 +22,11 @@ import numpy as np
 
 from rollback.detectors import run_detectors
 from rollback.metrics import (
+    CONTINUOUS,
     LABELS,
     METRICS,
     IndexedArm,
+    capped_cells,
     cells_of,
     columns_of,
     compare_cells,
@@ -196,13 +198,16 @@ def _metric(spec: MetricSpec, stable: CohortData, canary: CohortData,
         cells = (error_cells(arms[0], stable.unattributed_errors()),
                  error_cells(arms[1], canary.unattributed_errors()))
     else:
-        cells = _cells(spec.name, *arms)
+        cells = _cells(spec.name, *arms, tail_cap=policy.tail_cap_quantile)
     return compare_cells(spec.name, cells[0], cells[1], strata, cap=policy.user_weight_cap,
                          direction=spec.direction, mde=spec.mde, tau=tau, alpha=alpha_t,
                          min_n=policy.min_users, state=st)
 
 
-def _cells(name: str, stable: IndexedArm, canary: IndexedArm) -> tuple[Cells, Cells]:
+def _cells(name: str, stable: IndexedArm, canary: IndexedArm,
+           tail_cap: float | None = None) -> tuple[Cells, Cells]:
+    if name in CONTINUOUS and tail_cap is not None:
+        return capped_cells(stable, canary, name, tail_cap)
     if name == "latency_tail":
         threshold = quantile(np.concatenate([stable.cols.latency_ms, canary.cols.latency_ms]), 0.95)
         return tuple(cells_of(a, (a.cols.latency_ms > threshold).astype(np.float64))  # type: ignore[return-value]

@@ -49,6 +49,9 @@ LABELS = {
 
 RATES = frozenset({"persistence", "acceptance", "dissatisfied", "error_rate", "latency_tail",
                    "edit_rate", "question_rate", "abstention_rate", "invalid_tool_rate"})
+CONTINUOUS = frozenset({"reward", "latency_ms", "completion_length"})
+"""Metrics whose per-request values are unbounded: the judge compares them with both tails
+capped at pooled quantiles (``capped_cells``)."""
 UNITS = {"latency_ms": "ms", "completion_length": "tokens"}
 
 
@@ -173,6 +176,18 @@ def cells_of(arm: IndexedArm, values: NDArray[np.float64], counted: NDArray[np.b
 def metric_cells(arm: IndexedArm, name: str) -> Cells:
     """The cells of a metric of ``METRICS``."""
     return cells_of(arm, *metric_values(arm.cols, name))
+
+
+def capped_cells(stable: IndexedArm, canary: IndexedArm, name: str, q: float) -> tuple[Cells, Cells]:
+    """A continuous metric's cells with each value clipped to the [1 - q, q] quantiles of both
+    arms pooled (winsorized): the same bounds for both arms, so an A/A canary stays A/A, and a
+    heavy tail cannot keep the mean's interval wide. An empty pool leaves values as they are."""
+    values = (metric_values(stable.cols, name)[0], metric_values(canary.cols, name)[0])
+    pooled = np.concatenate(values)
+    if pooled.size:
+        lo, hi = np.quantile(pooled, (1.0 - q, q))
+        values = (np.clip(values[0], lo, hi), np.clip(values[1], lo, hi))
+    return cells_of(stable, values[0]), cells_of(canary, values[1])
 
 
 def ratio_cells(arm: IndexedArm, num: NDArray[np.float64], den: NDArray[np.float64]) -> Cells:

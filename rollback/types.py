@@ -5,9 +5,8 @@ window — one :class:`RequestOutcome` per closed reward record, plus the gatewa
 and error counts for that arm — and calls :func:`rollback.judge.judge` every tick. The
 answer is a :class:`Verdict`: a decision, plain-English reasons with numbers, and the
 evidence per metric, guardrail and reward-hacking detector, ready for the ledger.
-
-Everything here is a frozen dataclass of plain values, so verdicts can be logged as JSON
-and the judge's sequential state (a ``dict[str, float]``) can be persisted by the deployer.
+Everything is a frozen dataclass of plain values: verdicts log as JSON, and the judge's
+sequential state (a ``dict[str, float]``) persists with the deployer.
 """
 
 from __future__ import annotations
@@ -68,12 +67,9 @@ class RequestOutcome:
     """Number of dissatisfied follow-ups to this request."""
     completion_kind: CompletionKind = "edit"
     """What the completion was: a proposed edit, a clarifying question, or nothing."""
-    tool_calls: int = 0
-    """Tool calls the completion made."""
-    invalid_tool_calls: int = 0
-    """Of which were invalid (malformed, unknown tool, bad arguments)."""
-    completion_tokens: int = 0
-    """Completion length in tokens."""
+    tool_calls: int = 0  # tool calls the completion made
+    invalid_tool_calls: int = 0  # of which invalid (malformed, unknown tool, bad arguments)
+    completion_tokens: int = 0  # completion length in tokens
     ts: float = 0.0
     """When it was served (Unix seconds): places the request in its time stratum. Outcomes
     that all carry the same ts (e.g. the default 0) fall in one stratum."""
@@ -255,27 +251,29 @@ class JudgePolicy:
     """No statistical decision before each arm has this many users (the variance estimate and
     the normal approximation need them). Guardrails do not wait for it."""
     max_users: int = 20_000
-    """Sample budget: users per arm (the smaller arm counts). Reached without a decision,
-    the verdict is inconclusive."""
+    """Sample budget: users per arm (the smaller counts). Reached undecided: inconclusive."""
     max_duration_s: float = 6 * 3600.0
     """Time budget: seconds since the canary started. Reached without a decision: inconclusive."""
     require_improvement: bool = False
     """If True, promotion also needs at least one primary metric confidently better."""
     stratum_s: float = 600.0
-    """Width of the time strata (seconds). Arms are compared only within a stratum (and within
-    one canary weight step), so a drift shared by both arms cannot look like an effect."""
+    """Width of the time strata (s). Arms are compared only within a stratum and a weight step,
+    so a drift shared by both arms cannot look like an effect."""
     user_weight_cap: float | None = 10.0
     """A user's requests count at most this many times in a metric (their mean keeps its value,
     their weight is capped), so a few heavy users cannot drown the others. None: no cap."""
     mixture_scale: float = 1.0
-    """The mSPRT normal mixture has standard deviation mixture_scale × MDE; 1.0 makes the test
-    most sensitive near the MDE."""
+    """The mSPRT mixture's sd is mixture_scale × MDE; 1.0: most sensitive near the MDE."""
     persistence_horizon_s: int = PERSISTENCE_HORIZON_S
     """The horizon edit persistence is judged at: the reward spec's primary one."""
+    tail_cap_quantile: float | None = 0.999
+    """Continuous metrics (latency, reward, completion length) are compared with each value
+    clipped to the [1 − q, q] quantiles of both arms pooled (winsorized; None: plain means),
+    so a heavy tail cannot keep a mean's interval wide for hours. Latency's tail itself is
+    judged by ``latency_tail`` and the p99 guardrail."""
     guardrails: GuardrailPolicy = field(default_factory=GuardrailPolicy)
     """Absolute ceilings that roll back immediately."""
-    detectors: DetectorPolicy = field(default_factory=DetectorPolicy)
-    """Reward-hacking drift detectors."""
+    detectors: DetectorPolicy = field(default_factory=DetectorPolicy)  # reward-hacking detectors
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
@@ -284,6 +282,8 @@ class JudgePolicy:
             raise ValueError(f"stratum_s must be > 0, got {self.stratum_s}")
         if self.user_weight_cap is not None and not self.user_weight_cap >= 1:
             raise ValueError(f"user_weight_cap must be >= 1 or None, got {self.user_weight_cap}")
+        if self.tail_cap_quantile is not None and not 0.5 < self.tail_cap_quantile < 1:
+            raise ValueError(f"tail_cap_quantile must be in (0.5, 1) or None, got {self.tail_cap_quantile}")
         if self.mixture_scale <= 0:
             raise ValueError(f"mixture_scale must be > 0, got {self.mixture_scale}")
         if not 1 <= self.min_users <= self.max_users:

@@ -63,6 +63,11 @@ class DeployerSettings(Section):
     judge_user_weight_cap: Annotated[float, Field(ge=1.0)] | None = 10.0
     """A user's requests count at most this many times in a judged metric (heavy users cannot
     drown the others); null: no cap."""
+    judge_tail_cap_quantile: Annotated[float, Field(gt=0.5, lt=1.0)] | None = 0.999
+    """Continuous metrics (latency, reward, completion length) are judged with each request
+    clipped to the [1 - q, q] quantiles of both arms pooled, so a heavy tail cannot keep a
+    mean's interval wide (latency's tail has latency_tail and the p99 guardrail); null: plain
+    means."""
     judge_mde: dict[str, float] = Field(default_factory=dict)
     """Minimum detectable effect per judged metric, overriding the judge's defaults (see
     docs/judge.md), e.g. RTRL_DEPLOYER__JUDGE_MDE='{"reward": 0.1, "persistence": 0.05}'."""

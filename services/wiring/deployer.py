@@ -61,6 +61,7 @@ def judge_policy(d: DeployerSettings, horizon_s: int = PERSISTENCE_HORIZON_S) ->
         alpha=d.judge_alpha, min_users=d.judge_min_users, max_users=d.judge_max_users,
         max_duration_s=d.max_duration_s, stratum_s=d.judge_stratum_s,
         user_weight_cap=d.judge_user_weight_cap, persistence_horizon_s=horizon_s,
+        tail_cap_quantile=d.judge_tail_cap_quantile,
         guardrails=GuardrailPolicy(max_error_rate=d.judge_max_error_rate,
                                    max_p99_latency_ms=d.judge_max_p99_latency_ms,
                                    min_requests=d.judge_min_requests),

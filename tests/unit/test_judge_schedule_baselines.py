@@ -8,7 +8,9 @@ import math
 
 import numpy as np
 import pytest
+from scipy import stats as sps
 
+from bench.judge_schedule import fixed_horizon_users
 from bench.judge_schedule_baselines import (
     MDES,
     flagger_fails,
@@ -18,7 +20,7 @@ from bench.judge_schedule_baselines import (
     value,
 )
 from bench.judge_schedule_run import users_ratio
-from rollback.types import RequestOutcome
+from rollback.types import JudgePolicy, RequestOutcome
 
 pytestmark = pytest.mark.unit
 
@@ -74,8 +76,15 @@ def test_whole_canaries_end_on_the_fixed_schedule(kind: str) -> None:
         assert healthy.hours == pytest.approx(40 / 60)
 
 
-def test_users_to_a_decision_are_compared_with_the_fixed_horizon_judges() -> None:
-    out = {"s": {"ours": {"median_users_to_rollback": 300.0},
-                 "kayenta_fixed": {"median_users_to_rollback": 1200.0}}}
-    assert users_ratio(out, "s") == 0.25  # type: ignore[arg-type]
+def test_the_fixed_horizon_is_sized_for_one_mde_at_95_percent_power() -> None:
+    policy = JudgePolicy()
+    a = policy.alpha_per_test()
+    reference = (sps.norm.ppf(1 - a) + sps.norm.ppf(0.95)) ** 2 * 0.09 / 0.03 ** 2
+    assert fixed_horizon_users(0.09, "persistence", policy) == math.ceil(reference)
+    assert fixed_horizon_users(4 * 0.09, "persistence", policy) > 3.9 * reference  # var up, users up
+    shape = "persistence -2 MDE, Zipf"
+    r = users_ratio({shape: {"ours": {"median_users_to_rollback": 300.0, "median_var_per_user": 0.09}}},
+                    shape)  # type: ignore[arg-type]
+    assert r is not None and r["fixed_horizon"] == math.ceil(reference)
+    assert r["ratio"] == 300.0 / r["fixed_horizon"]
     assert users_ratio({"s": {"ours": {"median_users_to_rollback": None}}}, "s") is None  # type: ignore[dict-item]
