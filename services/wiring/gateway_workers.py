@@ -25,6 +25,7 @@ shipper of served events, and the parent that keeps them running.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import multiprocessing as mp
@@ -276,6 +277,11 @@ def worker_main(settings: Any, sock: socket.socket, spool: Path, index: int, rep
     health = Health(liveness_timeout_s=max(30.0, 10 * gw.routing_poll_s))
     exposures = SpooledExposures(spool, f"w{index}")
     gateway, parts = build(settings, health, exposures=exposures, metrics=multiprocess_registry("gateway"))
+    # Everything built so far lives as long as the worker: out of the collector's sight, a full
+    # collection walks only what requests left behind (a few ms, not the 100-400 ms pause of
+    # walking every imported module's objects in the middle of a request).
+    gc.collect()
+    gc.freeze()
     server = GatewayServer(gateway, gw.host, 0, sock=sock).start()
     stopper.wait()
     server.stop()
