@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import signal
 import threading
 import time
 import urllib.request
@@ -34,7 +35,9 @@ class Server(Protocol):
 
 def _serve(factory: Callable[..., Server], args: tuple[Any, ...], conn: Any) -> None:
     """The child: start the server, send its URL (or the error), serve until told to stop or
-    until the parent is gone."""
+    until the parent is gone. Ctrl-C reaches the whole process group: the parent's stop says
+    when, so a stop is not cut short half-way (a gateway left with its shipper running)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         server = factory(*args)
     except Exception as exc:  # the parent reports it; a traceback in a child's stderr is easy to miss
@@ -149,6 +152,13 @@ class TcpRelay:
         self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         self._ready.set()
         self._loop.run_forever()
+        # Stopped: end the connections still open (their pipes close both sides), then the loop.
+        server.close()
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.close()
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -156,7 +166,8 @@ class TcpRelay:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        with contextlib.suppress(asyncio.CancelledError):  # the relay stopping: the pipes close
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

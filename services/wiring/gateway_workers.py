@@ -220,15 +220,17 @@ class WorkerPool:
     def stop(self, drain_s: float = 5.0) -> None:
         """SIGTERM the workers and let them drain, then let the shipper deliver what is left."""
         alive = [p for p in self.workers if p is not None and p.is_alive()]
-        for p in alive:
-            p.terminate()  # SIGTERM: stop accepting, finish what is in flight
-        _join(alive, drain_s + 10.0)
-        for p in self.workers:
-            if p is not None and p.pid is not None:
-                _forget(p.pid)
-        self._stop_shipping.set()
-        if self._shipper is not None:
-            _join([self._shipper], 20.0)
+        try:
+            for p in alive:
+                p.terminate()  # SIGTERM: stop accepting, finish what is in flight
+            _join(alive, drain_s + 10.0)
+            for p in self.workers:
+                if p is not None and p.pid is not None:
+                    _forget(p.pid)
+        finally:  # interrupted or not, the shipper is told: it would otherwise outlive its owner
+            self._stop_shipping.set()
+            if self._shipper is not None:
+                _join([self._shipper], 20.0)
         self._sock.close()
         shutil.rmtree(self._metrics, ignore_errors=True)
 

@@ -122,6 +122,35 @@ def test_the_baseline_relay_passes_the_engines_bytes_unchanged_from_its_own_proc
         engine.stop()
 
 
+def test_ctrl_c_leaves_the_stop_to_the_parent_and_a_relay_stops_with_connections_open(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C reaches every process of the group: a server's process goes on serving until the
+    parent's stop (a stop cut short left a gateway's shipper running for ever), and the relay
+    ends its open connections without a traceback."""
+    import signal
+    import socket
+
+    from bench.processes import Apart, fake_engine, tcp_relay
+
+    engine = Apart(fake_engine, 0.0).start()
+    relay = Apart(tcp_relay, engine.url).start()
+    try:
+        host, port = relay.url.removeprefix("http://").split(":")
+        held = socket.create_connection((host, int(port)))  # an open connection through the relay
+        for proc in (engine._proc, relay._proc):
+            assert proc.pid is not None
+            os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert engine._proc.is_alive() and relay._proc.is_alive()
+    finally:
+        relay.stop()
+        engine.stop()
+    held.close()
+    assert relay._proc.exitcode == 0 and engine._proc.exitcode == 0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Event loop is closed" not in err, err
+
+
 def test_a_server_in_its_own_process_may_start_processes_of_its_own() -> None:
     from bench.processes import Apart
 
