@@ -33,6 +33,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import stats as sps
 
+from bench.judge_cap import stratified_by_tick
 from bench.judge_sim import (
     DIRECTIONS,
     TICK_S,
@@ -44,7 +45,6 @@ from bench.judge_sim import (
     metric_arrays,
     metric_sums,
     simulate_arm,
-    stratified_by_tick,
     true_p99,
 )
 from rollback import baselines

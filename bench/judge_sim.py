@@ -3,7 +3,6 @@ per-user sums of one arm, shaped (canaries, ticks, users of the busiest tick), d
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -11,7 +10,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import stats as sps
 
-from rollback.stats import cap_factor, strata_difference
+from rollback.stats import cap_factor
 from rollback.types import CohortData, Direction, ErrorCount, RequestOutcome
 
 Arr = NDArray[np.float64]
@@ -188,26 +187,6 @@ def metric_arrays(arm: Arm, name: str) -> tuple[Arr, Arr]:
     return getattr(arm, field_name), arm.n
 
 
-def clipped_latency_by_look(stable: Arm, canary: Arm, q: float) -> Iterator[tuple[Arr, Arr]]:
-    """Per-user latency sums of each arm at every look, (canaries, ticks, users), with every
-    request clipped to the [1 - q, q] quantiles of both arms' requests seen so far (ticks up to
-    the look), per canary: what the judge's tail cap does at each look."""
-    arms = (stable, canary)
-    canaries, ticks = stable.n.shape[:2]
-    # Each request's canary: requests are stored canary-major, then tick, then user.
-    per_canary = [np.repeat(np.arange(a.n.size), np.diff(a.offsets)) // (ticks * a.n.shape[2]) for a in arms]
-    owner = [np.repeat(np.arange(a.n.size), np.diff(a.offsets)) for a in arms]
-    for look in range(ticks):
-        bounds = np.empty((2, canaries))
-        for c in range(canaries):
-            spans = [(a, a.n.shape[2] * ticks * c, a.n.shape[2] * (ticks * c + look + 1)) for a in arms]
-            pooled = np.concatenate([a.latencies[a.offsets[lo]: a.offsets[hi]] for a, lo, hi in spans])
-            bounds[:, c] = np.quantile(pooled, (1.0 - q, q)) if pooled.size else (-np.inf, np.inf)
-        yield tuple(  # type: ignore[misc]
-            np.bincount(o, minlength=a.n.size, weights=np.clip(a.latencies, bounds[0][k], bounds[1][k]))
-            .reshape(a.n.shape) for a, o, k in zip(arms, owner, per_canary, strict=True))
-
-
 # --- our judge's statistics, vectorised over canaries and looks ---------------------------
 def metric_sums(s: Arr, n: Arr, cap: float | None) -> tuple[Arr, ...]:
     """Per-tick (ΣS, ΣN, ΣS², ΣSN, ΣN², G) after the per-user cap, (canaries, ticks)."""
@@ -215,29 +194,6 @@ def metric_sums(s: Arr, n: Arr, cap: float | None) -> tuple[Arr, ...]:
     s, n = s * f, n * f
     return (s.sum(-1), n.sum(-1), (s * s).sum(-1), (s * n).sum(-1), (n * n).sum(-1),
             (n > 0).sum(-1, dtype=np.float64))
-
-
-def _looks(sums: tuple[Arr, ...]) -> tuple[Arr, ...]:
-    """Each look t sees the strata 0..t: (canaries, looks, strata)."""
-    ticks = sums[0].shape[-1]
-    seen = np.tril(np.ones((ticks, ticks)))
-    return tuple(x[:, None, :] * seen[None] for x in sums)
-
-
-def stratified_by_tick(stable: Arm, canary: Arm, name: str, cap: float | None,
-                       tail_q: float | None = None) -> tuple[Arr, Arr, Arr, Arr]:
-    """(stable mean, canary mean, var stable, var canary) at every look, (canaries, looks);
-    latency with its tails clipped at each look when ``tail_q`` is given."""
-    if name == "latency_ms" and tail_q is not None:
-        seen = np.tril(np.ones((stable.n.shape[1],) * 2))
-        looks = [(metric_sums(s, stable.n, cap), metric_sums(c, canary.n, cap))
-                 for s, c in clipped_latency_by_look(stable, canary, tail_q)]
-        s, c = (tuple(np.stack([lk[a][i] for lk in looks], axis=1) * seen[None] for i in range(6))
-                for a in (0, 1))
-        return strata_difference(s, c)
-    s = _looks(metric_sums(*metric_arrays(stable, name), cap))
-    c = _looks(metric_sums(*metric_arrays(canary, name), cap))
-    return strata_difference(s, c)
 
 
 # --- the judge's own input, rebuilt from the simulation (for the equivalence test) ----------
