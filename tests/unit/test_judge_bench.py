@@ -102,3 +102,26 @@ def test_flagger_counts_failed_intervals() -> None:
     canary = {"p": np.array([[0.5, 0.7, 0.5, 0.5, 0.7, 0.5, 0.5, 0.5]])}
     assert baselines.flagger(canary, {"p": 0.6}, {"p": "higher_is_better"}, failure_threshold=5)[0] == 6
     assert baselines.flagger(canary, {"p": 0.6}, {"p": "higher_is_better"}, failure_threshold=7)[0] == -1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grouped_extremes_are_the_sorted_ones(seed: int) -> None:
+    """Each group's k largest and smallest from the padded rows equal those of a full sort
+    (groups empty, smaller than k, with ties, one group far larger than the rest)."""
+    from bench.judge_cap import _extremes, _grouped_extremes
+
+    rng = np.random.default_rng(seed)
+    groups, k = 40, int(rng.integers(1, 6))
+    size = rng.integers(0, 30, groups)
+    if seed % 2:
+        size[3] = 2_000  # the matrix would be mostly padding: the plain sort answers
+    group = np.repeat(np.arange(groups), size)
+    values = np.round(rng.pareto(1.5, group.size), 1)  # rounded: ties
+    fast, plain = _grouped_extremes(values, group, groups, k), _extremes(values, group, groups, k)
+    for got, want in zip(fast, plain, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for g in range(groups):
+        mine = np.sort(values[group == g])
+        high, low = _extremes(values, group, groups, k)
+        np.testing.assert_array_equal(low[g][: mine.size], mine[:k])
+        np.testing.assert_array_equal(high[g][: mine.size], mine[::-1][:k])
