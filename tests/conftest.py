@@ -30,15 +30,41 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 
-_TIERS = {"unit", "integration", "e2e", "reliability"}
+_TIERS = ("e2e", "reliability", "integration", "unit")
+"""In the order a parallel run starts them: the longest first, so the workers end together."""
 
 
+def _tier(item: pytest.Item) -> str | None:
+    parts = Path(str(item.fspath)).parts
+    return next((tier for tier in _TIERS if tier in parts), None)
+
+
+def work_group(tier: str | None, module: str, fixtures: list[str]) -> str:
+    """The unit of work one parallel worker takes whole (``--dist loadgroup``): a test module,
+    so its module fixtures start once; the e2e tier is one unit, because each of its tests runs
+    a whole loop, and two at a time on a 2-core machine would starve both; and the modules on
+    the session's vLLM engine are one, so only one worker starts an engine."""
+    if tier == "e2e":
+        return "e2e"
+    return "vllm-engine" if "vllm_engine" in fixtures else module
+
+
+def run_order(tier: str | None) -> int:
+    return _TIERS.index(tier) if tier in _TIERS else len(_TIERS)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist names each test after its group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        parts = Path(str(item.fspath)).parts
-        for tier in _TIERS:
-            if tier in parts:
-                item.add_marker(getattr(pytest.mark, tier))
+        tier = _tier(item)
+        if tier:
+            item.add_marker(getattr(pytest.mark, tier))
+    if config.getoption("dist", "no") == "loadgroup":
+        for item in items:
+            fixtures = list(getattr(item, "fixturenames", []))
+            group = work_group(_tier(item), item.nodeid.split("::")[0], fixtures)
+            item.add_marker(pytest.mark.xdist_group(group))
+        items.sort(key=lambda item: run_order(_tier(item)))  # stable: a module's order is kept
 
 
 @pytest.fixture(scope="session")

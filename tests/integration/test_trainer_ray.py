@@ -26,6 +26,7 @@ from services.settings.model import Settings, get_settings
 from services.settings.services import TrainerSettings
 from services.sim.users import bootstrap_corpus
 from services.wiring import trainer as trainer_job
+from tests.ray_procs import descendants_named
 from trainer.corpus import write_corpus
 from trainer.policy import load_policy
 from trainer.tokens import BOS
@@ -134,17 +135,8 @@ def test_rewards_to_registered_candidate_then_only_new_records(
 
 
 def ray_train_workers() -> list[int]:
-    """PIDs of Ray Train worker processes (Ray names them in their command line)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if b"RayTrainWorker" in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
+    """PIDs of this process's Ray Train worker processes (Ray names them in their command line)."""
+    return descendants_named(os.getpid(), "RayTrainWorker")
 
 
 @pytest.mark.reliability  # also part of scripts/reliability (trainer, deployer and worker kills)

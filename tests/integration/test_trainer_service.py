@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sqlite3
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 
 from services.settings.model import Settings
 from services.stack.embedded import free_port
+from tests.ray_procs import ray_processes_of
 
 NEXT_RUN = "select next_run_time from apscheduler_jobs where id='rtrl-increment'"
 
@@ -92,21 +92,6 @@ def test_serve_trainer_schedules_persistently_and_stops_cleanly(settings: Settin
     with sqlite3.connect(db) as conn:
         (kept,) = conn.execute(NEXT_RUN).fetchone()
     assert kept == next_run  # the restart kept the stored schedule
-
-
-def ray_processes_of(driver_pid: int) -> list[int]:
-    """Processes of the local Ray node a driver started (its session dir ends with the pid)."""
-    pattern = re.compile(rf"session_[0-9_-]+_{driver_pid}(?![0-9])")
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if pattern.search(cmdline):
-                found.append(int(d.name))
-    return found
 
 
 @pytest.mark.timeout(600)

@@ -172,8 +172,8 @@ def test_supervisor_stops_services_and_their_children(tmp_path: Path) -> None:
     stubborn = sup.start(ProcSpec("stubborn", [sys.executable, "-c", script]))
     polite = sup.start(ProcSpec("polite", [sys.executable, "-c", "import time; time.sleep(60)"]))
     deadline = time.monotonic() + 10
-    while not (tmp_path / "child.pid").exists():
-        assert time.monotonic() < deadline
+    while not (tmp_path / "child.pid").exists() or not (tmp_path / "child.pid").read_text():
+        assert time.monotonic() < deadline  # the file is there before its pid is written
         time.sleep(0.05)
     child = int((tmp_path / "child.pid").read_text())
     codes = sup.stop_all(grace_s=1.0)
