@@ -27,23 +27,22 @@ def descendants_named(root_pid: int, marker: str) -> list[int]:
     """Processes under ``root_pid`` (children, their children, ...) whose command line contains
     ``marker``. Ray workers rename themselves (``ray::RayTrainWorker``), so their command line no
     longer names the session; the raylet that started them is a child of the driver."""
-    parent: dict[int, int] = {}
+    kids: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
-                continue
-    found = []
-    for pid in parent:
-        up, seen = pid, 0
-        while up in parent and up != root_pid and seen < 64:
-            up, seen = parent[up], seen + 1
-        if up == root_pid and pid != root_pid:
-            try:
-                cmdline = (Path(f"/proc/{pid}") / "cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if marker.encode() in cmdline:
-                found.append(pid)
+                continue  # gone since the listing
+            kids.setdefault(ppid, []).append(int(d.name))
+    found, todo = [], list(kids.get(root_pid, []))
+    while todo:
+        pid = todo.pop()
+        todo += kids.get(pid, [])
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if marker.encode() in cmdline:
+            found.append(pid)
     return found
