@@ -94,6 +94,8 @@ class Topics(_Values):
     """One closed reward record per served completion."""
     dlq: str = "rtrl.dlq.v1"
     """Rejected input with the original bytes and a reason."""
+    sessions: str = "rtrl.reward-sessions.v1"
+    """Internal to the reward workers under a spec with a [session] table (agent sessions)."""
     partitions: Annotated[int, Field(ge=1)] = 4
     """Partitions of topics rtrl creates; the most useful ingest/reward replicas."""
     replication_factor: Annotated[int, Field(ge=1)] = 3

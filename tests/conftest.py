@@ -124,7 +124,7 @@ def settings(stack: object) -> Settings:
         redis=RedisSettings(url=stack.redis_url, key_prefix=f"{tag}:"),  # type: ignore[arg-type]
         topics=TopicSettings(
             raw=f"{tag}.raw", events=f"{tag}.events", rewards=f"{tag}.rewards", dlq=f"{tag}.dlq",
-            partitions=4,
+            sessions=f"{tag}.sessions", partitions=4,
         ),
         mlflow=MlflowSettings(tracking_uri="sqlite:///unused.db"),
     )
@@ -146,7 +146,7 @@ def isolated_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[E
             kafka=KafkaSettings(bootstrap_servers=st.kafka_bootstrap),
             redis=RedisSettings(url=st.redis_url, key_prefix=f"{tag}:"),  # type: ignore[arg-type]
             topics=TopicSettings(raw=f"{tag}.raw", events=f"{tag}.events", rewards=f"{tag}.rewards",
-                                 dlq=f"{tag}.dlq", partitions=4),
+                                 dlq=f"{tag}.dlq", sessions=f"{tag}.sessions", partitions=4),
             mlflow=MlflowSettings(tracking_uri="sqlite:///unused.db"),
         )
     finally:

@@ -22,6 +22,7 @@ def service_env(settings: Settings, stack_dir: Path, **extra: str) -> dict[str, 
         "RTRL_REDIS__KEY_PREFIX": settings.redis.key_prefix,
         "RTRL_TOPICS__RAW": t.raw, "RTRL_TOPICS__EVENTS": t.events,
         "RTRL_TOPICS__REWARDS": t.rewards, "RTRL_TOPICS__DLQ": t.dlq,
+        "RTRL_TOPICS__SESSIONS": t.sessions,
         "RTRL_TOPICS__PARTITIONS": str(t.partitions),
         "RTRL_LOG_LEVEL": "INFO",
     })

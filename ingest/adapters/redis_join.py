@@ -150,7 +150,7 @@ class RedisJoinState:
             pipe.zrem(self._due(p), rid)
         for p, off in (checkpoints or {}).items():
             # never move a checkpoint backwards (another worker may have read further)
-            pipe.eval(_MAX_SET, 1, self._ckpt(p), off)
+            pipe.eval(MAX_SET, 1, self._ckpt(p), off)
         pipe.execute()
 
     def mark_recovered(self, partition: int, request_ids: Iterable[str], checkpoint: int) -> None:
@@ -158,11 +158,11 @@ class RedisJoinState:
         pipe = self.r.pipeline(transaction=True)
         for rid in request_ids:
             pipe.set(self._done(rid), "1", ex=self.emitted_ttl_s)
-        pipe.eval(_MAX_SET, 1, self._ckpt(partition), checkpoint)
+        pipe.eval(MAX_SET, 1, self._ckpt(partition), checkpoint)
         pipe.execute()
 
 
-_MAX_SET = """
+MAX_SET = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1]) end
 return 1

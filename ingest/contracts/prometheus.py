@@ -94,6 +94,17 @@ REWARD_RECOVERED = Counter(
     "Request ids found on the rewards topic at partition assignment and marked emitted "
     "(non-zero after a worker died between its Kafka commit and its Redis update)",
 )
+REWARD_SESSIONS_CLOSED = Counter(
+    "rtrl_reward_sessions_closed_total",
+    "Agent sessions credited by the session stage, by how they closed", ["status"],
+)
+REWARD_SESSION_TURNS = Counter(
+    "rtrl_reward_session_records_total",
+    "Reward records the session stage emitted (credited turns and set-aside requests)",
+)
+REWARD_OPEN_SESSIONS = Gauge(
+    "rtrl_reward_open_sessions", "Agent sessions the session stage holds open on this worker's partitions"
+)
 
 # --- trainer -----------------------------------------------------------------------------
 TRAIN_INCREMENTS = Counter(
@@ -270,7 +281,8 @@ OWNERS: dict[str, tuple[Collector, ...]] = {
     "ingest": (INGEST_EVENTS, INGEST_REJECTED),
     "reward": (REWARD_EVENTS, REWARD_LATE, REWARD_ORPHANS, REWARD_OPEN_WINDOWS, REWARD_OLDEST_OPEN_AGE,
                REWARDS_EMITTED, REWARD_VALUE, REWARD_VALUE_POSITIVE, REWARD_VALUE_NEGATIVE,
-               REWARD_CLOSE_SECONDS, REWARD_RECOVERED),
+               REWARD_CLOSE_SECONDS, REWARD_RECOVERED, REWARD_SESSIONS_CLOSED, REWARD_SESSION_TURNS,
+               REWARD_OPEN_SESSIONS),
     "trainer": (TRAIN_INCREMENTS, TRAIN_RUNNING, TRAIN_LAST_SUCCESS, TRAIN_CADENCE, TRAIN_DURATION,
                 TRAIN_STAT, GATE_RESULTS, TRAIN_STARTS, TRAIN_WAITING, TRAIN_PENDING_RECORDS,
                 TRAIN_PENDING_ESS),

@@ -39,9 +39,13 @@ from ingest.events import (
     Event,
     FollowupDissatisfied,
     RewardRecord,
+    SessionTurn,
 )
 from ingest.reward.maths import Feedback, compute_reward, has_feedback
 from ingest.reward.spec import RewardSpec
+
+MAX_CLAIMS = 8
+"""Sessions a request's window remembers claiming it; later claims get no note."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,9 @@ class Window:
     """Processing time the largest horizon's persistence was first seen."""
     dissatisfied: int = 0
     feedback_events: int = 0
+    sessions: tuple[str, ...] = ()
+    """Sessions whose ``session.turn`` claimed this request, in the order seen (at most
+    ``MAX_CLAIMS``); the first gets the request's facts (ingest/reward/session_stage.py)."""
 
     # ------------------------------------------------------------------ derived
     def feedback(self) -> Feedback:
@@ -89,6 +96,7 @@ class Window:
             "final_horizon_at": self.final_horizon_at,
             "dissatisfied": self.dissatisfied,
             "feedback_events": self.feedback_events,
+            "sessions": list(self.sessions),
         }, separators=(",", ":"))
 
     @staticmethod
@@ -108,6 +116,7 @@ class Window:
             final_horizon_at=d["final_horizon_at"],
             dissatisfied=d["dissatisfied"],
             feedback_events=d["feedback_events"],
+            sessions=tuple(d.get("sessions", ())),  # absent in windows stored before sessions
         )
 
 
@@ -142,6 +151,8 @@ def _feedback_changes(w: Window, event: Event, now: float, spec: RewardSpec) -> 
         return _persistence_changes(w, event, ts, now, spec)
     if isinstance(event, FollowupDissatisfied):
         return {"dissatisfied": w.dissatisfied + 1}
+    if isinstance(event, SessionTurn) and event.session_id not in w.sessions and len(w.sessions) < MAX_CLAIMS:
+        return {"sessions": (*w.sessions, event.session_id)}
     return {}
 
 

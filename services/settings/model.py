@@ -106,6 +106,10 @@ class TopicSettings(Section):
     """One closed reward record per served completion."""
     dlq: str = "rtrl.dlq.v1"
     """Rejected input with the original bytes and a reason."""
+    sessions: str = "rtrl.reward-sessions.v1"
+    """Internal to the reward workers (only under a spec with a ``[session]`` table): session
+    events and closed turns re-keyed by session_id, and the session stage's markers. Retain it
+    at least a session's ``max_s`` plus the largest horizon."""
     partitions: int = 4
     """Partitions for topics rtrl creates itself. raw/events/rewards must match."""
     replication_factor: int = 1

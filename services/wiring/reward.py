@@ -29,10 +29,12 @@ does it apply or close anything on that partition. Hence exactly one reward per 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +43,9 @@ from typing import Any
 from kafka import KafkaConsumer, TopicPartition
 from pydantic import ValidationError
 
+from ingest.adapters.committed_tail import CommittedTail
 from ingest.adapters.redis_join import RedisJoinState
+from ingest.adapters.redis_sessions import RedisSessionState
 from ingest.contracts import prometheus as m
 from ingest.contracts.keys import reward_txn_generation_key
 from ingest.events import Event, parse_event
@@ -54,12 +58,14 @@ from services.runtime.process import Stopper
 from services.runtime.redis_io import make_redis
 from services.runtime.transactions import TransactionalIds, TransactionalProducers, unique_transactional_id
 from services.settings.model import Settings
+from services.wiring.reward_sessions import SessionStage, forward, late_turn_notes, turn_notes
 
 log = logging.getLogger("rtrl.reward")
 SERVICE = "reward"
 
 # Test-only fault injection: "<point>:<probability>", point in after_apply | mid_txn |
-# after_commit. The process SIGKILLs itself there, as an OOM kill or node loss would.
+# before_commit | after_commit, or the session stage's sessions_mid_txn | sessions_before_commit |
+# sessions_after_commit. The process SIGKILLs itself there, as an OOM kill or node loss would.
 _CRASH_ENV = "RTRL_TEST_REWARD_CRASH"
 GAUGES_EVERY_S = 2.0
 
@@ -84,21 +90,22 @@ class JoinResult:
     orphans: list[tuple[int, str]] = field(default_factory=list)
     orphan_events: int = 0
     stale: list[tuple[int, str]] = field(default_factory=list)
+    noted: list[tuple[int, str]] = field(default_factory=list)
+    """Session turns handed to the session stage (marked emitted here: their record comes from there)."""
 
 
 class RewardJoin:
     """The reward join as the exactly-once loop's transform (see the module doc)."""
 
-    def __init__(self, settings: Settings, spec: RewardSpec, state: RedisJoinState,
-                 committed_reader: KafkaConsumer, uncommitted_reader: KafkaConsumer, health: Health,
+    def __init__(self, settings: Settings, spec: RewardSpec, state: RedisJoinState, tail: CommittedTail,
                  fault: Callable[[str], None] = lambda _point: None) -> None:
         self.topics = settings.topics
         self.cfg = settings.reward
         self.spec = spec
+        self.sessions = spec.session is not None
+        """Session turns go to the session stage (services/wiring/reward_sessions.py)."""
         self.state = state
-        self.committed_reader = committed_reader
-        self.uncommitted_reader = uncommitted_reader
-        self.health = health
+        self.tail = tail
         self.fault = fault
         self.pending_recovery: set[int] = set()
         self._last_gauges = 0.0
@@ -119,11 +126,14 @@ class RewardJoin:
         now = time.time()
         changed: dict[str, Window] = {}
         closes: dict[str, float] = {}
+        forwarded = forward(events, self.topics.sessions) if self.sessions else []
         if events:
             windows, emitted = self.state.load(e.request_id for e in events)
             res = apply_batch(windows, emitted, events, now, self.spec)
             for ev in res.late:
                 m.REWARD_LATE.labels(ev.type).inc()
+            if self.sessions:
+                forwarded += late_turn_notes(res.late, partition_of, self.topics.sessions)
             changed = res.windows
             closes = {rid: close_at(w, self.spec, self.cfg.time_scale) for rid, w in changed.items()}
         ready = [p for p in owned if p not in self.pending_recovery]
@@ -131,15 +141,15 @@ class RewardJoin:
         self.fault("after_apply")
         result, outputs = self._close_due(due.rows, changed, now)
         self._gauges(owned, now)
-        return Batch(outputs, result, wake_at=due.next_at)
+        return Batch(forwarded + outputs, result, wake_at=due.next_at)
 
     def committed(self, batch: Batch[JoinResult], delivered: Sequence[Any]) -> None:
         result = batch.result
         ckpts: dict[int, int] = {}
         for meta in delivered:
             ckpts[meta.partition] = max(ckpts.get(meta.partition, 0), meta.offset + 1)
-        self.state.finish([(c.partition, c.request_id) for c in result.closed], result.orphans,
-                          result.stale, ckpts)
+        self.state.finish([(c.partition, c.request_id) for c in result.closed] + result.noted,
+                          result.orphans, result.stale, ckpts)
         done_t = time.time()
         for c in result.closed:
             m.REWARDS_EMITTED.labels(c.arm, str(c.defaulted).lower()).inc()
@@ -164,6 +174,10 @@ class RewardJoin:
                 result.stale.append((p, rid))
                 continue
             closed = close(w, self.spec, now)
+            if self.sessions and w.sessions:
+                outputs += turn_notes(w, closed, p, self.spec, self.topics.sessions)
+                result.noted.append((p, rid))
+                continue
             if closed.record is None:
                 result.orphans.append((p, rid))
                 result.orphan_events += closed.orphan_events
@@ -179,42 +193,18 @@ class RewardJoin:
         for p in partitions:
             tp = TopicPartition(self.topics.rewards, p)
             start = self.state.checkpoint(p)
-            lso = self._stable_end(tp)
+            lso = self.tail.stable_end(tp)
             if start > lso:
                 log.error("rewards partition %d ends at offset %d, below the checkpoint %d: the broker "
                           "lost reward records it had acknowledged (their requests stay marked emitted)",
                           p, lso, start)
-            found = self._request_ids(tp, start, lso) if start < lso else []
+            found = [r.key.decode() for r in self.tail.read(tp, start, lso) if r.key is not None] \
+                if start < lso else []
             self.state.mark_recovered(p, found, lso)
             self.pending_recovery.discard(p)
             m.REWARD_RECOVERED.inc(len(found))
             log.info("partition %d: rewards topic read from %d to %d, %d request ids marked emitted",
                      p, start, lso, len(found))
-
-    def _stable_end(self, tp: TopicPartition) -> int:
-        """The partition's end once no transaction is open on it (last stable offset = high watermark)."""
-        deadline = time.monotonic() + self.cfg.transaction_timeout_ms / 1000 + 10
-        while True:
-            lso = self.committed_reader.end_offsets([tp])[tp]
-            hw = self.uncommitted_reader.end_offsets([tp])[tp]
-            if lso >= hw:
-                return int(lso)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rewards partition {tp.partition} keeps an open transaction "
-                                   f"(LSO {lso} < HW {hw})")
-            self.health.beat()
-            time.sleep(0.2)
-
-    def _request_ids(self, tp: TopicPartition, start: int, end: int) -> list[str]:
-        rc = self.committed_reader
-        rc.assign([tp])
-        rc.seek(tp, start)
-        found: list[str] = []
-        while rc.position(tp) < end:
-            for recs in rc.poll(timeout_ms=500, max_records=5000).values():
-                found += [r.key.decode() for r in recs if r.key is not None]
-            self.health.beat()
-        return found
 
     def _gauges(self, owned: list[int], now: float) -> None:
         if now - self._last_gauges < GAUGES_EVERY_S:
@@ -245,61 +235,110 @@ def _decode(polled: Mapping[TopicPartition, Sequence[Any]]) -> tuple[list[Event]
 
 
 class RewardWorker:
-    """One reward worker process: the join, its Redis state and the exactly-once loop."""
+    """One reward worker process: the join, its Redis state and the exactly-once loop; under a
+    spec with a ``[session]`` table, the session stage's loop beside it in a second thread."""
 
     def __init__(self, settings: Settings, spec: RewardSpec, health: Health | None = None) -> None:
         self.s = settings
         self.cfg = settings.reward
         self.spec = spec
         self.health = health or Health()
-        self.state = RedisJoinState(make_redis(settings.redis), settings.redis.key_prefix,
-                                    self.cfg.emitted_ttl_s)
+        client = make_redis(settings.redis)
+        self.state = RedisJoinState(client, settings.redis.key_prefix, self.cfg.emitted_ttl_s)
+        self.session_state = RedisSessionState(client, settings.redis.key_prefix, self.cfg.emitted_ttl_s)
         self.fault = crash_hook(os.environ.get(_CRASH_ENV))
-        self.loop: ExactlyOnceLoop[JoinResult] | None = None
-        self._consumers: list[KafkaConsumer] = []
-        """The group member, then the committed and uncommitted readers of the rewards topic."""
+        self.loops: list[ExactlyOnceLoop[Any]] = []
+        """The join's loop, then the session stage's."""
+        self._opened: list[KafkaConsumer | CommittedTail] = []
+        """What to close if start() fails before a loop owns it."""
+
+    @property
+    def loop(self) -> ExactlyOnceLoop[Any] | None:
+        return self.loops[0] if self.loops else None
 
     def start(self) -> RewardWorker:
         s, cfg = self.s, self.cfg
         wait_for_broker(s.kafka)
-        ensure_topics(s, [s.topics.events, s.topics.rewards])
+        topics = [s.topics.events, s.topics.rewards] + ([s.topics.sessions] if self.spec.session else [])
+        ensure_topics(s, topics)
         self.state.r.ping()
-        member: dict[str, Any] = {}
-        if cfg.group_instance_id:
-            member["group_instance_id"] = cfg.group_instance_id
-        # a short broker-side fetch wait keeps the loop (and its timers) turning under light load
-        consumer = make_member(s.kafka, cfg.group_id, max_poll_records=cfg.max_batch,
-                                 fetch_max_wait_ms=50, **member)
-        self._consumers = [consumer, make_consumer(s.kafka, None),
-                           make_consumer(s.kafka, None, isolation_level="read_uncommitted")]
-        _check_partitions(consumer, s)
-        base = cfg.transactional_id or cfg.group_instance_id
-        ids = transactional_ids(self.state.r, s.redis.key_prefix, base) if base else None
-        producers = TransactionalProducers(
-            s.kafka, cfg.transaction_timeout_ms, ids, lambda: unique_transactional_id(SERVICE, cfg.group_id),
-            linger_ms=2, batch_size=256 * 1024, max_request_size=8 * 1024 * 1024)
-        committed_reader, uncommitted_reader = self._consumers[1:]
-        join = RewardJoin(s, self.spec, self.state, committed_reader, uncommitted_reader, self.health,
-                          self.fault or (lambda _point: None))
-        self.loop = ExactlyOnceLoop(SERVICE, consumer, producers.open, join, self.health,
-                                    poll_timeout_ms=cfg.poll_timeout_ms, max_records=cfg.max_batch,
-                                    fault=self.fault, quiet_poll_ms=cfg.idle_poll_ms)
-        self.loop.start([s.topics.events])
-        log.info("reward worker up: spec %s, group %s, transactional id %s, time scale %g",
-                 self.spec.version, cfg.group_id, producers.txn_id, cfg.time_scale)
+        join_tail = self._tail()
+        join = RewardJoin(s, self.spec, self.state, join_tail, self.fault or (lambda _point: None))
+        txn_base = cfg.transactional_id or cfg.group_instance_id
+        self._start_loop(SERVICE, cfg.group_id, cfg.group_instance_id, txn_base, join, s.topics.events)
+        if self.spec.session is not None:
+            stage = SessionStage(s, self.spec, self.session_state, self._tail())
+            suffix = "-sessions"
+            self._start_loop(f"{SERVICE}-sessions", cfg.group_id + suffix,
+                             cfg.group_instance_id and cfg.group_instance_id + suffix,
+                             txn_base and txn_base + suffix, stage, s.topics.sessions)
+        log.info("reward worker up: spec %s, group %s, time scale %g%s", self.spec.version, cfg.group_id,
+                 cfg.time_scale, ", with the session stage" if self.spec.session else "")
         return self
 
+    def _tail(self) -> CommittedTail:
+        tail = CommittedTail(make_consumer(self.s.kafka, None),
+                             make_consumer(self.s.kafka, None, isolation_level="read_uncommitted"),
+                             self.health.beat, self.cfg.transaction_timeout_ms)
+        self._opened.append(tail)
+        return tail
+
+    def _start_loop(self, service: str, group_id: str, instance_id: str | None, txn_base: str | None,
+                    transform: Any, topic: str) -> None:
+        s, cfg = self.s, self.cfg
+        member: dict[str, Any] = {"group_instance_id": instance_id} if instance_id else {}
+        # a short broker-side fetch wait keeps the loop (and its timers) turning under light load
+        consumer = make_member(s.kafka, group_id, max_poll_records=cfg.max_batch, fetch_max_wait_ms=50,
+                               **member)
+        self._opened.append(consumer)
+        _check_partitions(consumer, s)
+        ids = transactional_ids(self.state.r, s.redis.key_prefix, txn_base) if txn_base else None
+        fault = self.fault
+        if fault is not None and service != SERVICE:  # the session stage's points: sessions_<point>
+            fault = functools.partial(_prefixed, fault, "sessions_")
+        producers = TransactionalProducers(
+            s.kafka, cfg.transaction_timeout_ms, ids, lambda: unique_transactional_id(service, group_id),
+            linger_ms=2, batch_size=256 * 1024, max_request_size=8 * 1024 * 1024)
+        loop = ExactlyOnceLoop(service, consumer, producers.open, transform, self.health,
+                               poll_timeout_ms=cfg.poll_timeout_ms, max_records=cfg.max_batch,
+                               fault=fault, quiet_poll_ms=cfg.idle_poll_ms)
+        self._opened.remove(consumer)
+        self.loops.append(loop.start([topic]))
+        log.info("%s loop: group %s, transactional id %s", service, group_id, producers.txn_id)
+
     def run(self, stopper: Stopper) -> None:
-        assert self.loop is not None, "start() first"
-        self.loop.run(stopper)
+        """Run the loops until ``stopper`` is set; a loop that fails stops the other."""
+        assert self.loops, "start() first"
+        failures: list[BaseException] = []
+
+        def side(loop: ExactlyOnceLoop[Any]) -> None:
+            try:
+                loop.run(stopper)
+            except BaseException as exc:  # the process must not go on with half a worker
+                failures.append(exc)
+                stopper.stop()
+
+        threads = [threading.Thread(target=side, args=(lp,), name=lp.service, daemon=True)
+                   for lp in self.loops[1:]]
+        for t in threads:
+            t.start()
+        try:
+            self.loops[0].run(stopper)
+        finally:
+            stopper.stop()
+            for t in threads:
+                t.join()
+        if failures:
+            raise failures[0]
 
     def close(self) -> None:
-        if self.loop is not None:
-            self.loop.close()  # the group member (leaving without a commit) and the producer
-        elif self._consumers:
-            self._consumers[0].close(autocommit=False)  # start() failed before the loop existed
-        for reader in self._consumers[1:]:
-            reader.close(autocommit=False)
+        for loop in self.loops:
+            loop.close()  # the group member (leaving without a commit) and the producer
+        for opened in self._opened:
+            if isinstance(opened, CommittedTail):
+                opened.close()
+            else:
+                opened.close(autocommit=False)  # start() failed before a loop owned it
 
 
 def transactional_ids(client: Any, key_prefix: str, base: str) -> TransactionalIds:
@@ -315,6 +354,10 @@ def _check_partitions(consumer: KafkaConsumer, s: Settings) -> None:
             f"topic {s.topics.rewards} has {len(rw)} partitions but {s.topics.events} "
             f"has {len(ev)}: the rewards topic needs at least as many (rewards of events "
             "partition p go to rewards partition p)")
+
+
+def _prefixed(fault: Callable[[str], None], prefix: str, point: str) -> None:
+    fault(prefix + point)
 
 
 def crash_hook(spec: str | None) -> Callable[[str], None] | None:

@@ -4,6 +4,7 @@ and a read_committed reader of the rewards topic."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -25,11 +26,12 @@ T0 = datetime.now(UTC) - timedelta(minutes=5)
 
 
 def served(rid: str, kind: str = "edit", arm: str = "stable", **kw: Any) -> CompletionServed:
+    fields: dict[str, Any] = {"session_id": "s", "prompt_tokens": [1, 2, 3], "completion_tokens": [4, 5],
+                              "logprobs": [-0.5, -0.25], "latency_ms": 500.0, **kw}
     return CompletionServed(
-        event_id=f"{rid}-s", request_id=rid, ts=T0, session_id="s", user_key=f"u-{rid}",
+        event_id=f"{rid}-s", request_id=rid, ts=T0, user_key=f"u-{rid}",
         model=ModelRef(name="tiny", version="1"), arm=arm,  # type: ignore[arg-type]
-        prompt_tokens=[1, 2, 3], completion_tokens=[4, 5], logprobs=[-0.5, -0.25],
-        latency_ms=kw.pop("latency_ms", 500.0), completion_kind=kind, **kw,  # type: ignore[arg-type]
+        completion_kind=kind, **fields,  # type: ignore[arg-type]
     )
 
 
@@ -53,6 +55,18 @@ def dissatisfied(rid: str) -> FollowupDissatisfied:
 def full_edit(rid: str, kept: int = 80) -> list[Any]:
     return [served(rid), accepted(rid), persisted(rid, 30, 100), persisted(rid, 600, kept),
             persisted(rid, 3600, kept // 2)]
+
+
+def interleave(streams: list[list[Any]], rng: random.Random) -> list[Any]:
+    """A random merge that keeps each stream's own event order."""
+    queues = [list(reversed(st)) for st in streams]
+    out = []
+    while queues:
+        q = rng.choice(queues)
+        out.append(q.pop())
+        if not q:
+            queues.remove(q)
+    return out
 
 
 def produce(settings: Settings, events: list[Any]) -> None:

@@ -11,10 +11,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from reward_helpers import full_edit, produce, read_rewards, served
+from reward_helpers import full_edit, interleave, produce, read_rewards, served
 
 from services.settings.model import Settings
 from tests.service_env import service_env
@@ -34,18 +33,6 @@ def worker_env(settings: Settings, tmp: Path, **extra: str) -> dict[str, str]:
         "RTRL_REWARD__GROUP_INSTANCE_ID": f"{settings.redis.key_prefix}worker-0",
         **extra,
     })
-
-
-def _interleave(streams: list[list[Any]], rng: random.Random) -> list[Any]:
-    """A random merge that keeps each request's own event order."""
-    queues = [list(reversed(st)) for st in streams]
-    out = []
-    while queues:
-        q = rng.choice(queues)
-        out.append(q.pop())
-        if not q:
-            queues.remove(q)
-    return out
 
 
 def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -70,7 +57,7 @@ def test_exactly_one_reward_per_request_across_sigkills(settings: Settings, tmp_
             evs = [*evs[1:], evs[0]]
         streams.append(evs)
     streams += [[served(rid, kind="question")] for rid in quiet]
-    events = _interleave(streams, rng)
+    events = interleave(streams, rng)
     produce(settings, events[: len(events) // 2])
     log = tmp_path / "workers.log"
     txid = f"{settings.redis.key_prefix}reward-0"
