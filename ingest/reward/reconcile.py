@@ -96,6 +96,10 @@ class Timing:
     """followup_s x time_scale: the wait after a rejection, a question or an empty completion."""
     slack_ms: float = 60_000
     """Extra time for the reward worker to see the events and commit (lag, restarts)."""
+    session_ms: float | None = None
+    """Under a spec with a ``[session]`` table: (max_s x time_scale + the session stage's note
+    wait): a session turn's record comes when its session closes, at the latest this long after
+    the turn's first event."""
 
 
 # ---------------------------------------------------------------------- the four steps
@@ -223,7 +227,10 @@ def _close_time_ms(evs: list[ForwardedEvent], timing: Timing | None, max_horizon
         None if served is None else served.timestamp_ms,
         decided_ms if decision is not None and not decision[1] else None,
         min(final, default=None), timing.followup_ms if timing is not None else 0.0)
-    return min((t for t in (due, early) if t is not None), default=None)
+    close = min((t for t in (due, early) if t is not None), default=None)
+    if timing is not None and timing.session_ms is not None and any(e.type == "session.turn" for e in evs):
+        return min(e.timestamp_ms for e in evs) + timing.session_ms  # credited when its session closes
+    return close
 
 
 def unrewarded_fate(evs: list[ForwardedEvent], timing: Timing | None, max_horizon_s: int,

@@ -51,6 +51,7 @@ from ingest.reward.reconcile import (
     reconcile,
 )
 from ingest.reward.reconcile_report import Report
+from ingest.reward.session_stage import note_wait_s
 from ingest.reward.spec import load_spec
 from services.cli import exit_codes
 from services.cli.backends import BackendUnavailableError, backend_failure, bounded_settings, message
@@ -147,7 +148,9 @@ def run(settings: Settings, *, ingest_group: str | None = None, reward_group: st
     scale = settings.reward.time_scale if time_scale is None else time_scale
     inp = read_inputs(settings, ingest_group, reward_group)
     timing = Timing(now_ms=int(time.time() * 1000), window_ms=spec.window_s * scale * 1000,
-                    followup_ms=spec.window.followup_s * scale * 1000, slack_ms=slack_s * 1000)
+                    followup_ms=spec.window.followup_s * scale * 1000, slack_ms=slack_s * 1000,
+                    session_ms=None if spec.session is None
+                    else (spec.session.max_s * scale + note_wait_s(spec, scale)) * 1000)
     return reconcile(inp.raw, inp.forwarded, inp.dlq, inp.rewards, raw_topic=settings.topics.raw,
                      max_horizon_s=spec.persistence.max_horizon_s, timing=timing,
                      ingest_committed=inp.ingest_committed if use_offsets else None,

@@ -125,6 +125,19 @@ def test_with_a_clock_rewards_are_due_only_after_followup_window_and_slack() -> 
     assert rep.lost_rewards == ["e", "q1", "q2"]  # the edit's window expired at its due time
 
 
+def test_a_session_turn_is_open_until_its_session_could_have_closed() -> None:
+    turn = [fwd(0, "t-s", "t", "completion.served", t_ms=4_000, kind="tool_call"),
+            fwd(1, "t-turn", "t", "session.turn", t_ms=4_000)]
+    plain = [fwd(2, "p-s", "p", "completion.served", t_ms=4_000, kind="tool_call")]
+    t = Timing(now_ms=50_000, window_ms=100_000, followup_ms=3_000, slack_ms=2_000, session_ms=60_000)
+    rep = reconcile([], [*turn, *plain], [], [], raw_topic=RAW, timing=t)
+    assert rep.lost_rewards == ["p"] and rep.open_requests == 1  # due at 4 + 60 s + 2 s slack
+    later = Timing(now_ms=66_001, window_ms=100_000, followup_ms=3_000, slack_ms=2_000, session_ms=60_000)
+    assert reconcile([], turn, [], [], raw_topic=RAW, timing=later).lost_rewards == ["t"]
+    per_request = Timing(now_ms=50_000, window_ms=100_000, followup_ms=3_000, slack_ms=2_000)
+    assert reconcile([], turn, [], [], raw_topic=RAW, timing=per_request).lost_rewards == ["t"]
+
+
 def test_events_the_reward_group_has_not_committed_are_not_judged() -> None:
     q = [fwd(0, "q1-s", "q1", "completion.served", kind="question", part=1)]
     rep = reconcile([], q, [], [], raw_topic=RAW, reward_committed={1: 0})
