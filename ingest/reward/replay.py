@@ -16,15 +16,28 @@ included here). :func:`replay` therefore always replays under the live spec too 
 
 Requests without a live record (still open, or orphans) are counted, not replayed. Every
 replayed record carries the new spec's ``reward_spec_version``.
+
+Under a spec with a ``[session]`` table the replay credits sessions as the worker's session
+stage does (:func:`credit_sessions`): every session is assembled from all its events in range;
+a request is a turn of the first session whose ``session.turn`` claimed it (in append order);
+each session's served turns with a live record get the session credit from the facts of their
+rebuilt windows. A session without an end counts as timed out (its turns have live records, so
+it closed). A live record made per request where the replay credits a session (a
+``session.turn`` the live worker saw only after its request's record was out) is the one case
+the check reports as not reproduced.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
-from ingest.events import Event, RewardRecord
+from ingest.events import SESSION_EVENT_TYPES, Event, RewardRecord, SessionEvent, SessionTurn
 from ingest.reward.join import Window, apply, close
+from ingest.reward.session_credit import credit
+from ingest.reward.session_stage import note_facts
+from ingest.reward.sessions import assemble_all
 from ingest.reward.spec import RewardSpec
 
 
@@ -67,15 +80,47 @@ def replay(events: Sequence[tuple[float, Event]], live_records: Iterable[RewardR
     """Every live record next to its replay under ``spec`` (in the live records' order)."""
     live = {r.request_id: r for r in live_records}
     windows, result = rebuild(events, live, spec)
+    replayed: dict[str, RewardRecord] = {}
     for rid, rec in live.items():
         w = windows.get(rid)
         if w is None or w.served is None:
             result.missing_served += 1
             continue
-        replayed = close(w, spec, rec.closed_ts.timestamp()).record
-        assert replayed is not None  # a window with its served event always closes to a record
-        result.pairs.append(Pair(rec, replayed))
+        out = close(w, spec, rec.closed_ts.timestamp()).record
+        assert out is not None  # a window with its served event always closes to a record
+        replayed[rid] = out
+    if spec.session is not None:
+        replayed.update(credit_sessions(events, windows, replayed, spec))
+    result.pairs += [Pair(live[rid], rec) for rid, rec in replayed.items()]
     return result
+
+
+def credit_sessions(events: Sequence[tuple[float, Event]], windows: Mapping[str, Window],
+                    records: Mapping[str, RewardRecord], spec: RewardSpec) -> dict[str, RewardRecord]:
+    """The session-credited records of the requests that are turns (module doc), by request id."""
+    assert spec.session is not None
+    ordered = [ev for _, ev in sorted(events, key=lambda te: te[0]) if ev.type in SESSION_EVENT_TYPES]
+    session_events: list[SessionEvent] = [ev for ev in ordered if isinstance(ev, SessionEvent)]
+    owner: dict[str, str] = {}
+    for ev in session_events:
+        if isinstance(ev, SessionTurn):
+            owner.setdefault(ev.request_id, ev.session_id)
+    if not session_events:
+        return {}
+    far = max(ev.ts for ev in session_events) + timedelta(seconds=spec.session.idle_s + spec.session.max_s)
+    out: dict[str, RewardRecord] = {}
+    for sid, session in assemble_all(session_events, far, spec.session.window).items():
+        facts = {}
+        for t in session.turns:
+            w = windows.get(t.request_id)
+            f = None if w is None or owner.get(t.request_id) != sid else note_facts(w, spec)
+            if f is not None and t.request_id in records:
+                facts[t.request_id] = f.facts()
+        for c in credit(session, facts, spec.session):
+            out[c.request_id] = records[c.request_id].model_copy(update={
+                "reward": c.reward, "components": dict(c.components), "defaulted": False})
+    return out
+
 
 
 def reproduced(pair: Pair) -> bool:

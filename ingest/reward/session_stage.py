@@ -42,7 +42,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from ingest.events import Id, RewardRecord, SessionEnd, SessionEvent
-from ingest.reward.session_credit import TurnFacts, credit
+from ingest.reward.join import Window
+from ingest.reward.session_credit import TurnFacts, credit, edit_persisted
 from ingest.reward.sessions import Session, assemble
 from ingest.reward.spec import RewardSpec
 
@@ -62,6 +63,17 @@ class NoteFacts(_Msg):
 
     def facts(self) -> TurnFacts:
         return TurnFacts(self.prompt_tokens, self.completion_tokens, self.dissatisfied, self.edit_persisted)
+
+
+def note_facts(w: Window, spec: RewardSpec) -> NoteFacts | None:
+    """What a closed request window tells its session (None: it was never served)."""
+    s = w.served
+    if s is None:
+        return None
+    fb = w.feedback()
+    return NoteFacts(prompt_tokens=len(s.prompt_tokens), completion_tokens=len(s.completion_tokens),
+                     dissatisfied=fb.dissatisfied,
+                     edit_persisted=edit_persisted(fb, s.completion_kind, spec.persistence.primary_horizon_s))
 
 
 class ForwardedEvent(_Msg):

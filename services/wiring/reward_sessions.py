@@ -35,14 +35,13 @@ from ingest.contracts import prometheus as m
 from ingest.events import Event, RewardRecord, SessionEnd, SessionSummary, SessionTurn, ToolCall, ToolResult
 from ingest.reward.join import Closed as ClosedWindow
 from ingest.reward.join import Window
-from ingest.reward.session_credit import edit_persisted
 from ingest.reward.session_stage import (
     Credited,
     ForwardedEvent,
-    NoteFacts,
     TurnNote,
     decide,
     late_note_records,
+    note_facts,
     parse_message,
 )
 from ingest.reward.spec import RewardSpec
@@ -59,16 +58,6 @@ def forward(events: Sequence[Event], topic: str) -> list[Output]:
     """Every session event of a batch, re-keyed by its session."""
     return [Output(topic, ForwardedEvent(event=ev).model_dump_json().encode(), ev.session_id.encode())
             for ev in events if isinstance(ev, SESSION_EVENTS)]
-
-
-def note_facts(w: Window, spec: RewardSpec) -> NoteFacts | None:
-    s = w.served
-    if s is None:
-        return None
-    fb = w.feedback()
-    return NoteFacts(prompt_tokens=len(s.prompt_tokens), completion_tokens=len(s.completion_tokens),
-                     dissatisfied=fb.dissatisfied,
-                     edit_persisted=edit_persisted(fb, s.completion_kind, spec.persistence.primary_horizon_s))
 
 
 def turn_notes(w: Window, closed: ClosedWindow, partition: int, spec: RewardSpec, topic: str) -> list[Output]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from ingest.events import (
     FollowupDissatisfied,
     ModelRef,
     RewardRecord,
+    parse_event,
 )
 from ingest.reward.join import Window, apply, close, close_at
 from ingest.reward.replay import Pair, advantage_shift, replay, reproduced, summarize
@@ -26,6 +28,7 @@ LIVE = load_spec()
 NEW = parse_spec(default_spec_text().replace('version = "default-v1"', 'version = "accept-heavy-v2"')
                  .replace("accepted = 0.75", "accepted = 1.5"), "new")
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+ROOT = Path(__file__).resolve().parents[2]
 SCALE = 0.001  # horizons of 30/600/3600 s pass in 0.03/0.6/3.6 s
 
 
@@ -166,3 +169,45 @@ def test_a_past_canary_is_judged_again_with_the_replayed_rewards() -> None:
     assert out["live"]["reward_difference"] == pytest.approx(0.0, abs=0.1)
     assert out["replayed"]["reward_difference"] == pytest.approx(-1.0, abs=0.1)
     assert out["live"]["users"] == [400, 400]
+
+
+# ------------------------------------------------------------------ sessions
+def _worked_example() -> tuple[list[tuple[float, Event]], dict[str, float]]:
+    """docs/rewards.md's worked example: its session events, its turns' served events and
+    feedback (appended one per 10 ms), a request of no session, and the credits the page gives."""
+    lines = (ROOT / "docs" / "examples" / "session.jsonl").read_text().splitlines()
+    evs: list[Event] = [parse_event(line) for line in lines if line.strip()]
+    sizes = [(900, 40), (1400, 160), (1600, 30), (1700, 30), (2000, 180), (600, 90)]
+    for i, (p, c) in enumerate([*sizes, (50, 5)]):
+        rid = f"req-7f3a-{i}" if i < 6 else "plain"
+        evs.append(CompletionServed(
+            event_id=f"{rid}-s", request_id=rid, ts=T0, session_id="sess-7f3a", user_key="u",
+            model=ModelRef(name="m", version="1"), arm="stable", prompt_tokens=[3] * p,
+            completion_tokens=[4] * c, logprobs=[-0.5] * c, latency_ms=100.0,
+            completion_kind="edit" if i in (1, 5) else "tool_call"))
+    for rid, kept in (("req-7f3a-1", 80), ("req-7f3a-5", 60)):
+        evs += [EditAccepted(event_id=f"{rid}-a", request_id=rid, ts=T0, inserted_chars=100),
+                EditPersistence(event_id=f"{rid}-p", request_id=rid, ts=T0, horizon_s=600,
+                                retained_chars=kept, inserted_chars=100)]
+    evs.append(FollowupDissatisfied(event_id="d", request_id="req-7f3a-3", ts=T0))
+    expected = {f"req-7f3a-{i}": 0.81254 if i == 2 else 1.06254 for i in range(6)}
+    return [(100.0 + 0.01 * k, ev) for k, ev in enumerate(evs)], expected
+
+
+def test_a_session_spec_replays_turns_with_their_session_credit() -> None:
+    events, expected = _worked_example()
+    agent = load_spec(ROOT / "ingest" / "reward" / "specs" / "agent.toml")
+    windows: dict[str, Window] = {}
+    for t, ev in events:
+        windows[ev.request_id] = apply(windows.get(ev.request_id), ev, t, LIVE)
+    live = [r for w in windows.values() if (r := close(w, LIVE, 200.0).record) is not None]
+    assert {r.request_id for r in live} == {*expected, "plain"}
+    res = replay(events, live, agent)
+    got = {p.replayed.request_id: p.replayed for p in res.pairs}
+    for rid, value in expected.items():
+        assert got[rid].reward == pytest.approx(value, abs=1e-9), rid
+        assert got[rid].reward_spec_version == "agent-v1" and "outcome" in got[rid].components
+    assert "outcome" not in got["plain"].components  # not a turn: rewarded per request
+    again = replay(events, [p.replayed for p in res.pairs], agent)  # the credited records, replayed
+    assert all(reproduced(p) for p in again.pairs)
+    assert all(reproduced(p) for p in replay(events, live, LIVE).pairs)  # no [session]: per request
