@@ -2,8 +2,10 @@
 
 A worker that marks its outputs done in Redis only after their transaction committed may die
 between the two; on every assignment it reads its outputs back from a checkpoint to the
-partition's end. The end must be *stable*: no transaction open on the partition (last stable
-offset = high watermark), or records of a commit still in flight would be missed.
+partition's end. The end must be *stable*: every transaction that wrote below the high watermark
+seen when recovery starts must be over (the last stable offset has reached that high watermark),
+or records of a commit still in flight would be missed. Transactions opened later by other
+writers of the partition (several workers write each partition) do not hold recovery up.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
+from kafka.errors import KafkaTimeoutError
 
 
 class CommittedTail:
@@ -27,17 +30,18 @@ class CommittedTail:
         self.wait_s = transaction_timeout_ms / 1000 + 10
 
     def stable_end(self, tp: TopicPartition) -> int:
-        """The partition's end once no transaction is open on it; raises after the
-        transaction timeout (plus 10 s) if one stays open."""
+        """The last stable offset once it has reached the high watermark of now (module doc);
+        raises after the transaction timeout (plus 10 s) if a transaction stays open."""
         deadline = time.monotonic() + self.wait_s
+        hw = self.uncommitted.end_offsets([tp])[tp]
         while True:
             lso = self.committed.end_offsets([tp])[tp]
-            hw = self.uncommitted.end_offsets([tp])[tp]
             if lso >= hw:
                 return int(lso)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{tp.topic} partition {tp.partition} keeps an open transaction "
-                                   f"(LSO {lso} < HW {hw})")
+                # a Kafka error: the exactly-once loop retries recovery with backoff
+                raise KafkaTimeoutError(f"{tp.topic} partition {tp.partition} keeps an open transaction "
+                                        f"(LSO {lso} < HW {hw})")
             self.beat()
             time.sleep(0.2)
 

@@ -177,6 +177,9 @@ def decide(state: SessionState, now: float, spec: RewardSpec, scale: float) -> D
     closes = may_close_at(state.first_seen, state.last_event_seen, state.end_seen, spec, scale)
     if closes is None or now < closes:
         return Decision(None, next_at=closes)
+    if not state.events:  # notes only (their session's events expired or were never kept)
+        records = tuple(n.record for _, n in sorted(state.notes.items()) if n.record is not None)
+        return Decision(records, tuple(sorted(state.notes)))
     has_end = any(isinstance(e, SessionEnd) for e in state.events.values())
     session = assemble_closed(state, spec, timed_out=not has_end)
     if session.status == "open":  # its end was set aside (e.g. a turn not seen): wait for the window

@@ -87,8 +87,7 @@ from services.runtime.process import Stopper
 
 TXN_TIMEOUT_S = 10.0
 """Longest wait for a batch's sends, offsets or commit before the transaction counts as failed."""
-LAG_EVERY_S = 2.0
-"""How often the lag gauges are refreshed (one ListOffsets request)."""
+LAG_EVERY_S = 2.0  # how often the lag gauges are refreshed (one ListOffsets request)
 BROKER_STALE_S = 30.0
 """Readiness fails when the broker has not answered for this long."""
 
@@ -179,7 +178,7 @@ class ExactlyOnceLoop(Generic[R]):
         poll_timeout_ms: int,
         max_records: int,
         fault: Callable[[str], None] | None = None,
-        quiet_poll_ms: int | None = None,
+        quiet_poll_ms: int | None = None, check_prefix: str = "",
     ) -> None:
         self.service = service
         self.log = logging.getLogger(f"rtrl.{service}")
@@ -203,9 +202,10 @@ class ExactlyOnceLoop(Generic[R]):
         """The dependency whose failure the loop is recovering from (None: healthy)."""
         self._replace_producer = False
         self._last_lag = 0.0
-        health.add_check("broker", lambda: time.monotonic() - self.last_broker_ok < BROKER_STALE_S)
-        health.add_check("redis", lambda: self.failing != "redis")
-        health.add_check("assignment", lambda: self.assignment_known)
+        self.check_prefix = pre = check_prefix  # names its checks and heartbeat beside other loops
+        health.add_check(f"{pre}broker", lambda: time.monotonic() - self.last_broker_ok < BROKER_STALE_S)
+        health.add_check(f"{pre}redis", lambda: self.failing != "redis")
+        health.add_check(f"{pre}assignment", lambda: self.assignment_known)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, topics: Sequence[str]) -> ExactlyOnceLoop[R]:
@@ -228,7 +228,7 @@ class ExactlyOnceLoop(Generic[R]):
         down_since = 0.0
         self.poller.wait = stopper.wait
         while not stopper.stopping:
-            self.health.beat()
+            self.health.beat(self.check_prefix)
             try:
                 if self.failing is not None:
                     self._reset()
@@ -307,7 +307,7 @@ class ExactlyOnceLoop(Generic[R]):
         # a transaction that was open, or any Kafka failure, retires the producer
         self._replace_producer = self._replace_producer or dependency == "kafka" or self.in_transaction
         self.failing = dependency
-        self.health.beat()  # alive and retrying; readiness says what fails
+        self.health.beat(self.check_prefix)  # alive and retrying; readiness says what fails
 
     def _reset(self) -> None:
         """After a failure: abort, replace the producer if needed, rewind to the committed

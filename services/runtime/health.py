@@ -28,12 +28,13 @@ class Health:
     def __init__(self, liveness_timeout_s: float = 60.0) -> None:
         self._checks: dict[str, Callable[[], bool]] = {}
         self._advisory: set[str] = set()
-        self._last_beat = time.monotonic()
+        self._beats: dict[str, float] = {"": time.monotonic()}
         self.liveness_timeout_s = liveness_timeout_s
 
-    def beat(self) -> None:
-        """Called by the main loop on every iteration."""
-        self._last_beat = time.monotonic()
+    def beat(self, loop: str = "") -> None:
+        """Called by the main loop on every iteration; a process with several loops names
+        each, and is live only while every one of them ticks."""
+        self._beats[loop] = time.monotonic()
 
     def add_check(self, name: str, check: Callable[[], bool], required: bool = True) -> None:
         self._checks[name] = check
@@ -41,7 +42,7 @@ class Health:
             self._advisory.add(name)
 
     def live(self) -> tuple[bool, dict[str, object]]:
-        age = time.monotonic() - self._last_beat
+        age = time.monotonic() - min(self._beats.values())
         return age <= self.liveness_timeout_s, {"last_loop_s_ago": round(age, 3)}
 
     def ready(self) -> tuple[bool, dict[str, object]]:

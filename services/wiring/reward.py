@@ -147,7 +147,8 @@ class RewardJoin:
         result = batch.result
         ckpts: dict[int, int] = {}
         for meta in delivered:
-            ckpts[meta.partition] = max(ckpts.get(meta.partition, 0), meta.offset + 1)
+            if meta.topic == self.topics.rewards:  # not the forwarded session messages
+                ckpts[meta.partition] = max(ckpts.get(meta.partition, 0), meta.offset + 1)
         self.state.finish([(c.partition, c.request_id) for c in result.closed] + result.noted,
                           result.orphans, result.stale, ckpts)
         done_t = time.time()
@@ -262,12 +263,12 @@ class RewardWorker:
         topics = [s.topics.events, s.topics.rewards] + ([s.topics.sessions] if self.spec.session else [])
         ensure_topics(s, topics)
         self.state.r.ping()
-        join_tail = self._tail()
+        join_tail = self._tail("")
         join = RewardJoin(s, self.spec, self.state, join_tail, self.fault or (lambda _point: None))
         txn_base = cfg.transactional_id or cfg.group_instance_id
         self._start_loop(SERVICE, cfg.group_id, cfg.group_instance_id, txn_base, join, s.topics.events)
         if self.spec.session is not None:
-            stage = SessionStage(s, self.spec, self.session_state, self._tail())
+            stage = SessionStage(s, self.spec, self.session_state, self._tail("sessions_"))
             suffix = "-sessions"
             self._start_loop(f"{SERVICE}-sessions", cfg.group_id + suffix,
                              cfg.group_instance_id and cfg.group_instance_id + suffix,
@@ -276,10 +277,10 @@ class RewardWorker:
                  cfg.time_scale, ", with the session stage" if self.spec.session else "")
         return self
 
-    def _tail(self) -> CommittedTail:
+    def _tail(self, loop: str) -> CommittedTail:
         tail = CommittedTail(make_consumer(self.s.kafka, None),
                              make_consumer(self.s.kafka, None, isolation_level="read_uncommitted"),
-                             self.health.beat, self.cfg.transaction_timeout_ms)
+                             functools.partial(self.health.beat, loop), self.cfg.transaction_timeout_ms)
         self._opened.append(tail)
         return tail
 
@@ -301,7 +302,8 @@ class RewardWorker:
             linger_ms=2, batch_size=256 * 1024, max_request_size=8 * 1024 * 1024)
         loop = ExactlyOnceLoop(service, consumer, producers.open, transform, self.health,
                                poll_timeout_ms=cfg.poll_timeout_ms, max_records=cfg.max_batch,
-                               fault=fault, quiet_poll_ms=cfg.idle_poll_ms)
+                               fault=fault, quiet_poll_ms=cfg.idle_poll_ms,
+                               check_prefix="" if service == SERVICE else "sessions_")
         self._opened.remove(consumer)
         self.loops.append(loop.start([topic]))
         log.info("%s loop: group %s, transactional id %s", service, group_id, producers.txn_id)

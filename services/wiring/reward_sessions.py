@@ -50,6 +50,8 @@ from services.settings.model import Settings
 
 log = logging.getLogger("rtrl.reward.sessions")
 GAUGES_EVERY_S = 2.0
+MARKER_IDS = 1000
+"""Request ids per Credited marker (at most 128 characters each: a marker stays under 150 kB)."""
 SESSION_EVENTS = (SessionTurn, ToolCall, ToolResult, SessionSummary, SessionEnd)
 
 
@@ -87,8 +89,8 @@ class StageResult:
     handled: list[Handled] = field(default_factory=list)
     statuses: list[tuple[str, int]] = field(default_factory=list)
     """(how each credited session closed, its records)."""
-    rewards: list[tuple[str, float]] = field(default_factory=list)
-    """(arm, reward) of every record emitted."""
+    rewards: list[tuple[str, float, bool]] = field(default_factory=list)
+    """(arm, reward, defaulted) of every record emitted."""
 
 
 class SessionStage:
@@ -130,13 +132,16 @@ class SessionStage:
         rows, next_at = self.store.due(ready, now, self.limit)
         later: list[tuple[int, str, float | None]] = []
         for p, sid in rows:
+            if len(outputs) >= self.cfg.max_close_per_batch:  # the rest in the next transaction
+                next_at = now
+                break
             state = self.store.load(sid)
             d = decide(state, now, self.spec, self.cfg.time_scale)
             if d.records is None:  # still open; no time at all: a timer left without a session
                 later.append((p, sid, d.next_at))
                 continue
             outputs += [self._record(r, state.notes[r.request_id].partition, result) for r in d.records]
-            outputs.append(self._marker(p, sid, d.handled, closed=True))
+            outputs += self._markers(p, sid, d.handled, closed=True)
             result.handled.append(Handled(p, sid, d.handled, closed=True))
             result.statuses.append(("open" if d.session is None else d.session.status, len(d.records)))
             if d.missing:
@@ -154,11 +159,11 @@ class SessionStage:
             if meta.topic == self.topics.sessions:
                 ckpts[meta.partition] = max(ckpts.get(meta.partition, 0), meta.offset + 1)
         self.store.finish(batch.result.handled, ckpts)
-        for status, records in batch.result.statuses:
+        for status, _ in batch.result.statuses:
             m.REWARD_SESSIONS_CLOSED.labels(status).inc()
-            m.REWARD_SESSION_TURNS.inc(records)
-        for arm, reward in batch.result.rewards:
-            m.REWARDS_EMITTED.labels(arm, "false").inc()
+        m.REWARD_SESSION_TURNS.inc(len(batch.result.rewards))
+        for arm, reward, defaulted in batch.result.rewards:
+            m.REWARDS_EMITTED.labels(arm, str(defaulted).lower()).inc()
             m.observe_reward(arm, reward)
 
     def _late(self, t: Touch, sid: str, handled: set[str], result: StageResult,
@@ -172,18 +177,21 @@ class SessionStage:
             return
         by_rid = {n.request_id: n.partition for n in t.notes}
         outputs += [self._record(r, by_rid[r.request_id], result) for r in records]
-        outputs.append(self._marker(t.partition, sid, tuple(ids), closed=False))
+        outputs += self._markers(t.partition, sid, tuple(ids), closed=False)
         result.handled.append(Handled(t.partition, sid, tuple(ids), closed=False))
 
     def _record(self, rec: RewardRecord, partition: int, result: StageResult) -> Output:
-        result.rewards.append((rec.arm, rec.reward))
+        result.rewards.append((rec.arm, rec.reward, rec.defaulted))
         return Output(self.topics.rewards, rec.model_dump_json().encode(), rec.request_id.encode(),
                       partition=partition)
 
-    def _marker(self, partition: int, sid: str, ids: Sequence[str], closed: bool) -> Output:
-        mark = Credited(session_id=sid, request_ids=list(ids), closed=closed)
-        return Output(self.topics.sessions, mark.model_dump_json().encode(), sid.encode(),
-                      partition=partition)
+    def _markers(self, partition: int, sid: str, ids: Sequence[str], closed: bool) -> list[Output]:
+        """The session's Credited markers, ``MARKER_IDS`` request ids each (a 10,000-turn
+        session's ids would not fit one record under the broker's size limit)."""
+        chunks = [ids[i:i + MARKER_IDS] for i in range(0, len(ids), MARKER_IDS)] or [()]
+        marks = [Credited(session_id=sid, request_ids=list(c), closed=closed) for c in chunks]
+        return [Output(self.topics.sessions, mark.model_dump_json().encode(), sid.encode(),
+                       partition=partition) for mark in marks]
 
     def _recover(self, partitions: list[int]) -> None:
         """Apply every Credited marker committed since the checkpoint (module doc)."""
@@ -207,7 +215,7 @@ def _parse(rec: Any) -> ForwardedEvent | TurnNote | Credited | None:
     try:
         return parse_message(rec.value)
     except (ValidationError, ValueError, TypeError):
-        m.REWARD_EVENTS.labels("invalid").inc()
+        m.REWARD_EVENTS.labels("session_stage_invalid").inc()
         log.warning("unparseable record on %s[%d]@%d skipped", rec.topic, rec.partition, rec.offset)
         return None
 

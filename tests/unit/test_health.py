@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from services.runtime.health import Health
 
 
@@ -28,3 +30,15 @@ def test_a_check_that_raises_fails_and_required_is_the_default() -> None:
 
     h.add_check("redis", boom)
     assert h.ready() == (False, {"failing": ["redis"], "checks": ["redis"]})
+
+
+def test_a_process_with_two_loops_is_live_only_while_both_tick() -> None:
+    h = Health(liveness_timeout_s=0.05)
+    h.beat()
+    h.beat("sessions_")
+    assert h.live()[0]
+    time.sleep(0.08)
+    h.beat()  # the first loop ticks, the second is stuck
+    assert not h.live()[0]
+    h.beat("sessions_")
+    assert h.live()[0]

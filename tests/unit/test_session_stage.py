@@ -185,3 +185,41 @@ def test_a_window_remembers_the_sessions_that_claimed_it_in_order_and_bounded() 
     legacy = json.loads(w.to_json())
     del legacy["sessions"]  # a window stored before sessions existed
     assert Window.from_json(json.dumps(legacy)).sessions == ()
+
+
+def test_a_session_with_notes_only_gives_each_request_its_own_record() -> None:
+    st = state([], [note("r1"), note("r2", with_record=False)], first=0.0, last=None)
+    assert decide(st, 10.0, SPEC, SCALE).records is None  # not yet: idle from the first note
+    d = decide(st, 1800.0, SPEC, SCALE)
+    assert d.records == (note("r1").record,) and d.handled == ("r1", "r2")
+
+
+# ------------------------------------------------------------------ the worker's halves
+def test_markers_hold_at_most_a_thousand_ids_and_an_empty_session_gets_one() -> None:
+    from services.settings.model import Settings
+    from services.wiring.reward_sessions import MARKER_IDS, SessionStage
+
+    stage = SessionStage(Settings(), SPEC, store=None, tail=None)  # type: ignore[arg-type]
+    ids = [f"req-{i:0120d}" for i in range(2 * MARKER_IDS + 1)]
+    outs = stage._markers(3, SID, ids, closed=True)
+    marks = [parse_message(o.value) for o in outs]
+    assert [len(m.request_ids) for m in marks] == [MARKER_IDS, MARKER_IDS, 1]  # type: ignore[union-attr]
+    assert all(o.partition == 3 and o.key == SID.encode() and len(o.value) < 200_000 for o in outs)
+    assert len(stage._markers(0, SID, [], closed=True)) == 1
+
+
+def test_the_join_moves_its_rewards_checkpoint_by_rewards_records_only() -> None:
+    from types import SimpleNamespace
+
+    from services.runtime.exactly_once import Batch
+    from services.settings.model import Settings
+    from services.wiring.reward import JoinResult, RewardJoin
+
+    calls: list[Any] = []
+    store = SimpleNamespace(finish=lambda *a: calls.append(a))
+    s = Settings()
+    join = RewardJoin(s, SPEC, store, tail=None)  # type: ignore[arg-type]
+    delivered = [SimpleNamespace(topic=s.topics.sessions, partition=1, offset=900),
+                 SimpleNamespace(topic=s.topics.rewards, partition=1, offset=7)]
+    join.committed(Batch([], JoinResult()), delivered)
+    assert calls[0][3] == {1: 8}
