@@ -26,6 +26,8 @@ from ingest.events import SessionEnd
 from ingest.reward.session_stage import ForwardedEvent, SessionState, TurnNote, may_close_at
 from ingest.reward.spec import RewardSpec
 
+NOTE_RECHECK_S = 1.0
+"""A session touched by notes only is looked at again this soon at the earliest."""
 CREDITED = "*"
 """Member of ``sdone:<session_id>`` that says the session was credited."""
 
@@ -47,6 +49,16 @@ class Handled:
     session_id: str
     request_ids: tuple[str, ...]
     closed: bool = True
+
+
+def next_look(close_at: float | None, scheduled: Any, with_events: bool, now: float) -> float | None:
+    """When to look at a touched session next (None: leave its timer as it is). Events set it
+    to when the session may close. Notes only bring it forward to ``NOTE_RECHECK_S`` from now at
+    the earliest: a closed session waiting for its notes is not loaded whole once per batch."""
+    if close_at is None or with_events:
+        return close_at
+    at = max(close_at, now + NOTE_RECHECK_S)
+    return None if scheduled is not None and float(scheduled) <= at else at
 
 
 class RedisSessionState:
@@ -134,9 +146,11 @@ class RedisSessionState:
         pipe = self.r.pipeline(transaction=False)
         for sid in sids:
             pipe.hmget(self._s(sid), "first", "last", "end")
-        before = pipe.execute()
+            pipe.zscore(self._due(touched[sid].partition), sid)
+        res = pipe.execute()
+        before = [(*res[2 * i], res[2 * i + 1]) for i in range(len(sids))]
         pipe = self.r.pipeline(transaction=True)
-        for sid, (first, last, end) in zip(sids, before, strict=True):
+        for sid, (first, last, end, scheduled) in zip(sids, before, strict=True):
             t = touched[sid]
             key = self._s(sid)
             for ev in t.events:
@@ -153,7 +167,7 @@ class RedisSessionState:
             if end_t is None and any(isinstance(e.event, SessionEnd) for e in t.events):
                 end_t = fields["end"] = now
             pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
-            at = may_close_at(first_t, last_t, end_t, spec, scale)
+            at = next_look(may_close_at(first_t, last_t, end_t, spec, scale), scheduled, bool(t.events), now)
             if at is not None:
                 pipe.zadd(self._due(t.partition), {sid: at})
         pipe.execute()

@@ -223,3 +223,15 @@ def test_the_join_moves_its_rewards_checkpoint_by_rewards_records_only() -> None
                  SimpleNamespace(topic=s.topics.rewards, partition=1, offset=7)]
     join.committed(Batch([], JoinResult()), delivered)
     assert calls[0][3] == {1: 8}
+
+
+def test_notes_bring_a_look_forward_at_most_once_a_second_and_never_push_it_back() -> None:
+    from ingest.adapters.redis_sessions import NOTE_RECHECK_S, next_look
+
+    now = 100.0
+    assert next_look(150.0, 120.0, True, now) == 150.0  # events: when the session may close
+    assert next_look(None, None, False, now) is None
+    assert next_look(50.0, 900.0, False, now) == now + NOTE_RECHECK_S  # waiting closed session: soon
+    assert next_look(50.0, now + 0.5, False, now) is None  # already looked at sooner
+    assert next_look(150.0, 150.0, False, now) is None  # open: its timer stays
+    assert next_look(50.0, None, False, now) == now + NOTE_RECHECK_S  # no timer: one is set
