@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from ingest.events import SESSION_EVENT_TYPES, Event, RewardRecord, SessionEvent, SessionTurn
+from ingest.events import Event, RewardRecord, SessionEvent, SessionTurn
 from ingest.reward.join import Window, apply, close
 from ingest.reward.session_credit import credit
 from ingest.reward.session_stage import note_facts
@@ -99,8 +99,7 @@ def credit_sessions(events: Sequence[tuple[float, Event]], windows: Mapping[str,
                     records: Mapping[str, RewardRecord], spec: RewardSpec) -> dict[str, RewardRecord]:
     """The session-credited records of the requests that are turns (module doc), by request id."""
     assert spec.session is not None
-    ordered = [ev for _, ev in sorted(events, key=lambda te: te[0]) if ev.type in SESSION_EVENT_TYPES]
-    session_events: list[SessionEvent] = [ev for ev in ordered if isinstance(ev, SessionEvent)]
+    session_events = [ev for _, ev in sorted(events, key=lambda te: te[0]) if isinstance(ev, SessionEvent)]
     owner: dict[str, str] = {}
     for ev in session_events:
         if isinstance(ev, SessionTurn):

@@ -62,6 +62,8 @@ from services.wiring.reward_sessions import SessionStage, forward, late_turn_not
 
 log = logging.getLogger("rtrl.reward")
 SERVICE = "reward"
+SESSIONS = "sessions_"
+"""The session stage's prefix: its readiness checks, heartbeat and fault points."""
 
 # Test-only fault injection: "<point>:<probability>", point in after_apply | mid_txn |
 # before_commit | after_commit, or the session stage's sessions_mid_txn | sessions_before_commit |
@@ -253,40 +255,38 @@ class RewardWorker:
         self._opened: list[KafkaConsumer | CommittedTail] = []
         """What to close if start() fails before a loop owns it."""
 
-    @property
-    def loop(self) -> ExactlyOnceLoop[Any] | None:
-        return self.loops[0] if self.loops else None
-
     def start(self) -> RewardWorker:
         s, cfg = self.s, self.cfg
         wait_for_broker(s.kafka)
         topics = [s.topics.events, s.topics.rewards] + ([s.topics.sessions] if self.spec.session else [])
         ensure_topics(s, topics)
         self.state.r.ping()
-        join_tail = self._tail("")
-        join = RewardJoin(s, self.spec, self.state, join_tail, self.fault or (lambda _point: None))
-        txn_base = cfg.transactional_id or cfg.group_instance_id
-        self._start_loop(SERVICE, cfg.group_id, cfg.group_instance_id, txn_base, join, s.topics.events)
+        join = RewardJoin(s, self.spec, self.state, self._tail(""), self.fault or (lambda _point: None))
+        self._start_loop("", join, s.topics.events)
         if self.spec.session is not None:
-            stage = SessionStage(s, self.spec, self.session_state, self._tail("sessions_"))
-            suffix = "-sessions"
-            self._start_loop(f"{SERVICE}-sessions", cfg.group_id + suffix,
-                             cfg.group_instance_id and cfg.group_instance_id + suffix,
-                             txn_base and txn_base + suffix, stage, s.topics.sessions)
+            stage = SessionStage(s, self.spec, self.session_state, self._tail(SESSIONS))
+            self._start_loop(SESSIONS, stage, s.topics.sessions)
         log.info("reward worker up: spec %s, group %s, time scale %g%s", self.spec.version, cfg.group_id,
                  cfg.time_scale, ", with the session stage" if self.spec.session else "")
         return self
 
-    def _tail(self, loop: str) -> CommittedTail:
+    def _tail(self, prefix: str) -> CommittedTail:
         tail = CommittedTail(make_consumer(self.s.kafka, None),
                              make_consumer(self.s.kafka, None, isolation_level="read_uncommitted"),
-                             functools.partial(self.health.beat, loop), self.cfg.transaction_timeout_ms)
+                             functools.partial(self.health.beat, prefix), self.cfg.transaction_timeout_ms)
         self._opened.append(tail)
         return tail
 
-    def _start_loop(self, service: str, group_id: str, instance_id: str | None, txn_base: str | None,
-                    transform: Any, topic: str) -> None:
+    def _start_loop(self, prefix: str, transform: Any, topic: str) -> None:
+        """One exactly-once loop on ``topic``. ``prefix`` ("" for the join, ``SESSIONS`` for the
+        session stage) names its readiness checks, heartbeat and fault points, and suffixes its
+        service name, group, static member id and transactional ids (``-sessions``)."""
         s, cfg = self.s, self.cfg
+        suffix = f"-{prefix.rstrip('_')}" if prefix else ""
+        service, group_id = SERVICE + suffix, cfg.group_id + suffix
+        instance_id = cfg.group_instance_id + suffix if cfg.group_instance_id else None
+        base = cfg.transactional_id or cfg.group_instance_id
+        txn_base = base + suffix if base else None
         member: dict[str, Any] = {"group_instance_id": instance_id} if instance_id else {}
         # a short broker-side fetch wait keeps the loop (and its timers) turning under light load
         consumer = make_member(s.kafka, group_id, max_poll_records=cfg.max_batch, fetch_max_wait_ms=50,
@@ -295,15 +295,14 @@ class RewardWorker:
         _check_partitions(consumer, s)
         ids = transactional_ids(self.state.r, s.redis.key_prefix, txn_base) if txn_base else None
         fault = self.fault
-        if fault is not None and service != SERVICE:  # the session stage's points: sessions_<point>
-            fault = functools.partial(_prefixed, fault, "sessions_")
+        if fault is not None and prefix:  # the session stage's points: sessions_<point>
+            fault = functools.partial(_prefixed, fault, prefix)
         producers = TransactionalProducers(
             s.kafka, cfg.transaction_timeout_ms, ids, lambda: unique_transactional_id(service, group_id),
             linger_ms=2, batch_size=256 * 1024, max_request_size=8 * 1024 * 1024)
         loop = ExactlyOnceLoop(service, consumer, producers.open, transform, self.health,
                                poll_timeout_ms=cfg.poll_timeout_ms, max_records=cfg.max_batch,
-                               fault=fault, quiet_poll_ms=cfg.idle_poll_ms,
-                               check_prefix="" if service == SERVICE else "sessions_")
+                               fault=fault, quiet_poll_ms=cfg.idle_poll_ms, check_prefix=prefix)
         self._opened.remove(consumer)
         self.loops.append(loop.start([topic]))
         log.info("%s loop: group %s, transactional id %s", service, group_id, producers.txn_id)

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from ingest.adapters.committed_tail import CommittedTail
 from ingest.adapters.redis_sessions import Handled, RedisSessionState, Touch
 from ingest.contracts import prometheus as m
-from ingest.events import Event, RewardRecord, SessionEnd, SessionSummary, SessionTurn, ToolCall, ToolResult
+from ingest.events import Event, RewardRecord, SessionEvent, SessionTurn
 from ingest.reward.join import Closed as ClosedWindow
 from ingest.reward.join import Window
 from ingest.reward.session_stage import (
@@ -52,14 +52,13 @@ log = logging.getLogger("rtrl.reward.sessions")
 GAUGES_EVERY_S = 2.0
 MARKER_IDS = 1000
 """Request ids per Credited marker (at most 128 characters each: a marker stays under 150 kB)."""
-SESSION_EVENTS = (SessionTurn, ToolCall, ToolResult, SessionSummary, SessionEnd)
 
 
 # ---------------------------------------------------------------- the per-request stage's half
 def forward(events: Sequence[Event], topic: str) -> list[Output]:
     """Every session event of a batch, re-keyed by its session."""
     return [Output(topic, ForwardedEvent(event=ev).model_dump_json().encode(), ev.session_id.encode())
-            for ev in events if isinstance(ev, SESSION_EVENTS)]
+            for ev in events if isinstance(ev, SessionEvent)]
 
 
 def turn_notes(w: Window, closed: ClosedWindow, partition: int, spec: RewardSpec, topic: str) -> list[Output]:
@@ -87,8 +86,8 @@ def late_turn_notes(late: Sequence[Event], partition_of: Mapping[str, int], topi
 @dataclass
 class StageResult:
     handled: list[Handled] = field(default_factory=list)
-    statuses: list[tuple[str, int]] = field(default_factory=list)
-    """(how each credited session closed, its records)."""
+    statuses: list[str] = field(default_factory=list)
+    """How each session credited in the batch closed."""
     rewards: list[tuple[str, float, bool]] = field(default_factory=list)
     """(arm, reward, defaulted) of every record emitted."""
 
@@ -143,7 +142,7 @@ class SessionStage:
             outputs += [self._record(r, state.notes[r.request_id].partition, result) for r in d.records]
             outputs += self._markers(p, sid, d.handled, closed=True)
             result.handled.append(Handled(p, sid, d.handled, closed=True))
-            result.statuses.append(("open" if d.session is None else d.session.status, len(d.records)))
+            result.statuses.append("open" if d.session is None else d.session.status)
             if d.missing:
                 log.warning("session credited without %d turns whose facts never came", len(d.missing))
         self.store.reschedule(later)
@@ -159,7 +158,7 @@ class SessionStage:
             if meta.topic == self.topics.sessions:
                 ckpts[meta.partition] = max(ckpts.get(meta.partition, 0), meta.offset + 1)
         self.store.finish(batch.result.handled, ckpts)
-        for status, _ in batch.result.statuses:
+        for status in batch.result.statuses:
             m.REWARD_SESSIONS_CLOSED.labels(status).inc()
         m.REWARD_SESSION_TURNS.inc(len(batch.result.rewards))
         for arm, reward, defaulted in batch.result.rewards:
