@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+import subprocess
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -26,12 +29,11 @@ T0 = datetime.now(UTC) - timedelta(minutes=5)
 
 
 def served(rid: str, kind: str = "edit", arm: str = "stable", **kw: Any) -> CompletionServed:
-    fields: dict[str, Any] = {"session_id": "s", "prompt_tokens": [1, 2, 3], "completion_tokens": [4, 5],
-                              "logprobs": [-0.5, -0.25], "latency_ms": 500.0, **kw}
     return CompletionServed(
-        event_id=f"{rid}-s", request_id=rid, ts=T0, user_key=f"u-{rid}",
+        event_id=f"{rid}-s", request_id=rid, ts=T0, session_id="s", user_key=f"u-{rid}",
         model=ModelRef(name="tiny", version="1"), arm=arm,  # type: ignore[arg-type]
-        completion_kind=kind, **fields,  # type: ignore[arg-type]
+        prompt_tokens=[1, 2, 3], completion_tokens=[4, 5], logprobs=[-0.5, -0.25],
+        latency_ms=kw.pop("latency_ms", 500.0), completion_kind=kind, **kw,  # type: ignore[arg-type]
     )
 
 
@@ -67,6 +69,25 @@ def interleave(streams: list[list[Any]], rng: random.Random) -> list[Any]:
         if not q:
             queues.remove(q)
     return out
+
+
+def kill_rounds(rounds: list[dict[str, str]], start: Callable[[dict[str, str]], subprocess.Popen[bytes]],
+                rng: random.Random, before: Callable[[int], None] = lambda _i: None) -> int:
+    """Start a worker per round with the round's extra environment; a round with a crash point
+    gets 15 s to die by it, one without is SIGKILLed from outside after 3-6 s. ``before(i)``
+    runs ahead of round ``i``. Returns how many workers died by SIGKILL."""
+    kills = 0
+    for i, extra in enumerate(rounds):
+        before(i)
+        proc = start(extra)
+        limit = time.monotonic() + (rng.uniform(3, 6) if not extra else 15)
+        while proc.poll() is None and time.monotonic() < limit:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        kills += proc.returncode == -signal.SIGKILL
+    return kills
 
 
 def produce(settings: Settings, events: list[Any]) -> None:

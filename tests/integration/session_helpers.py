@@ -8,18 +8,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from reward_helpers import served
-
 from ingest.events import (
-    EditAccepted,
-    EditPersistence,
-    FollowupDissatisfied,
     SessionEnd,
     SessionTurn,
     ToolCall,
-    parse_event,
 )
 from ingest.reward.spec import RewardSpec, load_spec
+from tests.session_example import served_turn
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_SPEC = ROOT / "ingest" / "reward" / "specs" / "agent.toml"
@@ -28,32 +23,6 @@ T0 = datetime.now(UTC) - timedelta(minutes=5)
 
 def agent_spec() -> RewardSpec:
     return load_spec(AGENT_SPEC)
-
-
-def turn_served(rid: str, sid: str, prompt: int, completion: int, kind: str = "tool_call", **kw: Any) -> Any:
-    return served(rid, kind=kind, prompt_tokens=[3] * prompt, completion_tokens=[4] * completion,
-                  logprobs=[-0.5] * completion, session_id=sid, **kw)
-
-
-def worked_example() -> tuple[list[Any], dict[str, float]]:
-    """docs/examples/session.jsonl with the facts docs/rewards.md gives its turns, as events;
-    and the credit per request the page's table states."""
-    lines = (ROOT / "docs" / "examples" / "session.jsonl").read_text().splitlines()
-    session = [parse_event(line) for line in lines if line.strip()]
-    sid = session[0].session_id
-    sizes = [(900, 40), (1400, 160), (1600, 30), (1700, 30), (2000, 180), (600, 90)]
-    events: list[Any] = list(session)
-    for i, (p, c) in enumerate(sizes):
-        rid = f"req-7f3a-{i}"
-        events.append(turn_served(rid, sid, p, c, kind="edit" if i in (1, 5) else "tool_call"))
-    for rid, kept in (("req-7f3a-1", 80), ("req-7f3a-5", 60)):
-        events += [EditAccepted(event_id=f"{rid}-a", request_id=rid, ts=T0, inserted_chars=100),
-                   EditPersistence(event_id=f"{rid}-p600", request_id=rid, ts=T0, horizon_s=600,
-                                   retained_chars=kept, inserted_chars=100)]
-    events.append(FollowupDissatisfied(event_id="req-7f3a-3-d", request_id="req-7f3a-3", ts=T0))
-    expected = {f"req-7f3a-{i}": 1.06254 for i in range(6)}
-    expected["req-7f3a-2"] = 0.81254
-    return events, expected
 
 
 def generated(n: int, seed: int, turn_first: bool = False
@@ -75,7 +44,7 @@ def generated(n: int, seed: int, turn_first: bool = False
             owner[rid] = sid
             ts = T0 + timedelta(seconds=10 * t)
             pair = [SessionTurn(event_id=f"{rid}-t", request_id=rid, ts=ts, session_id=sid, turn=t),
-                    turn_served(rid, sid, rng.randint(10, 400), rng.randint(1, 40))]
+                    served_turn(rid, sid, rng.randint(10, 400), rng.randint(1, 40))]
             if not turn_first:
                 rng.shuffle(pair)
             valid = rng.random() > 0.2

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from reward_helpers import full_edit, interleave, produce, read_rewards, served
+from reward_helpers import full_edit, interleave, kill_rounds, produce, read_rewards, served
 
 from services.settings.model import Settings
 from tests.service_env import service_env
@@ -71,19 +71,10 @@ def test_exactly_one_reward_per_request_across_sigkills(settings: Settings, tmp_
         {"RTRL_TEST_REWARD_CRASH": "mid_txn:0.5"},
         {"RTRL_TEST_REWARD_CRASH": "after_commit:0.5"},
     ]
-    kills = 0
-    for i, extra in enumerate(rounds):
-        if i == 2:
-            produce(settings, events[len(events) // 2:])
-        env = worker_env(settings, tmp_path, **{"RTRL_REWARD__TRANSACTIONAL_ID": txid, **extra})
-        proc = start_worker(env, log)
-        limit = time.monotonic() + (rng.uniform(3, 6) if not extra else 15)
-        while proc.poll() is None and time.monotonic() < limit:
-            time.sleep(0.05)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        kills += proc.returncode == -signal.SIGKILL
+    kills = kill_rounds(
+        rounds, lambda extra: start_worker(
+            worker_env(settings, tmp_path, **{"RTRL_REWARD__TRANSACTIONAL_ID": txid, **extra}), log),
+        rng, before=lambda i: produce(settings, events[len(events) // 2:]) if i == 2 else None)
     assert kills >= 4, f"only {kills} of {len(rounds)} workers died by SIGKILL; see {log}"
 
     final = start_worker(worker_env(settings, tmp_path, RTRL_REWARD__TRANSACTIONAL_ID=txid), log)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from reward_helpers import interleave, produce, read_rewards, served
-from session_helpers import T0, agent_spec, generated, turn_served, worked_example
+from session_helpers import T0, agent_spec, generated
 
 from ingest.events import SessionEnd, SessionTurn
 from ingest.reward.session_credit import COMPONENTS
@@ -21,6 +21,7 @@ from services.runtime.process import Stopper
 from services.settings.model import Settings
 from services.settings.services import RewardSettings
 from services.wiring.reward import RewardWorker
+from tests.session_example import served_turn, worked_example
 
 
 @pytest.fixture
@@ -51,18 +52,18 @@ def test_the_worked_example_and_every_other_request_get_one_record_each(worker: 
     others: list[Any] = [
         served("plain-1", kind="question"),  # not a session turn: its own record, as before
         # a turn index claimed twice: the second request is set aside, keeps its own record
-        _turn("c-0", "conflict", 0), turn_served("c-0", "conflict", 10, 2),
-        _turn("c-1", "conflict", 0, seconds=5), turn_served("c-1", "conflict", 10, 2),
+        _turn("c-0", "conflict", 0), served_turn("c-0", "conflict", 10, 2),
+        _turn("c-1", "conflict", 0, seconds=5), served_turn("c-1", "conflict", 10, 2),
         SessionEnd(event_id="c-end", request_id="c-0", ts=T0, session_id="conflict", turn=0,
                    outcome="abandoned"),
         # one request claimed by two sessions: the first claim seen gets it
-        _turn("shared-0", "first", 0), turn_served("shared-0", "first", 10, 2),
+        _turn("shared-0", "first", 0), served_turn("shared-0", "first", 10, 2),
         SessionEnd(event_id="first-end", request_id="shared-0", ts=T0, session_id="first", turn=0,
                    outcome="completed"),
         # a session.turn after its request's record is out: that record stays its only one
-        turn_served("late-0", "late", 10, 2, kind="question"),
+        served_turn("late-0", "late", 10, 2, kind="question"),
         # no session.end: times out (outcome 0.0)
-        _turn("idle-0", "idle", 0), turn_served("idle-0", "idle", 1000, 0 + 10),
+        _turn("idle-0", "idle", 0), served_turn("idle-0", "idle", 1000, 0 + 10),
     ]
     rng = random.Random(5)
     shuffled = example[:]

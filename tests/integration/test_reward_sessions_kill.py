@@ -9,11 +9,10 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from reward_helpers import interleave, produce, read_rewards
+from reward_helpers import interleave, kill_rounds, produce, read_rewards
 from session_helpers import AGENT_SPEC, generated
 
 from ingest.reward.session_credit import COMPONENTS
@@ -51,18 +50,8 @@ def test_one_record_per_turn_across_sigkills(isolated_settings: Settings, tmp_pa
         {},  # killed from outside at a random moment
         {"RTRL_TEST_REWARD_CRASH": "sessions_after_commit:0.5"},
     ]
-    kills = 0
-    for i, extra in enumerate(rounds):
-        if i == 1:
-            produce(settings, events[len(events) // 2:])
-        proc = _start(settings, tmp_path, log, **extra)
-        limit = time.monotonic() + (rng.uniform(3, 6) if not extra else 15)
-        while proc.poll() is None and time.monotonic() < limit:
-            time.sleep(0.05)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        kills += proc.returncode == -signal.SIGKILL
+    kills = kill_rounds(rounds, lambda extra: _start(settings, tmp_path, log, **extra), rng,
+                        before=lambda i: produce(settings, events[len(events) // 2:]) if i == 1 else None)
     assert kills >= 3, f"only {kills} of {len(rounds)} workers died by SIGKILL; see {log}"
 
     final = _start(settings, tmp_path, log)

@@ -18,11 +18,11 @@ from ingest.events import (
     FollowupDissatisfied,
     ModelRef,
     RewardRecord,
-    parse_event,
 )
 from ingest.reward.join import Window, apply, close, close_at
 from ingest.reward.replay import Pair, advantage_shift, replay, reproduced, summarize
 from ingest.reward.spec import default_spec_text, load_spec, parse_spec
+from tests.session_example import served_turn, worked_example
 
 LIVE = load_spec()
 NEW = parse_spec(default_spec_text().replace('version = "default-v1"', 'version = "accept-heavy-v2"')
@@ -173,25 +173,10 @@ def test_a_past_canary_is_judged_again_with_the_replayed_rewards() -> None:
 
 # ------------------------------------------------------------------ sessions
 def _worked_example() -> tuple[list[tuple[float, Event]], dict[str, float]]:
-    """docs/rewards.md's worked example: its session events, its turns' served events and
-    feedback (appended one per 10 ms), a request of no session, and the credits the page gives."""
-    lines = (ROOT / "docs" / "examples" / "session.jsonl").read_text().splitlines()
-    evs: list[Event] = [parse_event(line) for line in lines if line.strip()]
-    sizes = [(900, 40), (1400, 160), (1600, 30), (1700, 30), (2000, 180), (600, 90)]
-    for i, (p, c) in enumerate([*sizes, (50, 5)]):
-        rid = f"req-7f3a-{i}" if i < 6 else "plain"
-        evs.append(CompletionServed(
-            event_id=f"{rid}-s", request_id=rid, ts=T0, session_id="sess-7f3a", user_key="u",
-            model=ModelRef(name="m", version="1"), arm="stable", prompt_tokens=[3] * p,
-            completion_tokens=[4] * c, logprobs=[-0.5] * c, latency_ms=100.0,
-            completion_kind="edit" if i in (1, 5) else "tool_call"))
-    for rid, kept in (("req-7f3a-1", 80), ("req-7f3a-5", 60)):
-        evs += [EditAccepted(event_id=f"{rid}-a", request_id=rid, ts=T0, inserted_chars=100),
-                EditPersistence(event_id=f"{rid}-p", request_id=rid, ts=T0, horizon_s=600,
-                                retained_chars=kept, inserted_chars=100)]
-    evs.append(FollowupDissatisfied(event_id="d", request_id="req-7f3a-3", ts=T0))
-    expected = {f"req-7f3a-{i}": 0.81254 if i == 2 else 1.06254 for i in range(6)}
-    return [(100.0 + 0.01 * k, ev) for k, ev in enumerate(evs)], expected
+    """docs/rewards.md's worked example and a request of no session, appended one per 10 ms."""
+    events, expected = worked_example()
+    events.append(served_turn("plain", "sess-7f3a", 50, 5))
+    return [(100.0 + 0.01 * k, ev) for k, ev in enumerate(events)], expected
 
 
 def test_a_session_spec_replays_turns_with_their_session_credit() -> None:
