@@ -12,15 +12,16 @@ like an engine's decode step.
 A chat request that declares ``tools`` (and a ``tool_choice`` other than ``none``) is answered
 with one tool call instead of text, as vLLM answers one: to the function ``tool_choice``
 names, else the first declared; its ``arguments`` are the text of the last user message, so
-a test decides whether they are valid. Streamed, the call comes as OpenAI's deltas: the
-first with its id and name, then the arguments in pieces, one token each; the answer ends
-with ``finish_reason: tool_calls``.
+a test decides whether they are valid; its id is new per answer (``call_`` + 24 hex).
+Streamed, the call comes as OpenAI's deltas: the first with its id and name, then the
+arguments in pieces, one token each; the answer ends with ``finish_reason: tool_calls``.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -133,7 +134,8 @@ def tool_call_answer(req: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str
     lps = [{"token": f"w{i}", "logprob": -0.5, "top_logprobs": []} for i in ids]
     head = {"id": "chatcmpl-fake", "model": req.get("model"), "created": int(time.time()),
             "prompt_token_ids": PROMPT_IDS}
-    call = {"id": "call_fake0", "type": "function", "function": {"name": name, "arguments": ""}}
+    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": ""}}
     message = {"role": "assistant", "content": None,
                "tool_calls": [{**call, "function": {"name": name, "arguments": arguments}}]}
     whole = {**head, "object": "chat.completion", "choices": [{

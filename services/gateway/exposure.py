@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ingest.contracts.prometheus import DEPENDENCY_RETRIES, GATEWAY_EXPOSURES
-from ingest.events import CompletionServed
+from ingest.events import EVENT_ADAPTER, CompletionServed
 from services.runtime.event_producer import EventProducer, EventTooLargeError
 from services.runtime.kafka_io import make_producer
 from services.runtime.process import setup_logging
@@ -40,6 +40,10 @@ from services.runtime.spool.store import SpoolWriter
 from services.settings.services import GatewaySettings
 
 log = logging.getLogger(__name__)
+
+ALSO = "also"
+"""A logged record's key for the events that go out with its ``completion.served`` (a list
+of event fields, each with its ``type``)."""
 
 
 class _Sender(Protocol):
@@ -123,23 +127,27 @@ class ExposureLogger:
             self._send(fields)
 
     def _send(self, fields: dict[str, Any]) -> None:
-        assert self._sender is not None
         try:
-            event = CompletionServed(**fields)
+            events = exposure_events(fields, self._count)
         except ValueError as exc:
             self._count("invalid", 1)
             log.error("served event does not fit the contract, not sent: %s", exc)
             return
+        for event in events:
+            self._send_one(event)
+
+    def _send_one(self, event: Any) -> None:
+        assert self._sender is not None
         try:
             future = self._sender.send(event)
         except EventTooLargeError as exc:  # the event, not the broker: stays healthy
             self._count("invalid", 1)
-            log.error("served event not sent: %s", exc)
+            log.error("%s event not sent: %s", event.type, exc)
             return
         except Exception as exc:  # e.g. metadata timeout while the broker is down
             self._healthy = False
             self._count("failed", 1)
-            log.warning("could not hand a served event to the producer: %s", exc)
+            log.warning("could not hand a %s event to the producer: %s", event.type, exc)
             return
         if future is not None and hasattr(future, "add_callback"):
             future.add_callback(self._on_sent)
@@ -347,6 +355,20 @@ class SpooledExposures:
         self._writer.close()
 
 
-def served_event(record: dict[str, Any]) -> CompletionServed:
-    """A spooled record back as the event (ValueError when it does not fit the contract)."""
-    return CompletionServed(**record)
+def exposure_events(record: dict[str, Any],
+                    count: Callable[[str, int], None] = count_exposures) -> list[Any]:
+    """A logged record as its events: the ``completion.served``, then the events logged with
+    it under :data:`ALSO` (a session turn's, services/gateway/chat/turns.py). ValueError when
+    the served event does not fit the contract; an accompanying event that does not is
+    logged, counted ``invalid`` and left out, and the others still go."""
+    fields = dict(record)
+    also = fields.pop(ALSO, None) or []
+    events: list[Any] = [CompletionServed(**fields)]
+    for extra in also if isinstance(also, list) else [also]:
+        try:
+            events.append(EVENT_ADAPTER.validate_python(extra))
+        except ValueError as exc:
+            count("invalid", 1)
+            log.error("an event logged with request %s does not fit the contract, not sent: %s",
+                      fields.get("request_id"), exc)
+    return events

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ingest.events import TURN_MAX
 from services.gateway.chat.calls import MAX_CALLS, client_calls
 from services.gateway.chat.declared import PastToolCall, Tool, ToolChoice, Toolset, toolset
 from services.gateway.generation import GenRequest, Served
@@ -55,6 +56,8 @@ class _Body(BaseModel):
     # rtrl's extensions (the official client sends them with extra_body=...)
     session_id: Annotated[str, Field(pattern=ID_RE.pattern)] | None = None
     request_id: Annotated[str, Field(pattern=ID_RE.pattern)] | None = None
+    turn: Annotated[int, Field(ge=0, le=TURN_MAX, strict=True)] | None = None
+    """The request's turn index in its (named) session: services/gateway/chat/turns.py."""
 
     @property
     def include_usage(self) -> bool:
@@ -145,6 +148,10 @@ class ChatBody(_Body):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    def assistant_turns(self) -> int:
+        """The assistant messages in the history: the turns of the session before this one."""
+        return sum(m.role == "assistant" for m in self.messages)
 
     def toolset(self) -> Toolset | None:
         """The request's checked tools (raises ``ValueError``: services/gateway/chat/declared.py)."""

@@ -27,9 +27,10 @@ from pydantic import ValidationError
 from deployer.routing import Arm
 from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
 from services.gateway import openai_api as api
-from services.gateway.chat import calls
-from services.gateway.chat.classify import answer_kind
+from services.gateway.chat import calls, turns
+from services.gateway.chat.classify import answer_fields
 from services.gateway.chat.declared import Toolset
+from services.gateway.exposure import ALSO
 from services.gateway.generation import BadRequestError, GenRequest, Piece, Served, UpstreamError
 from services.gateway.models import Backend
 from services.gateway.openai_api import Response, error_response, json_response
@@ -74,6 +75,8 @@ class Call:
     version: str = ""
     tools: Toolset | None = None
     """Chat: the declared tools the answer's tool calls are validated against."""
+    turn: int | None = None
+    """The turn index in a session the client named; None: not a session turn."""
 
 
 class OpenAIRoutes:
@@ -131,12 +134,18 @@ class OpenAIRoutes:
         if user is None:
             return oai_error(400, "no user: set the request's `user` field or the X-Rtrl-User header "
                                   "(the key that keeps a user on one arm)", err="user_required")
-        session = body.session_id or headers.get(api.SESSION_HEADER) or user
+        named = body.session_id or headers.get(api.SESSION_HEADER)
+        session = named or user
         rid = body.request_id or headers.get(api.REQUEST_ID_HEADER)
         if not api.ID_RE.match(session) or (rid is not None and not api.ID_RE.match(rid)):
             return oai_error(400, "session and request ids must be 1-128 chars of A-Za-z0-9_.:-")
+        history = body.assistant_turns() if isinstance(body, api.ChatBody) else None
+        try:
+            turn = turns.turn_of(named is not None, body.turn, headers.get(turns.TURN_HEADER), history)
+        except ValueError as exc:
+            return oai_error(400, str(exc))
         return Call(kind, req, body, user, session, rid or uuid.uuid4().hex, rid is not None,
-                    time.perf_counter(), tools=tools)
+                    time.perf_counter(), tools=tools, turn=turn)
 
     # ----------------------------------------------------------------- generation
     def _serve(self, call: Call) -> Response:
@@ -321,14 +330,21 @@ class OpenAIRoutes:
         gen_s = time.perf_counter() - call.started
         sim_ms = self.gw.settings.simulated_ms_per_token * len(served.tokens)
         latency_ms = round(gen_s * 1000.0 + sim_ms, 3)
-        self.gw.log_exposure({
-            "event_id": uuid.uuid4().hex, "request_id": call.request_id, "ts": datetime.now(UTC),
+        ts = datetime.now(UTC)
+        chat = call.kind == "chat"
+        verdicts = calls.judge(call.tools, served.tool_calls) if chat else []
+        fields = {
+            "event_id": uuid.uuid4().hex, "request_id": call.request_id, "ts": ts,
             "session_id": call.session_id, "user_key": call.user_key,
             "model": {"name": self.gw.model_name, "version": call.version}, "arm": call.arm,
             "prompt_tokens": served.prompt_tokens, "completion_tokens": served.tokens,
-            "logprobs": served.logprobs, "latency_ms": latency_ms, **answer_fields(call, served),
+            "logprobs": served.logprobs, "latency_ms": latency_ms, **answer_fields(chat, served, verdicts),
             "temperature": call.req.temperature,
-        })
+        }
+        if call.turn is not None:
+            fields[ALSO] = turns.session_events(call.session_id, call.request_id, call.turn, ts,
+                                                served.tool_calls, verdicts)
+        self.gw.log_exposure(fields)
         return latency_ms, gen_s
 
     def _tally(self, call: Call, gen_s: float) -> None:
@@ -372,21 +388,6 @@ class _Events:
         GATEWAY_ERRORS.labels(call.arm, call.version, "stream").inc()
         return api.sse(api.error_body(f"model {call.version} failed while streaming: {exc}",
                                       kind="server_error"))
-
-
-def answer_fields(call: Call, served: Served) -> dict[str, Any]:
-    """The exposure event's ``tool_calls``, ``invalid_tool_calls`` and ``completion_kind``:
-    a chat answer's calls validated against the request's tools, its kind by
-    services/gateway/chat/classify.py. A completion makes no calls: its text is classified by
-    the same rule, except token ids served without any text (a token-id policy has no
-    tokenizer), which cannot be read and stay an ``edit``."""
-    if call.kind != "chat":
-        unread = bool(served.tokens) and not served.text and served.finish_reason != "content_filter"
-        kind = "edit" if unread else answer_kind(served.text, 0, served.refusal, served.finish_reason)
-        return {"tool_calls": 0, "invalid_tool_calls": 0, "completion_kind": kind}
-    made, invalid = calls.count(call.tools, served.tool_calls)
-    kind = answer_kind(served.text, made, served.refusal, served.finish_reason)
-    return {"tool_calls": made, "invalid_tool_calls": invalid, "completion_kind": kind}
 
 
 def _duplicate(call: Call) -> Response:

@@ -49,7 +49,7 @@ from ingest.contracts.prometheus import (
     multiprocess_registry,
 )
 from services.gateway.asgi.app import GatewayServer, listen_socket
-from services.gateway.exposure import SpooledExposures, count_exposures, make_event_producer, served_event
+from services.gateway.exposure import SpooledExposures, count_exposures, exposure_events, make_event_producer
 from services.runtime.health import Health
 from services.runtime.process import Stopper, name_process, setup_logging
 from services.runtime.spool.ship import Limits, SpoolShipper
@@ -303,7 +303,7 @@ def shipper_main(settings: Any, spool: Path, stop: Any) -> None:
         GATEWAY_SPOOL_BYTES.set(depth)
         GATEWAY_SPOOL_AGE.set(age_s)
 
-    shipper = SpoolShipper(spool, lambda: make_event_producer(settings), served_event, count_exposures,
+    shipper = SpoolShipper(spool, lambda: make_event_producer(settings), exposure_events, count_exposures,
                            Limits(max_bytes=gw.spool_max_bytes, max_age_s=gw.spool_max_age_s), gauge)
     parent = os.getppid()
     done = threading.Event()

@@ -53,12 +53,13 @@ def test_whole_and_streamed_tool_calls_reach_the_client_and_are_validated(served
     client, logged, _ = served
     whole = _ask(client, '{"path": "src/app.py"}', stream=False)
     [call] = whole.choices[0].message.tool_calls
-    assert (call.id, call.function.name, call.function.arguments) == ("call_fake0", "read_file",
-                                                                      '{"path": "src/app.py"}')
+    assert call.id.startswith("call_") and len(call.id) == 29
+    assert (call.function.name, call.function.arguments) == ("read_file", '{"path": "src/app.py"}')
     assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
     chunks = list(_ask(client, '{"path": 7}', stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert deltas[0].tool_calls[0].id == "call_fake0" and deltas[0].tool_calls[0].function.name == "read_file"
+    first = deltas[0].tool_calls[0]
+    assert first.id not in ("", call.id) and first.function.name == "read_file"  # a new id per answer
     assert "".join(d.tool_calls[0].function.arguments or "" for d in deltas) == '{"path": 7}'
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     _ask(client, "not json at all", stream=False)

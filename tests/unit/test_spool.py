@@ -52,10 +52,10 @@ class Broker:
         pass
 
 
-def convert(record: dict[str, Any]) -> dict[str, Any]:
+def convert(record: dict[str, Any]) -> list[dict[str, Any]]:
     if "id" not in record:
         raise ValueError("no id")
-    return record
+    return [record]
 
 
 def shipper(directory: Path, broker: Broker, counts: Counter[str], **limits: Any) -> SpoolShipper:

@@ -45,7 +45,7 @@ Outbox = asyncio.Queue[tuple[str, Any]]
 stream ("chunk", bytes)... and ("end", None); ("gone", None) when the client left."""
 
 SINGLE_HEADERS = frozenset({"authorization", "content-type", "x-rtrl-user", "x-rtrl-session-id",
-                            "x-request-id"})
+                            "x-rtrl-turn", "x-request-id"})
 """Headers that must not appear twice: which copy counts would be a guess."""
 CLOSE = ("Connection", "close")
 

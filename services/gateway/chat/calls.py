@@ -147,9 +147,13 @@ def judge(tools: Toolset | None, calls: list[dict[str, Any]]) -> list[Invalid | 
 def count(tools: Toolset | None, calls: list[dict[str, Any]]) -> tuple[int, int]:
     """(tool calls, invalid ones) of one answer (the calls past :data:`MAX_CALLS` count as one
     invalid call)."""
+    return tally(calls, judge(tools, calls))
+
+
+def tally(calls: list[dict[str, Any]], verdicts: list[Invalid | None]) -> tuple[int, int]:
+    """(tool calls, invalid ones) of one answer from its :func:`judge` verdicts."""
     if not calls:
         return 0, 0
-    verdicts = judge(tools, calls)
     for call, bad in zip(calls, verdicts, strict=False):
         if bad is not None:
             log.debug("invalid tool call %r (%s): %s", call["function"]["name"][:64], bad.reason, bad.detail)

@@ -16,14 +16,16 @@ The rule, first match wins (docs/gateway.md, "What kind of answer"):
    services/sim/chat_world.py): it asks instead of answering.
 6. ``edit``: any other text answers the request.
 
-Pure: text in, kind out.
+Pure: text in, kind out; :func:`answer_fields` gives an exposure event its answer fields.
 """
 
 from __future__ import annotations
 
 import re
 import string
-from typing import Literal
+from typing import Any, Literal, Protocol
+
+from services.gateway.chat import calls
 
 AnswerKind = Literal["edit", "question", "empty", "tool_call"]
 
@@ -80,3 +82,37 @@ def refuses(text: str) -> bool:
     rest = plain[opening.end():]
     end = re.search(r"[.!?]", rest)
     return not (end is not None and end.group() == "?") and _OFFER.search(rest) is None
+
+
+class Answer(Protocol):
+    """What :func:`answer_fields` reads of a served answer (services/gateway/generation.Served)."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def refusal(self) -> str | None: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]: ...
+
+
+def answer_fields(chat: bool, served: Answer, verdicts: list[calls.Invalid | None]) -> dict[str, Any]:
+    """The exposure event's ``tool_calls``, ``invalid_tool_calls`` and ``completion_kind``:
+    a chat answer's calls with their verdicts (services/gateway/chat/calls.py), its kind by
+    the rule above. A completion makes no calls: its text is classified by the same rule,
+    except token ids served without any text (a token-id policy has no tokenizer), which
+    cannot be read and stay an ``edit``."""
+    if not chat:
+        unread = bool(served.tokens) and not served.text and served.finish_reason != "content_filter"
+        kind = "edit" if unread else answer_kind(served.text, 0, served.refusal, served.finish_reason)
+        return {"tool_calls": 0, "invalid_tool_calls": 0, "completion_kind": kind}
+    made, invalid = calls.tally(served.tool_calls, verdicts)
+    kind = answer_kind(served.text, made, served.refusal, served.finish_reason)
+    return {"tool_calls": made, "invalid_tool_calls": invalid, "completion_kind": kind}

@@ -1,8 +1,8 @@
 """The shipper of a spool (services/runtime/spool/store.py): reads every segment, sends its records,
 flushes, and moves a segment's offset on only when every record sent was acknowledged.
 
-A record is converted to what the sender takes by ``convert`` (ValueError: it can never be
-sent, counted ``invalid`` and skipped); one spooled longer ago than ``max_age_s`` is
+A record is converted to the events the sender takes by ``convert`` (one or more; ValueError:
+it can never be sent, counted ``invalid`` and skipped); one spooled longer ago than ``max_age_s`` is
 ``dropped`` instead of sent. A failed send or acknowledgement leaves the offset where it was:
 the batch is sent again after ``retry_s`` (``failed`` counts attempts, not losses), so a broker
 outage costs disk, not events, until the spool is full.
@@ -56,7 +56,7 @@ class _BatchFailedError(Exception):
 
 class SpoolShipper:
     def __init__(self, directory: Path, make_sender: Callable[[], Sender],
-                 convert: Callable[[dict[str, Any]], Any], count: Callable[[str, int], None],
+                 convert: Callable[[dict[str, Any]], list[Any]], count: Callable[[str, int], None],
                  limits: Limits | None = None,
                  gauge: Callable[[int, float], None] | None = None) -> None:
         self.directory = directory
@@ -133,12 +133,12 @@ class SpoolShipper:
                 if now - at > self.limits.max_age_s:
                     outcome["dropped"] += 1
                     continue
-                event = self._convert(record)
+                events = self._convert(record)
             except ValueError as exc:
                 outcome["invalid"] += 1
                 log.error("spooled record cannot be sent, skipped: %s", exc)
                 continue
-            futures.append(self._send(event, outcome))
+            futures += [self._send(event, outcome) for event in events]
         try:
             self._sender.flush(self.limits.ack_timeout_s)
             for future in futures:
