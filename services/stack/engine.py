@@ -38,6 +38,12 @@ def default_venv() -> Path:
     return Path(os.environ.get("VLLM_VENV", REPO / ".venv-vllm"))
 
 
+TOOL_PARSER = "hermes"
+"""How the engine reads tool calls out of the model's text (``<tool_call>{json}</tool_call>``,
+vLLM's ``hermes`` parser). With a parser set, vLLM also serves ``tool_choice`` ``required``
+and a named function, by decoding the call's arguments under their JSON schema."""
+
+
 def server_argv(python: Path, model_dir: Path, served_name: str, port: int, max_lora_rank: int = 8,
                 max_loras: int = 4, max_model_len: int = 512) -> list[str]:
     """The engine's command line."""
@@ -45,7 +51,8 @@ def server_argv(python: Path, model_dir: Path, served_name: str, port: int, max_
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--max-model-len", str(max_model_len), "--enable-lora",
             "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
-            "--logprobs-mode", "processed_logprobs", "--disable-log-stats"]
+            "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
+            "--enable-auto-tool-choice", "--tool-call-parser", TOOL_PARSER]
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:

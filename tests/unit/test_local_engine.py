@@ -20,12 +20,13 @@ from trainer.lora_policy import check_prompt_ids
 pytestmark = pytest.mark.unit
 
 
-def test_the_engine_runs_with_runtime_lora_and_sampled_logprobs() -> None:
+def test_the_engine_runs_with_runtime_lora_sampled_logprobs_and_tool_calls() -> None:
     argv = server_argv(Path("/v/bin/python"), Path("/m"), "base", 8123)
     joined = " ".join(argv)
     assert "vllm.entrypoints.openai.api_server" in joined and "--served-model-name base" in joined
     assert "--enable-lora" in argv and "--logprobs-mode processed_logprobs" in joined
     assert "--port 8123" in joined and "--host 127.0.0.1" in joined
+    assert "--enable-auto-tool-choice" in argv and "--tool-call-parser hermes" in joined  # serves tools
     env = server_env({"PYTHONPATH": "/rtrl", "HOME": "/root"})
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and "PYTHONPATH" not in env
 
