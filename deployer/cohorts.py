@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple
 from deployer.status import Judgement
 from ingest.contracts.metrics import PERSISTENCE_HORIZON_S, summarise
 from ingest.events import RewardRecord
-from rollback.columns import ColumnBuilder
+from rollback.columns import ColumnBuilder, outcome_from_reward
 from rollback.judge import judge
 from rollback.plan import CanaryPlan
 from rollback.types import (
@@ -33,7 +33,6 @@ from rollback.types import (
     JudgeState,
     RequestOutcome,
     Verdict,
-    outcome_from_reward,
 )
 
 ARMS = ("stable", "canary")

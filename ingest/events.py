@@ -239,6 +239,26 @@ EVENT_TYPES = ("completion.served", "edit.accepted", "edit.rejected", "edit.pers
                "followup.dissatisfied", *SESSION_EVENT_TYPES)
 
 
+SessionStatus = Literal["completed", "abandoned", "handed_back", "timed_out"]
+"""How a credited session closed: its ``session.end`` outcome, or ``timed_out``."""
+
+
+class CreditedSession(_Model):
+    """What a reward record the session stage credited says of its session (revision 1.1,
+    additive: a request outside any session has none). The judge's per-session figures
+    (docs/judge.md) count each session once, at its ``lead`` record."""
+
+    turn: TurnIndex
+    """This record's turn index."""
+    turns: Annotated[int, Field(ge=1, le=TURN_MAX + 1)]
+    """The session's credited (served) turns."""
+    status: SessionStatus
+    invalid_tool_calls: Count
+    """Invalid tool calls placed in the session's credited turns."""
+    lead: bool
+    """The session's first credited turn: the one record per session that carries it."""
+
+
 class RewardRecord(_Model):
     """One closed reward for one served completion: everything training needs."""
 
@@ -270,6 +290,8 @@ class RewardRecord(_Model):
     reward_spec_version: str
     defaulted: bool = False
     """True when no feedback came at all and the spec's default reward was used."""
+    session_credit: CreditedSession | None = None
+    """Set when the reward is its session's credit (a reward spec with ``[session]``)."""
 
 
 def parse_event(data: bytes | str) -> Event:

@@ -16,20 +16,53 @@ agree with ``rollback.metrics.METRICS``, the plain per-outcome definition
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
 
+from ingest.contracts.metrics import PERSISTENCE_HORIZON_S, edit_persistence
 from rollback.types import Columns, RequestOutcome
+
+if TYPE_CHECKING:
+    from ingest.events import RewardRecord
 
 KINDS = ("edit", "question", "empty", "tool_call")
 """Completion kinds by code; any other kind is code ``len(KINDS)``."""
 _KIND_CODE = {k: i for i, k in enumerate(KINDS)}
 
 FLOATS = ("ts", "reward", "latency_ms", "persistence", "accepted", "dissatisfied", "tool_calls",
-          "invalid_tool_calls", "completion_tokens")
-"""The float columns (``persistence``/``accepted`` are 0 where ``has_*`` is False)."""
+          "invalid_tool_calls", "completion_tokens", "session", "session_completed", "completed_turns",
+          "session_broken")
+"""The float columns (``persistence``/``accepted`` are 0 where ``has_*`` is False). The session
+columns are 0 except at a session's lead request: ``session`` 1, ``session_completed`` 1 when
+it completed, ``completed_turns`` its turns when it completed, ``session_broken`` 1 when it made
+an invalid tool call."""
 BOOLS = ("has_persistence", "has_accepted", "error")
+
+
+def outcome_from_reward(record: RewardRecord, horizon_s: int = PERSISTENCE_HORIZON_S) -> RequestOutcome:
+    """Build a RequestOutcome from a closed reward record, its edit persistence at
+    ``horizon_s`` (``ingest.contracts.metrics.edit_persistence``: accepted edits only, the
+    nearest reported horizon when that one is missing)."""
+    persistence = edit_persistence(record.completion_kind, record.accepted, record.persistence, horizon_s)
+    sc = record.session_credit if record.session_credit is not None and record.session_credit.lead else None
+    return RequestOutcome(
+        user_key=record.user_key,
+        reward=record.reward,
+        latency_ms=record.latency_ms,
+        persistence=persistence,
+        accepted=record.accepted,
+        dissatisfied=record.dissatisfied,
+        completion_kind=record.completion_kind,
+        tool_calls=record.tool_calls,
+        invalid_tool_calls=record.invalid_tool_calls,
+        completion_tokens=len(record.completion_tokens),
+        session_turns=sc.turns if sc is not None else 0,
+        session_completed=sc is not None and sc.status == "completed",
+        session_invalid=sc is not None and sc.invalid_tool_calls > 0,
+        ts=record.served_ts.timestamp(),
+    )
 
 
 def columns_from(outcomes: Iterable[RequestOutcome]) -> Columns:
@@ -44,7 +77,9 @@ def _row(o: RequestOutcome) -> tuple[float, ...]:
     """The float columns of one outcome, in ``FLOATS`` order."""
     return (o.ts, o.reward, o.latency_ms, 0.0 if o.persistence is None else o.persistence,
             float(bool(o.accepted)), float(o.dissatisfied > 0), float(o.tool_calls),
-            float(o.invalid_tool_calls), float(o.completion_tokens))
+            float(o.invalid_tool_calls), float(o.completion_tokens), float(o.session_turns > 0),
+            float(o.session_completed), float(o.session_turns) if o.session_completed else 0.0,
+            float(o.session_invalid))
 
 
 class ColumnBuilder:
@@ -129,3 +164,19 @@ def metric_values(c: Columns, name: str) -> Values:
     column = {"reward": c.reward, "latency_ms": c.latency_ms, "dissatisfied": c.dissatisfied,
               "completion_length": c.completion_tokens}[name]
     return column, None
+
+
+SESSION_RATIOS = {
+    "session_completion": ("session_completed", "session"),
+    "turns_per_completed": ("completed_turns", "session_completed"),
+    "session_invalid_tool_rate": ("session_broken", "session"),
+}
+"""The per-session metrics, each a ratio of two columns summed per user (numerator,
+denominator): completed sessions / sessions, turns of completed sessions / completed
+sessions, sessions with an invalid tool call / sessions."""
+
+
+def session_ratio(c: Columns, name: str) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """A per-session metric's numerator and denominator columns (``KeyError`` for another name)."""
+    num, den = SESSION_RATIOS[name]
+    return getattr(c, num), getattr(c, den)

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from rollback.columns import SESSION_RATIOS
 from rollback.detectors import run_detectors
 from rollback.metrics import (
     CONTINUOUS,
@@ -36,6 +37,7 @@ from rollback.metrics import (
     fmt_value,
     index_arms,
     metric_cells,
+    session_cells,
 )
 from rollback.stats import (
     Cells,
@@ -212,8 +214,10 @@ def _cells(name: str, stable: IndexedArm, canary: IndexedArm,
         threshold = quantile(np.concatenate([stable.cols.latency_ms, canary.cols.latency_ms]), 0.95)
         return tuple(cells_of(a, (a.cols.latency_ms > threshold).astype(np.float64))  # type: ignore[return-value]
                      for a in (stable, canary))
+    if name in SESSION_RATIOS:
+        return session_cells(stable, name), session_cells(canary, name)
     if name not in METRICS:
-        known = sorted([*METRICS, "latency_tail", "error_rate"])
+        known = sorted([*METRICS, *SESSION_RATIOS, "latency_tail", "error_rate"])
         raise ValueError(f"unknown metric {name!r}; known: {known}")
     return metric_cells(stable, name), metric_cells(canary, name)
 

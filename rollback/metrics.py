@@ -9,9 +9,18 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from rollback.columns import columns_from, metric_values
+from rollback.columns import columns_from, metric_values, session_ratio
 from rollback.stats import CellIndex, Cells, cell_index, mixture_radius, msprt_p_value, stratified_difference
-from rollback.types import CohortData, Columns, Direction, JudgeState, MetricEvidence, RequestOutcome, Status
+from rollback.types import (
+    CohortData,
+    Columns,
+    Direction,
+    JudgeState,
+    MetricEvidence,
+    MetricSpec,
+    RequestOutcome,
+    Status,
+)
 
 ValueFn = Callable[[RequestOutcome], float | None]
 
@@ -45,14 +54,29 @@ LABELS = {
     "abstention_rate": "empty-completion rate",
     "invalid_tool_rate": "invalid tool-call rate",
     "completion_length": "mean completion length",
+    "session_completion": "session completion rate",
+    "turns_per_completed": "turns per completed session",
+    "session_invalid_tool_rate": "share of sessions with an invalid tool call",
 }
 
 RATES = frozenset({"persistence", "acceptance", "dissatisfied", "error_rate", "latency_tail",
-                   "edit_rate", "question_rate", "abstention_rate", "invalid_tool_rate"})
+                   "edit_rate", "question_rate", "abstention_rate", "invalid_tool_rate",
+                   "session_completion", "session_invalid_tool_rate"})
 CONTINUOUS = frozenset({"reward", "latency_ms", "completion_length"})
 """Metrics whose per-request values are unbounded: the judge compares them with both tails
 capped at pooled quantiles (``capped_cells``)."""
-UNITS = {"latency_ms": "ms", "completion_length": "tokens"}
+UNITS = {"latency_ms": "ms", "completion_length": "tokens", "turns_per_completed": "turns"}
+
+
+def session_metrics() -> tuple[MetricSpec, ...]:
+    """The per-session metrics, judged beside the per-request ones when the reward spec has
+    agent sessions: the completion rate must not fall (primary); more turns per completed
+    session or more sessions with broken tool calls roll back."""
+    return (
+        MetricSpec("session_completion", 0.05, "higher_is_better"),
+        MetricSpec("turns_per_completed", 0.5, "lower_is_better", primary=False),
+        MetricSpec("session_invalid_tool_rate", 0.05, "lower_is_better", primary=False),
+    )
 
 
 def fmt_value(metric: str, x: float) -> str:
@@ -188,6 +212,16 @@ def capped_cells(stable: IndexedArm, canary: IndexedArm, name: str, q: float) ->
         lo, hi = np.quantile(pooled, (1.0 - q, q))
         values = (np.clip(values[0], lo, hi), np.clip(values[1], lo, hi))
     return cells_of(stable, values[0]), cells_of(canary, values[1])
+
+
+def session_cells(arm: IndexedArm, name: str) -> Cells:
+    """A per-session metric's cells (``rollback.columns.SESSION_RATIOS``): the ratio of its two
+    columns over the requests that carry a session's figures (denominator > 0), so a user
+    counts for it only with sessions."""
+    num, den = session_ratio(arm.cols, name)
+    counted = den > 0
+    cells = arm.cells._replace(cell=arm.cells.cell[counted])
+    return Cells(arm.user[counted], arm.stratum[counted], num[counted], den[counted], arm.users, cells)
 
 
 def ratio_cells(arm: IndexedArm, num: NDArray[np.float64], den: NDArray[np.float64]) -> Cells:

@@ -14,15 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
-from ingest.contracts.metrics import PERSISTENCE_HORIZON_S, edit_persistence
-
-if TYPE_CHECKING:
-    from ingest.events import RewardRecord
+from ingest.contracts.metrics import PERSISTENCE_HORIZON_S
 
 CompletionKind = Literal["edit", "question", "empty", "tool_call"]  # as ingest.events.CompletionKind
 Direction = Literal["higher_is_better", "lower_is_better"]
@@ -70,29 +67,12 @@ class RequestOutcome:
     tool_calls: int = 0  # tool calls the completion made
     invalid_tool_calls: int = 0  # of which invalid (malformed, unknown tool, bad arguments)
     completion_tokens: int = 0  # completion length in tokens
+    session_turns: int = 0  # at an agent session's lead request (CreditedSession.lead): its turns,
+    session_completed: bool = False  # whether it completed
+    session_invalid: bool = False  # and whether it made an invalid tool call (else 0, False, False)
     ts: float = 0.0
     """When it was served (Unix seconds): places the request in its time stratum. Outcomes
     that all carry the same ts (e.g. the default 0) fall in one stratum."""
-
-
-def outcome_from_reward(record: RewardRecord, horizon_s: int = PERSISTENCE_HORIZON_S) -> RequestOutcome:
-    """Build a RequestOutcome from a closed reward record, its edit persistence at
-    ``horizon_s`` (``ingest.contracts.metrics.edit_persistence``: accepted edits only, the
-    nearest reported horizon when that one is missing)."""
-    persistence = edit_persistence(record.completion_kind, record.accepted, record.persistence, horizon_s)
-    return RequestOutcome(
-        user_key=record.user_key,
-        reward=record.reward,
-        latency_ms=record.latency_ms,
-        persistence=persistence,
-        accepted=record.accepted,
-        dissatisfied=record.dissatisfied,
-        completion_kind=record.completion_kind,
-        tool_calls=record.tool_calls,
-        invalid_tool_calls=record.invalid_tool_calls,
-        completion_tokens=len(record.completion_tokens),
-        ts=record.served_ts.timestamp(),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +102,10 @@ class Columns:
     tool_calls: NDArray[np.float64]
     invalid_tool_calls: NDArray[np.float64]
     completion_tokens: NDArray[np.float64]
+    session: NDArray[np.float64]
+    session_completed: NDArray[np.float64]
+    completed_turns: NDArray[np.float64]
+    session_broken: NDArray[np.float64]
     has_persistence: NDArray[np.bool_]
     has_accepted: NDArray[np.bool_]
     error: NDArray[np.bool_]

@@ -36,7 +36,7 @@ from datetime import timedelta
 from ingest.events import Event, RewardRecord, SessionEvent, SessionTurn
 from ingest.reward.join import Window, apply, close
 from ingest.reward.session_credit import credit
-from ingest.reward.session_stage import note_facts
+from ingest.reward.session_stage import credited_sessions, note_facts
 from ingest.reward.sessions import assemble_all
 from ingest.reward.spec import RewardSpec
 
@@ -115,9 +115,11 @@ def credit_sessions(events: Sequence[tuple[float, Event]], windows: Mapping[str,
             f = None if w is None or owner.get(t.request_id) != sid else note_facts(w, spec)
             if f is not None and t.request_id in records:
                 facts[t.request_id] = f.facts()
-        for c in credit(session, facts, spec.session):
+        about_all = credited_sessions(session, facts)
+        for c, about in zip(credit(session, facts, spec.session), about_all, strict=True):
             out[c.request_id] = records[c.request_id].model_copy(update={
-                "reward": c.reward, "components": dict(c.components), "defaulted": False})
+                "reward": c.reward, "components": dict(c.components), "defaulted": False,
+                "session_credit": about})
     return out
 
 

@@ -41,9 +41,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from ingest.events import Id, RewardRecord, SessionEnd, SessionEvent
+from ingest.events import CreditedSession, Id, RewardRecord, SessionEnd, SessionEvent
 from ingest.reward.join import Window
-from ingest.reward.session_credit import TurnFacts, credit, edit_persisted
+from ingest.reward.session_credit import TurnFacts, credit, edit_persisted, invalid_calls, served_turns
 from ingest.reward.sessions import Session, assemble
 from ingest.reward.spec import RewardSpec
 
@@ -195,6 +195,16 @@ def decide(state: SessionState, now: float, spec: RewardSpec, scale: float) -> D
     return _records(state, session, spec, now, missing)
 
 
+def credited_sessions(session: Session, facts: Mapping[str, TurnFacts]) -> list[CreditedSession]:
+    """What each credited turn's record says of its session, in the order of
+    ``session_credit.credit`` (the served turns, by index)."""
+    turns = served_turns(session, facts)
+    assert session.status != "open", "an open session is not credited"
+    invalid = sum(invalid_calls(t) for t in turns)
+    return [CreditedSession(turn=t.index, turns=len(turns), status=session.status,
+                            invalid_tool_calls=invalid, lead=i == 0) for i, t in enumerate(turns)]
+
+
 def unseen_turns(session: Session) -> int:
     """Turns the session must have had but whose ``session.turn`` has not been seen: indices
     below its last (its end's turn, else its highest)."""
@@ -210,11 +220,12 @@ def _records(state: SessionState, session: Session, spec: RewardSpec, now: float
     credits = credit(session, facts, spec.session)
     closed_ts = datetime.fromtimestamp(now, UTC)
     out: list[RewardRecord] = []
-    for c in credits:
+    for c, about in zip(credits, credited_sessions(session, facts), strict=True):
         rec = served[c.request_id].record
         assert rec is not None
         out.append(rec.model_copy(update={"reward": c.reward, "components": dict(c.components),
-                                          "closed_ts": closed_ts, "defaulted": False}))
+                                          "closed_ts": closed_ts, "defaulted": False,
+                                          "session_credit": about}))
     credited = {c.request_id for c in credits}
     out += [n.record for rid, n in sorted(state.notes.items())
             if n.record is not None and rid not in credited]

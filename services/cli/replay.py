@@ -278,10 +278,10 @@ def main(argv: list[str]) -> int:
         doc["advantages"] = advantages(new.pairs, settings) if new.pairs else None
         doc["canaries"] = None
         if not args.no_canaries:
-            from services.wiring.deployer import judge_policy, persistence_horizon  # the deployer's own
+            from services.wiring.deployer import judge_policy_for  # the deployer's own
 
             doc["canaries"] = canaries(new.pairs, ledger_rows(settings),
-                                       judge_policy(settings.deployer, persistence_horizon(settings)), where)
+                                       judge_policy_for(settings), where)
         doc["written_to"] = write(new, settings, args.out, args.topic, spec.version)
     except BackendUnavailableError as exc:
         print(message("replay", exc.failure, settings, settings.cli.timeout_s), file=sys.stderr)

@@ -69,7 +69,7 @@ from services.report.write import write_report
 from services.runtime.json_doc import strict_json
 from services.settings.model import Settings
 from services.stack.embedded import EmbeddedStack
-from services.wiring.deployer import judge_policy, persistence_horizon
+from services.wiring.deployer import judge_policy_for
 
 
 class DemoInterruptError(Exception):
@@ -263,7 +263,7 @@ def report(plan: DemoPlan, run: Run, config: DemoConfig, mlflow_url: str) -> Non
         final_version=promoted[-1] if promoted else None,
         bad_version=run.bad.version if run.bad is not None else None, started=plan.started,
         finished=time.time(), command=plan.command, mlflow_url=mlflow_url, kinds=kinds, notes=run.notes,
-        judge_policy=judge_policy(settings.deployer, persistence_horizon(settings)),
+        judge_policy=judge_policy_for(settings),
     )
     say(f"report: {path} ({len(records)} reward records, {len(decisions)} decisions)")
     run.report_path = path

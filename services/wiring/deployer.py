@@ -26,6 +26,7 @@ from deployer.status import SOON, CanaryPolicy, CanaryStatus, Observations
 from ingest.contracts import prometheus as m
 from ingest.contracts.metrics import PERSISTENCE_HORIZON_S
 from ingest.reward.spec import load_spec
+from rollback.metrics import session_metrics
 from rollback.types import GuardrailPolicy, JudgePolicy, default_metrics
 from services.runtime.kafka_io import make_admin, make_consumer
 from services.runtime.mlflow_http import retry_later
@@ -45,13 +46,23 @@ def canary_policy(d: DeployerSettings) -> CanaryPolicy:
                         approval_timeout_s=d.approval.timeout_s)
 
 
+def judge_policy_for(settings: Settings) -> JudgePolicy:
+    """The deployer's judge: the reward spec says at which horizon edit persistence is judged,
+    and whether agent sessions are (a spec with a ``[session]`` table)."""
+    spec = load_spec(settings.reward_spec)
+    return judge_policy(settings.deployer, spec.persistence.primary_horizon_s,
+                        sessions=spec.session is not None)
+
+
 def persistence_horizon(settings: Settings) -> int:
     """The reward spec's primary horizon: edit persistence is judged where it is rewarded."""
     return load_spec(settings.reward_spec).persistence.primary_horizon_s
 
 
-def judge_policy(d: DeployerSettings, horizon_s: int = PERSISTENCE_HORIZON_S) -> JudgePolicy:
-    specs = default_metrics()
+def judge_policy(d: DeployerSettings, horizon_s: int = PERSISTENCE_HORIZON_S,
+                 sessions: bool = False) -> JudgePolicy:
+    """The judge of ``d``'s settings; ``sessions``: the per-session metrics are judged too."""
+    specs = default_metrics() + (session_metrics() if sessions else ())
     unknown = set(d.judge_mde) - {s.name for s in specs}
     if unknown:
         raise ValueError(f"deployer.judge_mde names unknown metrics {sorted(unknown)}; "
@@ -73,7 +84,7 @@ def controller_config(settings: Settings) -> ControllerConfig:
     ops = settings.operators
     return ControllerConfig(
         policy=canary_policy(settings.deployer),
-        judge=judge_policy(settings.deployer, persistence_horizon(settings)),
+        judge=judge_policy_for(settings),
         authority=lambda: authority(ops), lease_ttl_s=settings.deployer.lease_ttl_s,
         command_max_age_s=ops.max_age_s, model_name=settings.mlflow.registered_model,
         ui_url=settings.notify.mlflow_ui_url or (uri if uri.startswith(("http:", "https:")) else None))
@@ -177,7 +188,7 @@ def holdout_monitor(settings: Settings, ports: ServicePorts) -> HoldoutMonitor |
     def record(holdout_id: str, now: float, metrics: dict[str, float]) -> None:
         ports.ledger.record(LedgerStep(holdout_id, int(now), now, metrics))
 
-    policy = judge_policy(settings.deployer, persistence_horizon(settings))
+    policy = judge_policy_for(settings)
     return HoldoutMonitor(lambda: reward_tail(settings), policy, ports.state.r, settings.redis.key_prefix,
                           record, every_s)
 

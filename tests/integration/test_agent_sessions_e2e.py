@@ -270,6 +270,12 @@ def check_sessions(s: Settings, harness: Harness, n: int, tmp: Path) -> None:
         expected_outcome = {"completed": 1.0, "abandoned": -0.5}.get(harness.ended.get(sid, ""), 0.0)
         assert r["components"]["outcome"] == pytest.approx(expected_outcome), rid
         by_session[sid].add(round(r["reward"] - r["components"]["invalid_tool_calls"], 9))
+        about = r["session_credit"]  # what the judge's per-session metrics read
+        turns = sorted(k for k, v in harness.served.items() if v == sid)
+        assert (about["turn"], about["turns"]) == (turns.index(rid), len(turns)), rid
+        assert about["lead"] == (rid == turns[0]), rid
+        assert about["status"] == harness.ended.get(sid, "timed_out"), rid
+        assert about["invalid_tool_calls"] == sum(harness.invalid.get(t, 0) for t in turns), rid
     assert all(len(shares) == 1 for shares in by_session.values()), "a session's turns share one return"
     assert reconciled.returncode == 0, reconciled.stdout + reconciled.stderr
     print(f"{len(harness.served)} turns in {n} sessions ({len(harness.ended)} ended), "

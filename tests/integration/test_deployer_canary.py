@@ -169,7 +169,7 @@ def test_replay_judges_a_recorded_canary_as_the_deployer_did(
 
     from ingest.reward.replay import Pair
     from services.cli.replay import canaries, ledger_rows, read_inputs
-    from services.wiring.deployer import judge_policy, persistence_horizon
+    from services.wiring.deployer import judge_policy_for
 
     controller, status = start_canary(deploy, tmp_path)
     feed_rewards(deploy, "1", "2", quality, n=n)
@@ -183,7 +183,7 @@ def test_replay_judges_a_recorded_canary_as_the_deployer_did(
     _events, live, _unreadable, where = read_inputs(deploy, None, None)
     assert len(live) == 2 * n + 2000
     pairs = [Pair(r, r) for r in live]
-    policy = judge_policy(deploy.deployer, persistence_horizon(deploy))
+    policy = judge_policy_for(deploy)
     [again] = canaries(pairs, [row], policy, where)
     decision = {"promoted": "promote", "rolled_back": "rollback"}[outcome]
     assert again["exact"] and again["reproduces"], again

@@ -88,6 +88,11 @@ def test_the_worked_example_and_every_other_request_get_one_record_each(worker: 
     assert "outcome" not in by["c-1"]["components"]  # set aside: its per-request record
     assert by["shared-0"]["components"]["outcome"] == 1.0  # the first claimer's completed session
     assert "outcome" not in by["late-0"]["components"]
+    for i in range(6):  # the session as the judge's per-session metrics read it, once, at turn 0
+        assert by[f"req-7f3a-{i}"]["session_credit"] == {
+            "turn": i, "turns": 6, "status": "completed", "invalid_tool_calls": 1, "lead": i == 0}
+    assert by["plain-1"]["session_credit"] is None and by["c-1"]["session_credit"] is None
+    assert by["idle-0"]["session_credit"]["status"] == "timed_out"
     idle = by["idle-0"]["components"]
     assert idle["outcome"] == 0.0 and idle["tokens"] == pytest.approx(-0.002 * 1010 / 1000)
 

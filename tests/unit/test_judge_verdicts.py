@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 import pytest
 
 from ingest.events import ModelRef, RewardRecord
+from rollback.columns import outcome_from_reward
 from rollback.judge import judge
 from rollback.types import (
     CohortData,
@@ -17,7 +18,6 @@ from rollback.types import (
     JudgePolicy,
     MetricSpec,
     RequestOutcome,
-    outcome_from_reward,
 )
 
 
