@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,13 @@ def test_no_sessions_is_insufficient_not_an_error() -> None:
               JudgePolicy(metrics=(MetricSpec("session_completion", 0.05),), min_users=20,
                           detectors=POLICY.detectors))
     assert [e.status for e in v.metrics] == ["insufficient"]
+
+
+def test_the_deployer_judges_sessions_only_under_a_session_spec() -> None:
+    from services.settings.model import Settings
+    from services.wiring.deployer import judge_policy_for
+
+    agent = Path(__file__).resolve().parents[2] / "ingest" / "reward" / "specs" / "agent.toml"
+    names = [m.name for m in judge_policy_for(Settings(reward_spec=agent)).metrics]
+    assert names[-3:] == ["session_completion", "turns_per_completed", "session_invalid_tool_rate"]
+    assert not {"session_completion"} & {m.name for m in judge_policy_for(Settings()).metrics}
