@@ -137,13 +137,14 @@ def token_request(prompt: list[int], user_key: str, session: str, request_id: st
                          "temperature": sim.temperature}
 
 
-def chat_request(prompt: list[int], user_key: str, session: str, request_id: str, sim: SimulatorSettings,
+def chat_request(prompt: list[int], user_key: str, request_id: str, sim: SimulatorSettings,
                  vocab: ChatVocab) -> tuple[str, dict[str, Any]]:
-    """An OpenAI chat request: the prompt's words as the user's message; rtrl's session and
-    request ids as the extension fields the official client sends with ``extra_body``."""
+    """An OpenAI chat request: the prompt's words as the user's message; rtrl's request id as
+    the extension field the official client sends with ``extra_body``. No session is named:
+    these users ask one thing at a time, and a named session would make every ask an agent
+    session's turn (docs/gateway.md, "Sessions")."""
     return CHAT, {"messages": [{"role": "user", "content": vocab.message(prompt)}], "user": user_key,
-                  "session_id": session, "request_id": request_id, "max_tokens": sim.max_tokens,
-                  "temperature": sim.temperature}
+                  "request_id": request_id, "max_tokens": sim.max_tokens, "temperature": sim.temperature}
 
 
 def token_answer(resp: dict[str, Any], request_id: str) -> Answer:
@@ -218,11 +219,10 @@ class Simulator:
         task: Task = draw_task(self.world, rng)
         prompt = make_prompt(task, self.world, rng)
         request_id = f"sim-{self.sim.seed}-{n}-{uuid.uuid4().hex[:8]}"
-        session = f"{user.key}-s{n // 50}"
         if self.sim.api == "chat":
-            path, body = chat_request(prompt, user.key, session, request_id, self.sim, self.vocab)
+            path, body = chat_request(prompt, user.key, request_id, self.sim, self.vocab)
         else:
-            path, body = token_request(prompt, user.key, session, request_id, self.sim)
+            path, body = token_request(prompt, user.key, f"{user.key}-s{n // 50}", request_id, self.sim)
         served_at = datetime.now(UTC)
         status, resp = self.gateway.complete(body, path)
         if status != 200:

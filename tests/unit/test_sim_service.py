@@ -171,7 +171,7 @@ def test_chat_users_write_words_and_read_the_answer() -> None:
         sim.one_request(n)
     path, body = gw.calls[0]
     assert path == "/v1/chat/completions"
-    assert set(body) == {"messages", "user", "session_id", "request_id", "max_tokens", "temperature"}
+    assert set(body) == {"messages", "user", "request_id", "max_tokens", "temperature"}  # no agent session
     assert body["max_tokens"] == 9 and body["temperature"] == 0.7 and body["user"].startswith("sim-u")
     [message] = body["messages"]
     vocab = ChatVocab(sim.world)
