@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from bench.fake_engine import FakeEngine
+from deployer.routing import assign_arm
 from ingest.contracts.keys import routing_keys
 from services.runtime.kafka_io import ensure_topics
 from services.runtime.redis_io import make_redis
@@ -87,7 +88,18 @@ def test_routing_is_sticky_across_workers_and_metrics_add_up(
         gw.wait_ready(2)
         redis.mset({keys["canary_weight"]: "0.5", keys["canary_version"]: settings.engine.base_version,
                     keys["salt"]: "sticky-salt"})
-        time.sleep(1.0)  # every worker's routing poll has read it
+        # every worker's routing poll has read it and loaded the canary: on a busy machine that
+        # takes more than the 1 s poll, so wait until 24 asks in a row (new connections, spread
+        # over both workers by the kernel) land where the table says (deployer/routing.py)
+        expected = {f"sticky-{u}": assign_arm(f"sticky-{u}", "sticky-salt", 0.5) for u in range(12)}
+        deadline, streak, n = time.monotonic() + 60, 0, 0
+        while streak < 24:
+            assert time.monotonic() < deadline, f"routing never took effect:\n{gw.output()}"
+            conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+            user = f"sticky-{n % 12}"
+            ok, arm = ask(conn, f"warm-{n}", user, stream=False)
+            conn.close()
+            streak, n = (streak + 1 if ok and arm == expected[user] else 0), n + 1
         arms: dict[str, Counter[str]] = {}
 
         def client(k: int) -> None:  # a new connection per request: the kernel hands them out
@@ -102,9 +114,12 @@ def test_routing_is_sticky_across_workers_and_metrics_add_up(
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(client, range(4)))
         assert all(len(c) == 1 for c in arms.values()), arms
+        assert {u: next(iter(c)) for u, c in arms.items()} == expected, arms
         assert {a for c in arms.values() for a in c} == {"stable", "canary"}, arms
         workers_of = {}  # user -> the workers that served them: the same arm from either one
         for rid, pid in gw.served_by().items():
+            if not rid.startswith("st-"):
+                continue
             workers_of.setdefault(f"sticky-{int(rid.removeprefix('st-')) % 12}", set()).add(pid)
         assert len(set().union(*workers_of.values())) == 2, workers_of
         assert any(len(pids) == 2 for pids in workers_of.values()), workers_of
@@ -112,7 +127,7 @@ def test_routing_is_sticky_across_workers_and_metrics_add_up(
         text = metrics.decode()
         served = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                      if line.startswith("rtrl_gateway_requests_total{") and 'code="200"' in line)
-        assert served == 120, text[:3000]
+        assert served == 120 + n, text[:3000]  # and the warm-up's
         assert "process_cpu_seconds_total" not in text  # one worker's own figures would mislead
         assert "rtrl_trainer_" not in text and "rtrl_build_info" in text
     finally:
