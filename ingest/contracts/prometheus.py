@@ -219,7 +219,8 @@ GATEWAY_FALLBACKS = Counter(
     "rtrl_gateway_canary_fallbacks_total", "Canary requests served by stable because the canary failed"
 )
 GATEWAY_EXPOSURES = Counter(
-    "rtrl_gateway_exposures_total", "completion.served events by outcome", ["result"]
+    "rtrl_gateway_exposures_total", "Events the gateway logged (completion.served, and a named session's "
+    "session.turn and tool.call) by outcome", ["result"]
 )
 """result: sent (acked by the broker) | failed (broker refused or timed out) |
 dropped (queue full or broker unreachable: never sent) | invalid (did not fit the contract)"""

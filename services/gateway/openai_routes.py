@@ -134,7 +134,7 @@ class OpenAIRoutes:
         if user is None:
             return oai_error(400, "no user: set the request's `user` field or the X-Rtrl-User header "
                                   "(the key that keeps a user on one arm)", err="user_required")
-        named = body.session_id or headers.get(api.SESSION_HEADER)
+        named = body.session_id or headers.get(api.SESSION_HEADER) or None  # an empty header names none
         session = named or user
         rid = body.request_id or headers.get(api.REQUEST_ID_HEADER)
         if not api.ID_RE.match(session) or (rid is not None and not api.ID_RE.match(rid)):

@@ -12,6 +12,7 @@ from pydantic import SecretStr
 
 from deployer.routing import RoutingTable, assign_arm
 from ingest.events import CompletionServed
+from services.gateway.exposure import ALSO
 from services.gateway.generation import BadRequestError, GenRequest, Piece, UpstreamError
 from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.openai_api import Response
@@ -343,3 +344,37 @@ def test_non_json_number_literals_are_malformed_json(path: str) -> None:
     resp = gw.handle("POST", path, b'{"user": "u1", "prompt": "x", "messages": [], "temperature": NaN}',
                      None, AUTH)
     assert resp.code == 400 and b"malformed JSON: NaN is not valid JSON" in resp.body and logged == []
+
+
+# ------------------------------------------------------------------ agent sessions
+
+@pytest.mark.parametrize(("body", "headers", "turn", "session"), [
+    ({}, {}, None, "u1"),  # the session defaults to the user: no session events
+    ({}, {"X-Rtrl-Session-Id": ""}, None, "u1"),  # an empty header names no session
+    ({"session_id": "s-1"}, {}, 1, "s-1"),  # one assistant message in the history: turn 1
+    ({}, {"X-Rtrl-Session-Id": "s-1"}, 1, "s-1"),
+    ({"session_id": "s-1", "turn": 7}, {"X-Rtrl-Turn": "5"}, 7, "s-1"),  # a self-summary's client says
+    ({"session_id": "s-1"}, {"X-Rtrl-Turn": "5"}, 5, "s-1"),
+])
+def test_a_named_session_logs_its_turn_with_the_served_event(body: dict[str, Any], headers: dict[str, str],
+                                                               turn: int | None, session: str) -> None:
+    gw, logged, _ = make(StreamBackend())
+    history = [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": "which file?"},
+               {"role": "user", "content": "app.py"}]
+    resp, _ = call(gw, "/v1/chat/completions", {**CHAT, "messages": history, **body}, {**AUTH, **headers})
+    assert resp.code == 200
+    [fields] = logged
+    assert fields["session_id"] == session
+    also = fields.get(ALSO)
+    if turn is None:
+        assert also is None
+    else:
+        assert [(e["type"], e["turn"], e["session_id"], e["request_id"]) for e in also] == [
+            ("session.turn", turn, session, fields["request_id"])]
+
+
+def test_a_completion_in_a_named_session_needs_its_turn_index() -> None:
+    gw, logged, _ = make(StreamBackend())
+    call(gw, "/v1/completions", {**COMPLETION, "session_id": "s-2"})
+    call(gw, "/v1/completions", {**COMPLETION, "session_id": "s-2", "turn": 3})
+    assert ALSO not in logged[0] and [e["turn"] for e in logged[1][ALSO]] == [3]

@@ -115,3 +115,11 @@ def test_a_spooled_record_comes_back_as_the_same_events() -> None:
     record = _served_fields(**{ALSO: also})
     _, back = spool_store.decode(spool_store.encode(record, 1.0))
     assert exposure_events(back) == exposure_events(record)
+
+
+def test_an_id_or_a_turn_with_a_trailing_newline_is_not_taken_as_it_is() -> None:
+    assert turns.call_id("call_1\n", "r1", 0) == "r1.call0"  # "$" alone would let it through
+    with pytest.raises(ValueError):
+        turns.turn_header("3\n")
+    fields = turns.session_events("s", "r1", 0, TS, [_call("call_1\n", "f", "{}")], [None])
+    assert [EVENT_ADAPTER.validate_python(f).type for f in fields] == ["session.turn", "tool.call"]

@@ -35,7 +35,7 @@ def turn_header(raw: str | None) -> int | None:
     reason when it is not a whole number in 0..TURN_MAX."""
     if raw is None:
         return None
-    if not _DIGITS.match(raw) or int(raw) > TURN_MAX:
+    if not _DIGITS.fullmatch(raw) or int(raw) > TURN_MAX:
         raise ValueError(f"{TURN_HEADER} must be a whole number from 0 to {TURN_MAX}")
     return int(raw)
 
@@ -58,7 +58,7 @@ def turn_of(named_session: bool, body_turn: int | None, header: str | None,
 def call_id(raw: str, request_id: str, index: int) -> str:
     """A tool call's id as the contract holds it: the engine's when it is a contract Id,
     else one made from the request id and the call's position (unique in the session)."""
-    if _ID.match(raw):
+    if _ID.fullmatch(raw):  # not match: "$" would let a trailing newline through
         return raw
     return f"{request_id[:116]}.call{index}"
 
