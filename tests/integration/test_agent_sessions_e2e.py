@@ -53,9 +53,12 @@ from tests.reliability.workload import KEY_ID, RTRL, SECRET, Worker, env_for, ki
 pytestmark = [pytest.mark.integration, pytest.mark.reliability, pytest.mark.timeout(420)]
 
 API_KEY = "sk-agent-e2e"
-SCALE = "0.005"
-"""The reward workers' time scale: a tool-call turn closes 0.3 s after it was seen, a text
-turn's window 18 s, an idle session 9 s."""
+SCALE = "0.02"
+"""The reward workers' time scale: a tool-call turn closes 1.2 s after it was seen, a rejected
+edit at once, an idle session 36 s after its last event. A killed worker's replacement can
+take 15 s to start on a loaded machine, and a session's deadlines run on the wall clock
+across that gap (docs/rewards.md), so the idle window must outlast it: at 0.005 (9 s) a
+session still running closed as timed out."""
 SCHEMA: Any = {"type": "object", "properties": {"path": {"type": "string", "maxLength": 8}},
           "required": ["path"], "additionalProperties": False}
 READ: Any = {"type": "function", "function": {"name": "read_file", "parameters": SCHEMA}}
@@ -113,8 +116,8 @@ class Harness:
             self.calls += len(calls)
             if not calls:  # a text answer (the fake engine's without tools; a vLLM call cut short)
                 history.append({"role": "assistant", "content": text})
-                if rng.random() < 0.5:  # the user rejects the proposed edit: its window closes now
-                    self.send(EditRejected(event_id=uuid.uuid4().hex, request_id=rid, ts=_now()))
+                # the user rejects the proposed edit: its window closes now (not after 72 s)
+                self.send(EditRejected(event_id=uuid.uuid4().hex, request_id=rid, ts=_now()))
                 continue
             self.invalid[rid] = sum(invalid(name, arguments) for _id, name, arguments in calls)
             history.append({"role": "assistant", "content": None, "tool_calls": [
