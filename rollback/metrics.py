@@ -190,11 +190,7 @@ def _index(c: CohortData, cols: Columns, strata: Strata, err_times: NDArray[np.f
 def cells_of(arm: IndexedArm, values: NDArray[np.float64], counted: NDArray[np.bool_] | None = None) -> Cells:
     """A per-request metric's cells from its values (requests where ``counted`` is False do
     not count; None: all do)."""
-    if counted is None:
-        return Cells(arm.user, arm.stratum, values, np.ones(values.size), arm.users, arm.cells)
-    cells = arm.cells._replace(cell=arm.cells.cell[counted])
-    return Cells(arm.user[counted], arm.stratum[counted], values[counted], np.ones(int(counted.sum())),
-                 arm.users, cells)
+    return ratio_cells(arm, values, np.ones(values.size), counted)
 
 
 def metric_cells(arm: IndexedArm, name: str) -> Cells:
@@ -219,14 +215,17 @@ def session_cells(arm: IndexedArm, name: str) -> Cells:
     columns over the requests that carry a session's figures (denominator > 0), so a user
     counts for it only with sessions."""
     num, den = session_ratio(arm.cols, name)
-    counted = den > 0
+    return ratio_cells(arm, num, den, den > 0)
+
+
+def ratio_cells(arm: IndexedArm, num: NDArray[np.float64], den: NDArray[np.float64],
+                counted: NDArray[np.bool_] | None = None) -> Cells:
+    """Cells of a ratio of two per-request quantities (e.g. invalid tool calls / tool calls);
+    requests where ``counted`` is False do not count (None: all do)."""
+    if counted is None:
+        return Cells(arm.user, arm.stratum, num, den, arm.users, arm.cells)
     cells = arm.cells._replace(cell=arm.cells.cell[counted])
     return Cells(arm.user[counted], arm.stratum[counted], num[counted], den[counted], arm.users, cells)
-
-
-def ratio_cells(arm: IndexedArm, num: NDArray[np.float64], den: NDArray[np.float64]) -> Cells:
-    """Cells of a ratio of two per-request quantities (e.g. invalid tool calls / tool calls)."""
-    return Cells(arm.user, arm.stratum, num, den, arm.users, arm.cells)
 
 
 def error_cells(arm: IndexedArm, unattributed: int = 0) -> Cells:
