@@ -40,13 +40,11 @@ from session_helpers import AGENT_SPEC
 from bench.fake_engine import FakeEngine
 from ingest.events import EditRejected, SessionEnd, ToolResult
 from ingest.reward.session_credit import COMPONENTS
-from services.gateway.asgi.app import GatewayServer
 from services.runtime.event_producer import EventProducer
-from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics
 from services.settings.model import AuthSettings, Settings
 from services.settings.services import GatewaySettings, IngestSettings, RewardSettings, UpstreamSettings
-from services.wiring.gateway import build
+from tests.gateway_inproc import openai_gateway
 from tests.integration.conftest import Engine
 from tests.reliability.workload import KEY_ID, RTRL, SECRET, Worker, env_for, kill_alive, wait_up
 
@@ -184,21 +182,8 @@ def gateway(settings: Settings, base_url: str, model: str) -> Iterator[tuple[ope
             "port": 0, "key_id": KEY_ID, "api_keys": {"team": SecretStr(API_KEY)},
             "stable_upstream": UpstreamSettings(base_url=base_url, model=model)})})
     ensure_topics(cfg)
-    gw, parts = build(cfg, Health())
-    server = GatewayServer(gw, "127.0.0.1", 0).start()
-    deadline = time.monotonic() + 10
-    while gw.slots.get("stable") is None:
-        assert time.monotonic() < deadline, "the upstream never became available"
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=API_KEY, max_retries=0,
-                           timeout=60)
-    try:
+    with openai_gateway(cfg, API_KEY, timeout_s=60) as client:
         yield client, cfg
-    finally:
-        client.close()
-        server.stop()
-        for part in parts:
-            part.stop()
 
 
 def test_sessions_on_the_fake_engine_get_one_reward_per_turn_across_reward_sigkills(

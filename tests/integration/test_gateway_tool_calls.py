@@ -17,12 +17,10 @@ from pydantic import SecretStr
 
 from bench.fake_engine import FakeEngine
 from ingest.events import CompletionServed, SessionTurn, ToolCall, parse_event
-from services.gateway.asgi.app import GatewayServer
-from services.runtime.health import Health
 from services.runtime.kafka_io import ensure_topics, make_consumer
 from services.settings.model import Settings
 from services.settings.services import GatewaySettings, UpstreamSettings
-from services.wiring.gateway import build
+from tests.gateway_inproc import openai_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -45,21 +43,10 @@ def gateway(settings: Settings) -> Iterator[tuple[openai.OpenAI, Settings]]:
         "port": 0, "key_id": None, "api_keys": {"team": SecretStr(KEY)},
         "stable_upstream": UpstreamSettings(base_url=engine.url, model="team-model")})})
     ensure_topics(cfg, [cfg.topics.raw])
-    gw, parts = build(cfg, Health())
-    server = GatewayServer(gw, "127.0.0.1", 0).start()
-    deadline = time.monotonic() + 10
-    while gw.slots.get("stable") is None:
-        assert time.monotonic() < deadline, "the upstream never became available"
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0,
-                           timeout=30)
     try:
-        yield client, cfg
+        with openai_gateway(cfg, KEY) as client:
+            yield client, cfg
     finally:
-        client.close()
-        server.stop()
-        for part in parts:
-            part.stop()
         engine.stop()
 
 
