@@ -27,8 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployer.routing import Arm, RoutingTable
 from ingest.contracts.prometheus import GATEWAY_ERRORS, GATEWAY_FALLBACKS, GATEWAY_REQUESTS, GATEWAY_SECONDS
-from ingest.events import Id, TokenId
+from ingest.events import TURN_MAX, Id, TokenId
 from services.gateway.auth import ApiKeys, UnauthorizedError
+from services.gateway.chat.turns import session_events
+from services.gateway.exposure import ALSO
 from services.gateway.generation import UpstreamError
 from services.gateway.models import Backend, Generation, ModelSlots
 from services.gateway.openai_api import Headers, Response
@@ -56,6 +58,9 @@ class CompletionRequest(BaseModel):
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     request_id: Id | None = None
     temperature: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 1.0
+    turn: Annotated[int, Field(ge=0, le=TURN_MAX, strict=True)] | None = None
+    """The request's turn index in the agent session ``session_id``: given, the gateway logs
+    the turn's ``session.turn`` beside its served event (docs/gateway.md, "Sessions")."""
 
 
 
@@ -358,13 +363,17 @@ class Gateway:
             "completion_tokens": gen.tokens, "logprobs": gen.logprobs, "completion_kind": kind,
             "latency_ms": latency_ms, "tool_calls": gen.tool_calls, "invalid_tool_calls": invalid,
         })
-        self.log_exposure({
-            "event_id": uuid.uuid4().hex, "request_id": request_id, "ts": datetime.now(UTC),
+        ts = datetime.now(UTC)
+        fields: dict[str, Any] = {
+            "event_id": uuid.uuid4().hex, "request_id": request_id, "ts": ts,
             "session_id": req.session_id, "user_key": req.user_key, "model": model, "arm": arm,
             "prompt_tokens": req.prompt_tokens, "completion_tokens": gen.tokens,
             "logprobs": gen.logprobs, "latency_ms": latency_ms, "tool_calls": gen.tool_calls,
             "invalid_tool_calls": invalid, "completion_kind": kind, "temperature": req.temperature,
-        })
+        }
+        if req.turn is not None:
+            fields[ALSO] = session_events(req.session_id, request_id, req.turn, ts, [], [])
+        self.log_exposure(fields)
         GATEWAY_REQUESTS.labels(arm, version, "200").inc()
         GATEWAY_SECONDS.labels(arm).observe(time.perf_counter() - started)
         return payload

@@ -25,6 +25,12 @@ class SimulatorSettings(Section):
     """``tokens``: the token-id API with the built-in policy's vocabulary; ``chat``: OpenAI
     chat completions, prompts and answers in words (services/sim/chat_world.py), for a
     gateway in front of a real LLM (``rtrl demo --engine vllm``)."""
+    agent: bool = False
+    """Agent sessions instead of one-shot asks: users with multi-step tasks that need tools
+    (search, edit, run), one token-id request per turn naming its session and turn, who
+    abandon sessions that loop, stall or break tools (services/sim/agent.py). Needs
+    ``api = tokens`` and a reward spec with a ``[session]`` table (``agent.toml``);
+    ``max_requests`` then counts sessions."""
     n_users: int = 200
     """Simulated users; each has a user_key, a type from the mix and hidden preferences."""
     user_mix: dict[str, float] = Field(default_factory=dict)

@@ -9,6 +9,9 @@ schedules the client events of the contract at compressed times:
     edit.persistence                at each horizon of the reward spec after acceptance
     followup.dissatisfied           followup_delay_s after the reaction
 
+With ``simulator.agent`` each worker works whole agent sessions instead: multi-step tasks
+that need tools, one token-id request per turn (services/sim/agent_run.py).
+
 All delays are multiplied by ``simulator.time_scale`` (use the same value as
 ``reward.time_scale``), so a 1 h horizon can pass in seconds. Events are signed and sent to
 the raw topic through EventProducer, like any client's. Everything random is seeded from
@@ -27,23 +30,20 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel
 
 from ingest.contracts.prometheus import BUILD_INFO, SIM_REQUESTS, registry_for
-from ingest.events import EditAccepted, EditPersistence, EditRejected, FollowupDissatisfied
 from ingest.reward.spec import load_spec
 from services.runtime.event_producer import EventProducer
 from services.runtime.health import Health, HttpEndpoints
 from services.runtime.process import Stopper, setup_logging
-from services.settings.demo import SimulatorSettings
 from services.settings.model import Settings, get_settings
+from services.sim.agent_run import AgentDriver
 from services.sim.chat_world import ChatVocab
 from services.sim.transport import (
-    CHAT,
-    COMPLETIONS,
     EventScheduler,
     Gateway,
     GatewayClient,
@@ -64,6 +64,7 @@ from services.sim.users import (
     make_world,
     react,
 )
+from services.sim.wire import chat_answer, chat_request, plan_events, token_answer, token_request
 
 log = logging.getLogger("rtrl.simulator")
 
@@ -82,84 +83,6 @@ def user_types_with_mix(mix: dict[str, float]) -> tuple[UserType, ...]:
     return tuple(
         UserType(**{**u.__dict__, "share": float(mix.get(u.name, u.share))}) for u in DEFAULT_USER_TYPES
     )
-
-
-def _eid() -> str:
-    return uuid.uuid4().hex
-
-
-def plan_events(
-    outcome: Outcome, request_id: str, served_at: datetime, sim: SimulatorSettings,
-) -> list[tuple[datetime, BaseModel]]:
-    """The client events for one reaction, each with the wall time it is due.
-
-    Horizons in ``outcome.retained`` are the reward spec's (nominal) seconds; every delay is
-    multiplied by ``sim.time_scale``. The event's ``ts`` is its due time.
-    """
-    scale = sim.time_scale
-    react_at = served_at + timedelta(seconds=sim.accept_delay_s * scale)
-    out: list[tuple[datetime, BaseModel]] = []
-    if outcome.accepted is True:
-        out.append((react_at, EditAccepted(
-            event_id=_eid(), request_id=request_id, ts=react_at, inserted_chars=outcome.inserted_chars)))
-        for horizon, kept in sorted(outcome.retained.items()):
-            at = react_at + timedelta(seconds=horizon * scale)
-            out.append((at, EditPersistence(
-                event_id=_eid(), request_id=request_id, ts=at, horizon_s=horizon,
-                retained_chars=kept, inserted_chars=outcome.inserted_chars)))
-    elif outcome.accepted is False:
-        out.append((react_at, EditRejected(
-            event_id=_eid(), request_id=request_id, ts=react_at, inserted_chars=outcome.inserted_chars)))
-    if outcome.dissatisfied:
-        at = react_at + timedelta(seconds=sim.followup_delay_s * scale)
-        out.append((at, FollowupDissatisfied(
-            event_id=_eid(), request_id=request_id, ts=at, reason=f"simulated:{outcome.kind}")))
-    return out
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What a simulated user takes from the gateway's answer."""
-
-    request_id: str
-    arm: str
-    version: str
-    tokens: list[int]
-    """The completion in the world's ids (as read, for a chat answer)."""
-    latency_ms: float
-
-
-def token_request(prompt: list[int], user_key: str, session: str, request_id: str,
-                  sim: SimulatorSettings) -> tuple[str, dict[str, Any]]:
-    """The token-id API's request (GATEWAY_API.md)."""
-    return COMPLETIONS, {"user_key": user_key, "session_id": session, "prompt_tokens": prompt,
-                         "max_tokens": sim.max_tokens, "request_id": request_id,
-                         "temperature": sim.temperature}
-
-
-def chat_request(prompt: list[int], user_key: str, request_id: str, sim: SimulatorSettings,
-                 vocab: ChatVocab) -> tuple[str, dict[str, Any]]:
-    """An OpenAI chat request: the prompt's words as the user's message; rtrl's request id as
-    the extension field the official client sends with ``extra_body``. No session is named:
-    these users ask one thing at a time, and a named session would make every ask an agent
-    session's turn (docs/gateway.md, "Sessions")."""
-    return CHAT, {"messages": [{"role": "user", "content": vocab.message(prompt)}], "user": user_key,
-                  "request_id": request_id, "max_tokens": sim.max_tokens, "temperature": sim.temperature}
-
-
-def token_answer(resp: dict[str, Any], request_id: str) -> Answer:
-    return Answer(str(resp.get("request_id", request_id)), str(resp.get("arm", "stable")),
-                  str(resp.get("model", {}).get("version", "?")), list(resp["completion_tokens"]),
-                  float(resp["latency_ms"]))
-
-
-def chat_answer(resp: dict[str, Any], request_id: str, vocab: ChatVocab) -> Answer:
-    """A chat answer as the user reads it (:meth:`ChatVocab.read`); the arm, version and the
-    latency the gateway logged come from its ``rtrl`` extension."""
-    ext = resp.get("rtrl") or {}
-    text = (resp["choices"][0].get("message") or {}).get("content") or ""
-    return Answer(str(ext.get("request_id", request_id)), str(ext.get("arm", "stable")),
-                  str(ext.get("version", "?")), vocab.read(text), float(ext["latency_ms"]))
 
 
 # --------------------------------------------------------------------------- the service
@@ -211,6 +134,18 @@ class Simulator:
         self._seq = itertools.count()
         self.last_ok = 0.0
         self.requests = 0
+        self.agent: AgentDriver | None = None
+        if sim.agent:
+            if sim.api != "tokens":
+                raise ValueError("simulator.agent runs sessions on the token-id API (the built-in "
+                                 "policy's world); set simulator.api = tokens")
+            self.agent = AgentDriver(sim, self.users, self.gateway, self.scheduler, self.limiter,
+                                     self.horizons, self._turn_served)
+
+    def _turn_served(self) -> None:
+        self.last_ok = time.monotonic()
+        with self.tally.lock:
+            self.requests += 1
 
     def one_request(self, n: int) -> None:
         """Request ``n``: pick a user and task, call the gateway, schedule the reaction."""
@@ -248,17 +183,24 @@ class Simulator:
     def worker(self, stopper: Stopper) -> None:
         backoff = 0.2
         while not stopper.stopping:
-            self.limiter.wait(stopper)
+            if self.agent is None:
+                self.limiter.wait(stopper)
             if stopper.stopping:
                 return
             n = next(self._seq)
             if self.sim.max_requests and n >= self.sim.max_requests:
                 return
             try:
-                self.one_request(n)
-                self.requests += 1
+                if self.agent is not None:
+                    self.agent.one_session(n, stopper)
+                else:
+                    self.one_request(n)
+                    self.requests += 1
                 backoff = 0.2
             except GatewayError as exc:
+                if self.agent is not None:  # one_request counts its own
+                    with self.tally.lock:
+                        self.tally.errors += 1
                 level = logging.INFO if exc.status == 503 else logging.WARNING
                 log.log(level, "gateway answered %s: %s", exc.status, exc.message)
                 stopper.wait(backoff)
@@ -289,14 +231,19 @@ class Simulator:
             stopper.wait(0.5)
             if time.monotonic() - last_log >= log_every_s:
                 log.info("%d requests, %d events pending; %s", self.requests,
-                         self.scheduler.pending(), self.tally.summary())
+                         self.scheduler.pending(), self.summary())
                 last_log = time.monotonic()
         for w in workers:
             w.join()
         # Events due soon are still sent; a stop does not wait for uncompressed 1 h horizons.
         sched_stop.stop()
         sender.join()
-        log.info("simulator done: %d requests; %s", self.requests, self.tally.summary())
+        log.info("simulator done: %d requests; %s", self.requests, self.summary())
+
+    def summary(self) -> str:
+        if self.agent is None:
+            return self.tally.summary()
+        return f"{self.agent.tally.summary()}; errors {self.tally.errors}"
 
 
 def _secret(settings: Settings) -> bytes | None:

@@ -202,3 +202,23 @@ def test_the_exposure_names_the_sampling_temperature() -> None:
     post(gw, REQ)
     assert [c[2] for c in backend.calls] == [0.7, 1.0]
     assert [CompletionServed(**f).temperature for f in logged] == [0.7, 1.0]
+
+
+def test_a_token_request_that_names_its_turn_logs_the_sessions_turn() -> None:
+    from services.gateway.exposure import ALSO, exposure_events
+
+    gw, logged = make(FakeBackend([5, 6, 1]))
+    assert post(gw, {**REQ, "request_id": "r-a"})[0] == 200
+    assert post(gw, {**REQ, "request_id": "r-b", "turn": 4})[0] == 200
+    plain, turn = logged
+    assert ALSO not in plain
+    events = exposure_events(turn)
+    assert [(e.type, getattr(e, "turn", None), getattr(e, "session_id", None), e.request_id)
+            for e in events] == [("completion.served", None, "s1", "r-b"), ("session.turn", 4, "s1", "r-b")]
+
+
+@pytest.mark.parametrize("turn", ["4", True, -1, 2.0, 1_000_000, None.__class__.__name__])
+def test_a_turn_that_is_not_a_plain_index_is_400_naming_it(turn: Any) -> None:
+    gw, logged = make(FakeBackend())
+    code, body = post(gw, {**REQ, "turn": turn})
+    assert code == 400 and "turn" in body["error"]["message"] and not logged
