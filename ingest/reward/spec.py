@@ -139,6 +139,11 @@ def default_spec_text() -> str:
     return resources.files("ingest.reward").joinpath("specs/default.toml").read_text(encoding="utf-8")
 
 
+def agent_spec_text() -> str:
+    """The packaged ``agent-v1``: the default plus the session terms (``[session]``)."""
+    return resources.files("ingest.reward").joinpath("specs/agent.toml").read_text(encoding="utf-8")
+
+
 def parse_spec(text: str, source: str = "<string>") -> RewardSpec:
     try:
         data = tomllib.loads(text)

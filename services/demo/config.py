@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from deployer.operators import key_line
-from ingest.reward.spec import default_spec_text, load_spec
+from ingest.reward.spec import agent_spec_text, default_spec_text, load_spec
 from services.demo.console import say
 from services.demo.engine import engine_env
 from services.settings.demo import DemoSettings
 from services.settings.deployer import DeployerSettings
 from services.settings.model import Settings, settings_from_env
+from services.sim.agent import agent_corpus
 from services.sim.users import bootstrap_corpus
 from services.stack.embedded import EmbeddedStack, free_port
 from services.stack.supervisor import stop_recorded
@@ -56,6 +57,13 @@ to its parent, inside [0.3, 2], and treats a step that moves the mean completion
 more than 20% as an overshoot (under the length detector's 25%). The high edge is well
 below the demo gate's 6 nats; the low edge leaves room for the steps the guard stops early,
 which still met both targets offline (docs/benchmarks.md)."""
+DEMO_AGENT_BAND = {"LOW": "0.2", "HIGH": "1.2", "TARGET": "0.8"}
+"""The agent demo's step: an agent's turns are two to four tokens, and a step of 1.5 nats
+moved the share of broken tool calls enough that users abandoned more sessions (docs/demo.md,
+"Agent sessions")."""
+DEMO_AGENT_INVALID_CALL = 1.0
+"""The agent demo spec's penalty per invalid tool call, on the turn that made it (the packaged
+agent-v1's is 0.25): a product whose users leave after two broken calls weights them more."""
 DEMO_WARMUP_STEPS = 20
 """Learning-rate warm-up of the demo's increments: the first steps at the full rate were the
 ones that overshot the band (docs/benchmarks.md)."""
@@ -65,6 +73,11 @@ stopping the stack (about 40-50 s measured on 2 cores), so the whole demo ends w
 DEMO_JUDGE_MDE = {"persistence": 0.1, "acceptance": 0.1, "reward": 0.2, "dissatisfied": 0.08}
 """The judge's tolerances for the demo's small canaries (hundreds of requests per arm, not
 thousands): a canary must be shown no worse than these before it is promoted."""
+
+DEMO_SESSION_MDE = {"session_completion": 0.1, "turns_per_completed": 1.0, "session_invalid_tool_rate": 0.1}
+"""The same for the per-session metrics under ``--agent`` (a canary's arm sees hundreds of
+sessions): a completion rate 10 points lower, a turn more per completed session or 10 points
+more sessions with a broken call is what a canary must be shown not to cost."""
 
 
 @dataclass(frozen=True)
@@ -138,9 +151,10 @@ def configure(plan: DemoPlan, stack_env: Mapping[str, str]) -> DemoConfig:
     demo, data = plan.demo, plan.data
     keys = {"gateway": secrets.token_hex(16), "simulator": secrets.token_hex(16)}
     spec_path = data / "reward-spec.toml"
-    spec_path.write_text(demo_spec_text(default_spec_text(), demo.no_edit_penalty))
+    base = agent_spec_text() if demo.agent else default_spec_text()
+    spec_path.write_text(demo_spec_text(base, demo.no_edit_penalty))
     primary_horizon = load_spec(spec_path).persistence.primary_horizon_s
-    corpus = write_corpus(data / "bootstrap-corpus.jsonl", demo.seed)
+    corpus = write_corpus(data / "bootstrap-corpus.jsonl", demo.seed, agent=demo.agent)
     gateway_port = free_port()
     token = secrets.token_hex(32)
     (data / "operator-keys").write_text(key_line(DEMO_OPERATOR, token) + "\n")
@@ -174,14 +188,16 @@ def demo_spec_text(base: str, no_edit_penalty: float | None = None,
     """
     if no_edit_penalty is None:
         no_edit_penalty = float(DemoSettings.model_fields["no_edit_penalty"].default)
-    spec = tomllib.loads(base)
-    spec["version"] = f"demo-v3-n{no_edit_penalty:g}" + (
+    spec = {**tomllib.loads(default_spec_text()), **tomllib.loads(base)}  # a table left out: the default's
+    spec["version"] = ("demo-agent-v1" if "session" in spec else "demo-v3") + f"-n{no_edit_penalty:g}" + (
         f"-l{latency_weight:g}" if latency_weight != DEMO_LATENCY_WEIGHT else "")
     spec["window"]["grace_s"] = 600.0
     spec["window"]["followup_s"] = 600.0
     spec["latency"]["slo_ms"] = 400.0
     spec["latency"]["weight"] = float(latency_weight)
     spec["no_edit"] = {"question": float(no_edit_penalty), "empty": float(no_edit_penalty)}
+    if "session" in spec:
+        spec["session"] = {**spec["session"], "invalid_tool_call": DEMO_AGENT_INVALID_CALL}
     return toml_text(spec)
 
 
@@ -203,11 +219,12 @@ def toml_text(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_corpus(path: Path, seed: int, n: int = 2500) -> Path:
+def write_corpus(path: Path, seed: int, n: int = 2500, agent: bool = False) -> Path:
     """A bootstrap corpus of mediocre completions in ``rtrl bootstrap``'s format: JSON lines
     ``{"prompt": [ids], "completion": [ids]}`` (ids of trainer/tokens.py), the pairs of
-    :func:`services.sim.users.bootstrap_corpus`."""
-    corpus_file.write_corpus(path, bootstrap_corpus(n, seed))
+    :func:`services.sim.users.bootstrap_corpus`; with ``agent``, turns of middling agents'
+    sessions (:func:`services.sim.agent.agent_corpus`)."""
+    corpus_file.write_corpus(path, agent_corpus(n, seed) if agent else bootstrap_corpus(n, seed))
     return path
 
 
@@ -238,7 +255,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_TRAINER__MIN_RECORDS": "200",
         "RTRL_TRAINER__STOP_GRACE_S": "10",  # within the demo's 20 s stop grace: an increment
         # running at the end is left to resume from its checkpoint, and the trainer exits 0
-        **demo_trainer_env(),
+        **demo_trainer_env(demo.agent),
         "RTRL_TRAINER__GATE__MAX_KL": "6",
         "RTRL_GATEWAY__PORT": str(gateway_port),
         # the simulated users are the gateway's one API client; their API key is derived
@@ -268,6 +285,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_SIMULATOR__CONCURRENCY": "8",
         "RTRL_SIMULATOR__MAX_TOKENS": "16",
         "RTRL_SIMULATOR__SEED": str(demo.seed),
+        "RTRL_SIMULATOR__AGENT": "true" if demo.agent else "false",
         "RTRL_HTTP__PORT": "0",
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -276,22 +294,24 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "PYTHONUNBUFFERED": "1",
     }
-    return {**env, **judge_tolerance_env()}
+    return {**env, **judge_tolerance_env(demo.agent)}
 
 
-def demo_trainer_env() -> dict[str, str]:
+def demo_trainer_env(agent: bool = False) -> dict[str, str]:
     """How the demo's increments learn, where it differs from the trainer's defaults (also the
-    defaults of ``rtrl bench loop-offline``)."""
+    defaults of ``rtrl bench loop-offline``); ``agent``: the agent demo's smaller step."""
+    band = {**DEMO_BAND, **(DEMO_AGENT_BAND if agent else {})}
     return {"RTRL_TRAINER__LR": f"{DEMO_LR:g}",
             "RTRL_TRAINER__WARMUP_STEPS": str(DEMO_WARMUP_STEPS),
-            **{f"RTRL_TRAINER__BAND__{k}": v for k, v in DEMO_BAND.items()}}
+            **{f"RTRL_TRAINER__BAND__{k}": v for k, v in band.items()}}
 
 
-def judge_tolerance_env() -> dict[str, str]:
+def judge_tolerance_env(agent: bool = False) -> dict[str, str]:
     """``RTRL_DEPLOYER__JUDGE_MDE`` when the deployer has that setting (else nothing: an
-    unknown nested setting would be rejected)."""
+    unknown nested setting would be rejected); ``agent``: with the per-session metrics'."""
     if "judge_mde" in DeployerSettings.model_fields:
-        return {"RTRL_DEPLOYER__JUDGE_MDE": json.dumps(DEMO_JUDGE_MDE)}
+        mde = {**DEMO_JUDGE_MDE, **(DEMO_SESSION_MDE if agent else {})}
+        return {"RTRL_DEPLOYER__JUDGE_MDE": json.dumps(mde)}
     return {}
 
 

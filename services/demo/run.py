@@ -49,7 +49,7 @@ from services.demo.config import (
     prepare_data_dir,
 )
 from services.demo.console import say, stdout_to_stderr
-from services.demo.inject import BadCandidateInjector
+from services.demo.inject import BadCandidateInjector, BadCandidates, bad_kinds
 from services.demo.load import MAX_LOAD, BusyLoad
 from services.demo.services import (
     LazyRegistry,
@@ -88,7 +88,7 @@ class Run:
     stack: EmbeddedStack | None = None
     config: DemoConfig | None = None
     live: Live | None = None
-    bad: BadCandidateInjector | None = None
+    bad: BadCandidates | None = None
     bootstrap_version: str | None = None
     chaos: Chaos | None = None
     chaos_result: ChaosResult | None = None
@@ -107,6 +107,7 @@ class Run:
             "report": str(self.report_path) if self.report_path else None,
             "bootstrap_version": self.bootstrap_version,
             "bad_version": self.bad.version if self.bad is not None else None,
+            "bad_versions": self.bad.tries if self.bad is not None else [],
             "summary": self.summary,
             "chaos": self.chaos_result.to_dict() if self.chaos_result is not None else None,
             "notes": self.notes,
@@ -203,9 +204,11 @@ def run_phases(plan: DemoPlan, run: Run) -> int:
     start_services(live.supervisor, config.gateway_port, run.notes)
     run.loop_started = time.time()
     prefix = config.settings.redis.key_prefix
-    run.bad = BadCandidateInjector(
-        plan.demo, plan.data / "bad-candidate", live.world, live.registry, candidate_lock(live.redis, prefix),
-        wake=lambda reason: wake_deployer(live.redis, prefix, reason))
+    run.bad = BadCandidates([
+        BadCandidateInjector(plan.demo, plan.data / f"bad-candidate-{kind}", live.world, live.registry,
+                             candidate_lock(live.redis, prefix),
+                             wake=lambda reason: wake_deployer(live.redis, prefix, reason), kind=kind)
+        for kind in bad_kinds(plan.demo)])
     if plan.demo.chaos:
         run.chaos = Chaos(live.supervisor, plan.demo.chaos_every_s, plan.demo.seed)
         say(f"chaos: a random service is killed (SIGKILL) and restarted every {plan.demo.chaos_every_s:g}s")
@@ -261,7 +264,8 @@ def report(plan: DemoPlan, run: Run, config: DemoConfig, mlflow_url: str) -> Non
         plan.report_dir, records, [replace(d, kind=kinds.get(d.candidate, d.kind)) for d in decisions],
         primary_horizon_s=config.primary_horizon, baseline_version=run.bootstrap_version,
         final_version=promoted[-1] if promoted else None,
-        bad_version=run.bad.version if run.bad is not None else None, started=plan.started,
+        bad_version=run.bad.version if run.bad is not None else None,
+        bad_versions=run.bad.tries if run.bad is not None else (), started=plan.started,
         finished=time.time(), command=plan.command, mlflow_url=mlflow_url, kinds=kinds, notes=run.notes,
         judge_policy=judge_policy_for(settings),
     )
@@ -329,8 +333,14 @@ def main(argv: list[str]) -> int:
                         help="reports go to <report-dir>/<run>/ (default %(default)s)")
     parser.add_argument("--keep-stack", action="store_true",
                         help="leave the stack (and MLflow UI) running after the demo")
-    parser.add_argument("--bad-candidate", choices=["reward-hacked", "corrupted", "none"],
-                        default=base.bad_candidate, help="the bad candidate to inject (default %(default)s)")
+    parser.add_argument("--bad-candidate",
+                        choices=["reward-hacked", "corrupted", "stalling", "malformed-tool", "none"],
+                        default=base.bad_candidate,
+                        help="the bad candidate to inject (default %(default)s; under --agent the default "
+                             "injects malformed-tool, then stalling)")
+    parser.add_argument("--agent", action="store_true", default=base.agent,
+                        help="agent sessions: users with multi-step tasks that need tools, rewarded per "
+                             "session, judged per session (built-in policy only)")
     parser.add_argument("--engine", choices=["builtin", "vllm"], default=base.engine,
                         help="builtin: the built-in token-id policy (fast); vllm: a tiny Llama served by "
                              "vLLM's CPU build, chat users, LoRA increments (default %(default)s)")
@@ -353,7 +363,17 @@ def main(argv: list[str]) -> int:
         "until_promoted": args.until_promoted or base.until_promoted,
         "report_dir": args.report_dir, "bad_candidate": args.bad_candidate, "seed": args.seed,
         "chaos": args.chaos, "chaos_every_s": args.chaos_every, "engine": args.engine, "load": args.load,
+        "agent": args.agent,
     })
+    if args.agent and args.engine != "builtin":
+        parser.error("--agent runs on the built-in policy (--engine builtin): the vLLM demo's chat users "
+                     "do not work agent sessions yet")
+    named = any(a.startswith("--bad-candidate") for a in argv)
+    if args.agent and args.bad_candidate == "reward-hacked" and named:
+        parser.error("--agent: the reward-hacked candidate asks one-shot users; use stalling, "
+                     "malformed-tool, corrupted or none (the default injects malformed-tool, then stalling)")
+    if not args.agent and args.bad_candidate in {"stalling", "malformed-tool"}:
+        parser.error(f"--bad-candidate {args.bad_candidate} is an agent's: add --agent")
     if not 0 <= args.load <= MAX_LOAD:
         parser.error(f"--load takes 0 to {MAX_LOAD} busy processes")
     if not args.loop_minutes > 0 or (args.minutes is not None and not args.minutes > 0):

@@ -21,6 +21,7 @@ from services.demo.console import say
 from services.runtime.kafka_io import ensure_topics
 from services.runtime.redis_io import make_redis
 from services.settings.model import Settings
+from services.sim.agent import AgentWorld, make_agent_world
 from services.sim.users import World, make_world
 from services.stack.embedded import EmbeddedStack, free_port
 from services.stack.supervisor import ProcSpec, RewardsTracker, Supervisor, module_available, serve_argv
@@ -93,8 +94,9 @@ class Live:
     redis: redis.Redis
     tracker: RewardsTracker
     """Every reward record on the rewards topic, as it comes."""
-    world: World
-    """The simulated users' world (the bad candidate is trained on its prompts)."""
+    world: World | AgentWorld
+    """The simulated users' world (the bad candidate is trained on its prompts): the agent
+    world under ``--agent``."""
     registry: LazyRegistry
 
 
@@ -104,7 +106,7 @@ def connect(plan: DemoPlan, config: DemoConfig) -> Live:
     ensure_topics(settings)
     supervisor = Supervisor(plan.data / "logs", config.env, pid_file=plan.data / "pids.json")
     client = make_redis(settings.redis)
-    world = make_world(plan.demo.seed)
+    world = make_agent_world(plan.demo.seed) if plan.demo.agent else make_world(plan.demo.seed)
     tracker = RewardsTracker(settings, config.primary_horizon).start()
     return Live(settings=settings, supervisor=supervisor, redis=client, tracker=tracker, world=world,
                 registry=LazyRegistry(settings))

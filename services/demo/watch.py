@@ -20,7 +20,7 @@ from ingest.contracts.keys import deployer_status_key, routing_key
 from services.demo.chaos import Chaos
 from services.demo.config import STOP_RESERVE_S, DemoPlan
 from services.demo.console import say
-from services.demo.inject import BadCandidateInjector
+from services.demo.inject import BadCandidates
 from services.demo.services import Live
 from services.report.cohorts import Cohort
 from services.report.sources import Decision, read_ledger
@@ -132,7 +132,7 @@ class Watcher:
                 say(f"DECISION: v{d.candidate} {d.outcome} by {d.decided_by}: {d.reason}")
 
 
-def watch(plan: DemoPlan, live: Live, bad: BadCandidateInjector, notes: list[str],
+def watch(plan: DemoPlan, live: Live, bad: BadCandidates, notes: list[str],
           chaos: Chaos | None = None) -> None:
     """Look at the loop every ``progress_every_s`` until enough canaries were decided (and the
     bad candidate's), or the budget less STOP_RESERVE_S is spent."""

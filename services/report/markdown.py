@@ -32,6 +32,7 @@ def render_markdown(
     comparison: Comparison | None,
     decisions: Sequence[Decision],
     bad_version: str | None,
+    bad_versions: Sequence[str] = (),
     mlflow_url: str,
     plots: Sequence[str],
     notes: Sequence[str] = (),
@@ -48,7 +49,8 @@ def render_markdown(
         *result_table(cohorts, comparison, chain),
         *promotions_side_by_side(concurrent),
         *holdout,
-        *bad_candidate_outcome(bad_version, decisions, kinds),
+        *(line for v in (bad_versions or ([bad_version] if bad_version else []))
+          for line in bad_candidate_outcome(v, decisions, kinds)),
         f"MLflow (registry, training runs, decision ledger): {mlflow_url}", "",
         *decisions_section(decisions),
         *versions_section(cohorts, kinds),

@@ -19,6 +19,7 @@ from typing import Any
 
 from rollback.types import JudgePolicy
 from services.report import holdout as report_holdout
+from services.report import sessions as report_sessions
 from services.report.cohorts import (
     Chain,
     Cohort,
@@ -55,8 +56,11 @@ def write_report(
     kinds: Mapping[str, str] | None = None,
     notes: Sequence[str] = (),
     judge_policy: JudgePolicy | None = None,
+    bad_versions: Sequence[str] = (),
 ) -> Path:
-    """Write report.md, the plots and summary.json into ``report_dir``; return report.md."""
+    """Write report.md, the plots and summary.json into ``report_dir``; return report.md.
+    ``bad_versions``: every deliberately bad candidate, in order (default: ``bad_version``)."""
+    bads = list(bad_versions) or ([bad_version] if bad_version else [])
     report_dir.mkdir(parents=True, exist_ok=True)
     rows = [row_from_record(r, primary_horizon_s) for r in records]
     cohorts = by_version(rows)
@@ -70,16 +74,24 @@ def write_report(
     if comparison is not None:
         chain = chain_comparison([(d.stable, d.candidate, st, ca) for d, st, ca in concurrent],
                                  comparison.baseline, comparison.final)
+    srows = report_sessions.session_rows(records)
+    stable = report_sessions.by_version_arm(srows)
+    speriods = report_sessions.periods_against_holdout(
+        srows, [(p.champion, p.pinned, p.start, p.end) for p in periods if p.champion != p.pinned])
     md = render_markdown(
         title="rtrl closed-loop demo", command=command, started=started, finished=finished,
         cohorts=cohorts, comparison=comparison, decisions=decisions, bad_version=bad_version,
+        bad_versions=bads,
         mlflow_url=mlflow_url, plots=plots, notes=notes, kinds=kinds, concurrent=concurrent,
-        chain=chain, holdout=report_holdout.section(periods), horizon_s=primary_horizon_s,
+        chain=chain, holdout=[*report_holdout.section(periods), *report_sessions.section(stable, speriods)],
+        horizon_s=primary_horizon_s,
     )
     path = report_dir / "report.md"
     path.write_text(md)
     summary = summarise(cohorts, comparison, chain, decisions, concurrent, bad_version, kinds, len(rows))
     summary["holdout"] = report_holdout.summary(periods)
+    summary["bad_versions"] = bads
+    summary["sessions"] = report_sessions.summary(stable, speriods)
     summary["persistence_horizon_s"] = primary_horizon_s
     with open(report_dir / "rewards.jsonl", "w") as fh:  # the raw evidence, to recompute anything
         fh.writelines(json.dumps(r, default=str) + "\n" for r in records)

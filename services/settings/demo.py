@@ -93,6 +93,11 @@ class DemoSettings(Section):
     simulated_ms_per_token: float = 40.0
     """Simulated generation cost per token added to latency_ms by the gateway (large enough
     that the real, load-dependent generation time on a busy 2-core machine is a small part)."""
+    agent: bool = False
+    """Agent sessions (``rtrl demo --agent``): users with multi-step tasks that need tools
+    (``simulator.agent``), the packaged agent reward spec's session terms, a bootstrap
+    champion of middling agents, and the judge's per-session metrics beside the per-request
+    ones (docs/demo.md, "Agent sessions"). On the built-in policy only."""
     engine: Literal["builtin", "vllm"] = "builtin"
     """``builtin``: the built-in token-id policy in the gateway (fast); ``vllm``: a tiny Llama
     built by the demo, served by vLLM's CPU build (``scripts/vllm-env``), chat users, LoRA
@@ -105,9 +110,13 @@ class DemoSettings(Section):
     """A canary's wall-clock cap before the deployer aborts it as inconclusive (unset: 420 s on
     the built-in policy, 600 s on vLLM, whose latency on a busy 2-core machine is noisier). The
     budget in users from the canary's plan normally ends an undecided canary first."""
-    bad_candidate: Literal["reward-hacked", "corrupted", "none"] = "reward-hacked"
+    bad_candidate: Literal["reward-hacked", "corrupted", "stalling", "malformed-tool",
+                           "none"] = "reward-hacked"
     """The deliberately bad candidate injected once: a policy that asks questions instead
-    of editing, or the champion with corrupted weights."""
+    of editing, or the champion with corrupted weights. Under ``agent`` the default injects
+    two, one after the other: an agent that calls tools without their arguments
+    (``malformed-tool``) and one that answers every turn with a question (``stalling``);
+    name one of them to inject only it."""
     bad_candidate_after_decisions: Annotated[int, Field(ge=0)] = 0
     """Inject the bad candidate once this many canaries have been decided (0: as soon as the
     champion has a baseline, before the first increment is ready)."""
