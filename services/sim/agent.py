@@ -107,10 +107,14 @@ class AgentWorld:
     observation_tokens: dict[str, int] = field(repr=False)
     pool: tuple[int, ...] = field(repr=False)
     """Content tokens: preferred tokens, arguments and context noise are drawn from these."""
+    tool_of: dict[int, str] = field(init=False, repr=False, compare=False)
+    """Token -> its tool's name (derived once from ``tools``)."""
+    content: frozenset[int] = field(init=False, repr=False, compare=False)
+    """``pool`` as a set, for reading arguments."""
 
-    @property
-    def tool_of(self) -> dict[int, str]:
-        return {t: name for name, t in self.tools.items()}
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tool_of", {t: name for name, t in self.tools.items()})
+        object.__setattr__(self, "content", frozenset(self.pool))
 
     def prompt(self, task: AgentTask, progress: int, observation: str, rng: random.Random) -> list[int]:
         noise = [rng.choice(self.pool) for _ in range(self.config.context_len)]
@@ -178,8 +182,7 @@ def read_action(tokens: Sequence[int], aw: AgentWorld) -> Action:
         return Action("answer", args=tuple(tokens[:tokens.index(EOS)] if EOS in tokens else tokens))
     if body is None:
         return Action("call", tool, tuple(tokens[1:]), "not_json")
-    pool = set(aw.pool)
-    if any(t not in pool for t in body):
+    if any(t not in aw.content for t in body):
         return Action("call", tool, tuple(body), "not_json")
     if not 1 <= len(body) <= aw.config.max_args:
         return Action("call", tool, tuple(body), "schema_mismatch")
