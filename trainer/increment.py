@@ -11,9 +11,8 @@
     version  = registry.register(candidate, lineage + gate tags); alias "candidate" if passed
     cut      <- window ends; pending cleared          (each record trained once)
 
-A crash between registering and committing is repaired on the next run: the pending window
-is found on a registered version's ``rtrl.window`` tag, so its cut is committed instead of
-training the window again.
+A crash between registering and committing is repaired on the next run: the pending window is
+found on a registered version's ``rtrl.window`` tag, so its cut is committed, not trained again.
 
 The registry calls after training are retried within ``registry_retry_s`` per call, and a
 window never gets two versions (trainer/registration.py). The training job's port and the
@@ -36,7 +35,7 @@ from ingest.events import RewardRecord
 from trainer.gate import GateConfig, GateResult, HeldoutScore, evaluate
 from trainer.loop import LoopConfig, Sample, summarize
 from trainer.mismatch import Mismatch, measure_parent
-from trainer.objective import assign_groups, group_advantages, reward_stats
+from trainer.objective import advantages, reward_stats
 from trainer.policy import TrainablePolicy, load_policy, score_records
 from trainer.registration import (
     SKIPPED_NOTE,
@@ -365,9 +364,11 @@ def commit_window(rewards: RewardLog, pending: PendingWindow, window: Window) ->
 
 
 def build_samples(records: Sequence[RewardRecord], group_size: int, normalize_std: bool) -> list[Sample]:
-    """Samples with group-relative advantages (same-prompt groups first)."""
-    groups = assign_groups([tuple(r.prompt_tokens) for r in records], group_size)
-    return to_samples(records, group_advantages([r.reward for r in records], groups, normalize_std))
+    """Samples with group-relative advantages (:func:`trainer.objective.advantages`)."""
+    keys = [tuple(r.prompt_tokens) for r in records]
+    sessions = [r.session_id if r.session_credit else None for r in records]
+    adv = advantages([r.reward for r in records], keys, sessions, group_size, normalize_std)
+    return to_samples(records, adv)
 
 
 def to_samples(records: Sequence[RewardRecord], advantages: Sequence[float]) -> list[Sample]:
@@ -375,9 +376,8 @@ def to_samples(records: Sequence[RewardRecord], advantages: Sequence[float]) -> 
                    r.temperature) for r, a in zip(records, advantages, strict=True)]
 
 
-def score_heldout(
-    candidate: TrainablePolicy, parent: TrainablePolicy, records: Sequence[RewardRecord], batch: int = 64
-) -> list[HeldoutScore]:
+def score_heldout(candidate: TrainablePolicy, parent: TrainablePolicy, records: Sequence[RewardRecord],
+                  batch: int = 64) -> list[HeldoutScore]:
     """Held-out records scored under both policies at the temperature each was served with."""
     prompts, completions = [r.prompt_tokens for r in records], [r.completion_tokens for r in records]
     temperatures = [r.temperature for r in records]

@@ -105,6 +105,61 @@ def group_advantages(
     return [float(a) for a in adv]
 
 
+def session_advantages(rewards: Sequence[float], sessions: Sequence[Hashable], group_size: int,
+                       normalize_std: bool = False, eps: float = 1e-6) -> list[float]:
+    """Advantages of session turns against *other sessions* (trajectory-level groups).
+
+    A session's turns share its return, so a group of one session's turns (as window order
+    makes them: a session's records arrive together when it closes) compares each turn with
+    its own return and learns nothing of the outcome. Here the unit of a group is the session:
+    sessions (``sessions[i]`` is turn i's, in order of first appearance) are chunked into
+    groups of ``group_size`` sessions (a single leftover session joins the previous group); a
+    session's value is the mean reward of its turns, and a turn's advantage is its reward
+    minus the mean value of its group's sessions, each session counted once however many turns
+    it took. A turn's own deviation (its invalid tool calls) stays in its advantage. With
+    ``normalize_std``, divided by the population std of the group's session values + ``eps``.
+    """
+    if len(rewards) != len(sessions):
+        raise ValueError("one session key per reward")
+    if group_size < 2:
+        raise ValueError("group_size must be >= 2")
+    turns: dict[Hashable, list[int]] = defaultdict(list)
+    for i, key in enumerate(sessions):
+        turns[key].append(i)
+    members = list(turns.values())
+    out = [0.0] * len(rewards)
+    for chunk in _chunks(list(range(len(members))), group_size):
+        values = [math.fsum(rewards[i] for i in members[k]) / len(members[k]) for k in chunk]
+        base = math.fsum(values) / len(values)
+        spread = math.sqrt(math.fsum((v - base) ** 2 for v in values) / len(values))
+        scale = spread + eps if normalize_std else 1.0
+        for k in chunk:
+            for i in members[k]:
+                out[i] = (rewards[i] - base) / scale
+    return out
+
+
+def advantages(rewards: Sequence[float], prompt_keys: Sequence[Hashable], sessions: Sequence[Hashable | None],
+               group_size: int, normalize_std: bool = False) -> list[float]:
+    """An increment's advantages: records of a session (``sessions[i]`` not None) against
+    other sessions (:func:`session_advantages`), the others in same-prompt groups first
+    (:func:`assign_groups`, :func:`group_advantages`)."""
+    out = [0.0] * len(rewards)
+    turns = [i for i, s in enumerate(sessions) if s is not None]
+    rest = [i for i, s in enumerate(sessions) if s is None]
+    if turns:
+        part = session_advantages([rewards[i] for i in turns], [sessions[i] for i in turns], group_size,
+                                  normalize_std)
+        for i, a in zip(turns, part, strict=True):
+            out[i] = a
+    if rest:
+        groups = assign_groups([prompt_keys[i] for i in rest], group_size)
+        part = group_advantages([rewards[i] for i in rest], groups, normalize_std)
+        for i, a in zip(rest, part, strict=True):
+            out[i] = a
+    return out
+
+
 # --------------------------------------------------------------------- the loss
 
 

@@ -17,6 +17,7 @@ from trainer.objective import (
     importance_weights,
     next_token_loss,
     reward_stats,
+    session_advantages,
 )
 
 # ----------------------------------------------------------------- references (plain loops)
@@ -107,6 +108,60 @@ def test_group_advantages_match_reference(normalize_std: bool) -> None:
     assert group_advantages(rewards, groups, normalize_std) == pytest.approx(
         ref_advantages(rewards, groups, normalize_std), abs=1e-9
     )
+
+
+def ref_session_advantages(rewards: list[float], sessions: list[str], size: int) -> list[float]:
+    """Sessions by first appearance, cut into runs of ``size`` (a lone last one joins the run
+    before it); each session's value the mean of its turns; a turn's reward minus the mean value."""
+    order: list[str] = []
+    for s in sessions:
+        if s not in order:
+            order.append(s)
+    runs = [order[i:i + size] for i in range(0, len(order), size)]
+    if len(runs) > 1 and len(runs[-1]) == 1:
+        last = runs.pop()
+        runs[-1] += last
+    value = {s: sum(r for r, k in zip(rewards, sessions, strict=True) if k == s) / sessions.count(s)
+             for s in order}
+    base = {s: sum(value[x] for x in run) / len(run) for run in runs for s in run}
+    return [r - base[s] for r, s in zip(rewards, sessions, strict=True)]
+
+
+def test_session_advantages_hand_case() -> None:
+    # session a: 3 turns of return 2, the middle one penalised 1 (value 5/3); session b: one
+    # turn of -1; one group: baseline (5/3 - 1) / 2 = 1/3, each session once, not per turn.
+    adv = session_advantages([2.0, 1.0, 2.0, -1.0], ["a", "a", "a", "b"], 8)
+    assert adv == pytest.approx([5 / 3, 2 / 3, 5 / 3, -4 / 3])
+    # turns of one session alone keep only their own deviation from the session's value
+    assert session_advantages([2.0, 1.0, 2.0], ["a"] * 3, 8) == pytest.approx([1 / 3, -2 / 3, 1 / 3])
+
+
+def test_session_advantages_group_sessions_not_turns() -> None:
+    """Window order holds a session's turns together: grouped per turn, the outcome would
+    cancel; grouped per session, a completed session's turns gain and an abandoned one's lose."""
+    rewards = [1.5] * 6 + [-0.6] * 2
+    sessions = ["won"] * 6 + ["lost"] * 2
+    per_turn = group_advantages(rewards, assign_groups([(i,) for i in range(8)], 2))
+    assert per_turn == pytest.approx([0.0] * 8)
+    per_session = session_advantages(rewards, sessions, 2)
+    assert per_session == pytest.approx([1.05] * 6 + [-1.05] * 2)
+
+
+def test_session_advantages_match_reference() -> None:
+    rng = random.Random(7)
+    for _ in range(20):
+        n = rng.randrange(1, 60)
+        sessions = [f"s{rng.randrange(12)}" for _ in range(n)]
+        rewards = [rng.uniform(-2, 2) for _ in range(n)]
+        size = rng.randrange(2, 6)
+        assert session_advantages(rewards, sessions, size) == pytest.approx(
+            ref_session_advantages(rewards, sessions, size), abs=1e-9)
+    normed = session_advantages([1.0, 3.0, 3.0], ["a", "b", "b"], 4, normalize_std=True)
+    assert normed == pytest.approx([-1.0, 1.0, 1.0], abs=1e-5)  # values 1, 3: std 1
+    with pytest.raises(ValueError):
+        session_advantages([1.0], ["a", "b"], 4)
+    with pytest.raises(ValueError):
+        session_advantages([1.0], ["a"], 1)
 
 
 # ----------------------------------------------------------------- the loss

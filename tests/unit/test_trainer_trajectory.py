@@ -15,7 +15,7 @@ from ingest.events import SessionEnd, SessionTurn, ToolCall
 from ingest.reward.session_credit import TurnFacts, credit
 from ingest.reward.sessions import assemble
 from ingest.reward.spec import SessionSpec
-from trainer.objective import ObjectiveConfig, assign_groups, group_advantages, grpo_loss
+from trainer.objective import ObjectiveConfig, grpo_loss, session_advantages
 from trainer.policy import completion_logprobs, pad_batch
 
 USER, TOOL, SUMMARY = [10, 11, 12], [40, 41], [50]
@@ -48,12 +48,16 @@ def test_each_turn_is_credited_and_trained_on_its_own_tokens_only() -> None:
     ret = 1.0 - 0.02 * 3 - 0.002 * tokens / 1000
     assert credits == pytest.approx([ret, ret - 0.25, ret])
 
-    # three records with distinct prompts are pooled into one group (window order); advantages
-    # are each credit minus the group's mean, so the turn with the broken call is pushed down
-    groups = assign_groups([tuple(p) for p in (r[0] for r in rows)], group_size=3)
-    assert groups == [0, 0, 0]
-    adv = group_advantages(credits, groups)
+    # the session's turns are grouped by session (trainer.objective.session_advantages); alone
+    # in its group, each credit minus the session's value (the mean of its turns), so the turn
+    # with the broken call is pushed down and the others up
+    adv = session_advantages(credits, ["s"] * 3, group_size=8)
     assert adv == pytest.approx([0.25 / 3, -0.5 / 3, 0.25 / 3])
+    # beside a one-turn session credited `ret - 1`, each turn of this one rises by half the
+    # difference of the two sessions' values (ret - 0.25/3 and ret - 1), the other falls by it
+    half = (1.0 - 0.25 / 3) / 2
+    beside = session_advantages([*credits, ret - 1.0], ["s"] * 3 + ["other"], group_size=8)
+    assert beside == pytest.approx([a + half for a in adv] + [-half])
 
     prompts, completions = [p for p, _ in rows], [c for _, c in rows]
     ids, _, positions, targets, tmask = pad_batch(prompts, completions)
