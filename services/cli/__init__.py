@@ -51,6 +51,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "gateway": ("bench.gateway", "latency added by the gateway"),
     "judge": ("bench.judge", "false rollbacks and detection vs Kayenta/Flagger-style judges"),
     "loop-offline": ("bench.loop_offline", "the demo's users, rewards and increments in one process"),
+    "agent-offline": ("bench.agent_offline", "the agent demo's sessions, credit, increments in one process"),
 }
 
 

@@ -1,0 +1,253 @@
+"""The agent loop without services: the agent demo's simulated sessions, the session credit
+rule and RL increments in one process, so the agent trainer's settings can be compared in
+minutes (``rtrl bench loop-offline`` does the same for one-shot users).
+
+    rtrl bench agent-offline --increments 3 --sessions 600
+    rtrl bench agent-offline --seed 7 --kl-band 0.2:1.2:0.8 --json
+
+Per increment it works ``--sessions`` sessions with the current policy (one sampled completion
+per turn, read by the agent world of services/sim/agent.py), builds each session's events as
+the harness sends them, assembles and credits them with the real session stage
+(ingest/reward/sessions.py, session_credit.py) under the agent demo's spec, trains one
+increment exactly as the trainer does on the credited turns in the order the reward log holds
+them (a session's turns together, when it closes), and works sessions again. It prints, per
+policy, what the report's "Agent sessions" section measures: session completion rate, turns
+per completed session, the share of sessions with an invalid tool call, and of turns that are
+questions. The live demo adds the canary judge and the champions-only data rule on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+import tomllib
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from statistics import mean
+from typing import Any, cast
+
+from bench.loop_offline import HELDOUT, band_arg
+from ingest.events import RewardRecord, SessionEvent, SessionTurn
+from ingest.reward.maths import Feedback
+from ingest.reward.session_credit import TurnFacts, credit, edit_persisted
+from ingest.reward.sessions import SessionWindow, assemble
+from ingest.reward.spec import RewardSpec, agent_spec_text, parse_spec
+from services.demo.config import demo_spec_text, demo_trainer_env, toml_text
+from services.settings.demo import SimulatorSettings
+from services.settings.model import settings_from_env
+from services.sim.agent import AgentSession, AgentWorld, agent_corpus, make_agent_world
+from services.sim.agent_events import turn_events
+from services.sim.users import SimUser, make_population
+from trainer.gate import GateConfig, evaluate
+from trainer.increment import build_samples, score_heldout, to_samples
+from trainer.loop import LoopConfig, rl_train, sft_train
+from trainer.objective import ObjectiveConfig, assign_groups, group_advantages
+from trainer.policy import TinyConfig, TinyTransformer
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class TurnRec:
+    """The parts of a reward record the increment reads."""
+
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    behavior_logprobs: list[float]
+    reward: float
+    session_id: str
+    temperature: float = 1.0
+    session_credit: object | None = True
+    """Set: the record is its session's credit (the trainer groups sessions, not turns)."""
+
+
+@dataclass(frozen=True)
+class SessionRun:
+    end: str
+    turns: int
+    invalid_calls: int
+    questions: int
+    records: tuple[TurnRec, ...]
+    moves: tuple[str, ...] = ()
+    """What each turn did: step, miss, invalid, early, rejected, accepted, question, empty."""
+
+
+@dataclass(frozen=True)
+class AgentFigures:
+    completion: float
+    """Share of sessions completed."""
+    turns_completed: float
+    """Mean turns per completed session (nan without one)."""
+    invalid_sessions: float
+    """Share of sessions with at least one invalid tool call."""
+    questions: float
+    """Share of turns that are clarifying questions."""
+    reward: float
+    """Mean credited reward per turn."""
+    moves: dict[str, float] = field(default_factory=dict)
+    kl: float | None = None
+
+    def line(self) -> str:
+        kl = "" if self.kl is None else f" gate_kl={self.kl:.2f}"
+        return (f"completion={self.completion:.1%} turns/completed={self.turns_completed:.2f} "
+                f"invalid-sessions={self.invalid_sessions:.1%} questions={self.questions:.1%} "
+                f"reward={self.reward:+.3f}{kl}\n" + " " * 15
+                + " ".join(f"{k}={v:.0%}" for k, v in sorted(self.moves.items())))
+
+
+def agent_figures(runs: list[SessionRun]) -> AgentFigures:
+    done = [r.turns for r in runs if r.end == "completed"]
+    turns = sum(r.turns for r in runs)
+    return AgentFigures(mean(r.end == "completed" for r in runs), mean(done) if done else float("nan"),
+                        mean(r.invalid_calls > 0 for r in runs), sum(r.questions for r in runs) / turns,
+                        mean(x.reward for r in runs for x in r.records),
+                        {k: v / turns for k, v in Counter(m for r in runs for m in r.moves).items()})
+
+
+def work_session(policy: TinyTransformer, aw: AgentWorld, user: SimUser, spec: RewardSpec,
+                 sim: SimulatorSettings, seed: int) -> SessionRun:
+    """One session from its first turn to its end, credited as the session stage credits it."""
+    assert spec.session is not None
+    rng = random.Random(f"agent-offline-{seed}")
+    session = AgentSession(aw, user, rng.choice(aw.tasks))
+    sid, horizons = f"s{seed}", list(spec.persistence.horizons_s)
+    events: list[Any] = []
+    facts: dict[str, TurnFacts] = {}
+    served: dict[str, tuple[list[int], list[int], list[float]]] = {}
+    invalid = questions = 0
+    moves: list[str] = []
+    while session.end is None:
+        turn, rid = session.turn, f"{sid}-t{session.turn}"
+        prompt = session.prompt(rng)
+        tokens, logps = policy.sample(prompt, sim.max_tokens, temperature=sim.temperature,
+                                      seed=seed * 1009 + turn, min_new_tokens=1)
+        at = T0 + timedelta(seconds=turn)
+        early = session.progress < len(session.task.plan)
+        step = session.step(tokens, 300.0, horizons, rng)
+        events.append(SessionTurn(event_id=f"{rid}-turn", ts=at, session_id=sid, turn=turn, request_id=rid))
+        events.extend(ev for _, ev in turn_events(aw, sid, turn, rid, step, at, sim)
+                      if isinstance(ev, SessionEvent))
+        o = step.outcome
+        persisted = None if o is None else edit_persisted(
+            Feedback(accepted=o.accepted,
+                     persistence={h: (k, o.inserted_chars) for h, k in o.retained.items()}),
+            o.kind, spec.persistence.primary_horizon_s)
+        followups = int(step.dissatisfied) + int(bool(o and o.dissatisfied))
+        facts[rid] = TurnFacts(len(prompt), len(tokens), followups, persisted)
+        served[rid] = (prompt, tokens, logps)
+        moves.append(move_name(step, early))
+        invalid += int(step.action.kind == "call" and not step.action.valid)
+        questions += int(step.action.kind == "question")
+    window = SessionWindow(spec.session.idle_s, spec.session.max_s, spec.session.max_turns)
+    closed = assemble(sid, events, T0 + timedelta(days=2), window)
+    recs = tuple(TurnRec(*served[c.request_id], c.reward, sid) for c in credit(closed, facts, spec.session))
+    return SessionRun(session.end or "open", session.turn, invalid, questions, recs, tuple(moves))
+
+
+def move_name(step: Any, early: bool) -> str:
+    a = step.action
+    if a.kind == "call":
+        if not a.valid:
+            return f"invalid-{a.invalid_reason}"
+        return "step" if step.reason.endswith("step done") else "miss"
+    if a.kind == "answer":
+        return "early" if early else ("accepted" if step.outcome.accepted else "rejected")
+    return str(a.kind)
+
+
+def work(policy: TinyTransformer, aw: AgentWorld, users: list[SimUser], n: int, spec: RewardSpec,
+         sim: SimulatorSettings, seed: int) -> list[SessionRun]:
+    rng = random.Random(f"agent-offline-users-{seed}")
+    return [work_session(policy, aw, rng.choice(users), spec, sim, seed * 100_003 + i) for i in range(n)]
+
+
+def parser() -> argparse.ArgumentParser:
+    base = settings_from_env(demo_trainer_env(agent=True)).trainer  # the agent demo's trainer settings
+    ap = argparse.ArgumentParser(prog="rtrl bench agent-offline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0, help="the agent world's and the users' seed")
+    ap.add_argument("--increments", type=int, default=3)
+    ap.add_argument("--sessions", type=int, default=600, help="sessions worked per increment window")
+    ap.add_argument("--eval-sessions", type=int, default=600)
+    ap.add_argument("--users", type=int, default=400)
+    ap.add_argument("--corpus", type=int, default=2500, help="bootstrap turns (as the demo's)")
+    ap.add_argument("--lr", type=float, default=base.lr, help="default: the agent demo's (%(default)s)")
+    ap.add_argument("--epochs", type=int, default=base.epochs)
+    ap.add_argument("--batch-size", type=int, default=base.batch_size)
+    ap.add_argument("--group-size", type=int, default=base.group_size)
+    ap.add_argument("--kl-coef", type=float, default=base.kl_coef)
+    band = base.band
+    edges = f"{band.low:g}:{band.high:g}" + (f":{band.target:g}" if band.target is not None else "")
+    ap.add_argument("--kl-band", default=edges if band.enabled else "off", metavar="LOW:HIGH[:TARGET]|off",
+                    help="as rtrl bench loop-offline's (default: the agent demo's, %(default)s)")
+    ap.add_argument("--warmup", type=int, default=base.warmup_steps)
+    ap.add_argument("--grouping", choices=("session", "turns", "state"), default="session",
+                    help="how advantages are grouped (default %(default)s: as the trainer does)")
+    ap.add_argument("--invalid-penalty", type=float, default=None,
+                    help="the spec's penalty per invalid tool call and per turn (default: the agent "
+                         "demo spec's)")
+    ap.add_argument("--json", action="store_true")
+    return ap
+
+
+def samples(window: list[RewardRecord], grouping: str, size: int) -> list[Any]:
+    """The increment's samples: ``session`` as the trainer builds them; ``turns`` as it did
+    before sessions were grouped (each turn on its own, in window order); ``state`` grouped by
+    the agent world's state (task, progress, last observation), which no trainer can see."""
+    if grouping == "session":
+        return build_samples(window, size, False)
+    if grouping == "turns":
+        return build_samples([cast(Any, replace(cast(TurnRec, r), session_credit=None)) for r in window],
+                             size, False)
+    groups = assign_groups([tuple(r.prompt_tokens[:4]) for r in window], size)
+    return to_samples(window, group_advantages([r.reward for r in window], groups))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    base = settings_from_env(demo_trainer_env(agent=True)).trainer
+    band = band_arg(args.kl_band, base.band.probe_every, base.band.max_epochs,
+                    f"{base.band.max_length_change:g}" if base.band.max_length_change is not None else "off")
+    doc = tomllib.loads(demo_spec_text(agent_spec_text()))
+    if args.invalid_penalty is not None:
+        pen = args.invalid_penalty
+        doc["session"].update(invalid_tool_call=pen, invalid_max_per_turn=pen)
+    spec = parse_spec(toml_text(doc), "agent demo spec")
+    sim = SimulatorSettings()
+    aw = make_agent_world(args.seed)
+    users = make_population(aw.world, args.users, args.seed)
+    t0 = time.monotonic()
+    policy = TinyTransformer(TinyConfig())
+    sft_train(policy, agent_corpus(args.corpus, args.seed), LoopConfig(batch_size=32, epochs=2, lr=1e-3,
+                                                                        seed=args.seed))
+    rows = [("bootstrap", agent_figures(work(policy, aw, users, args.eval_sessions, spec, sim, 10_000)))]
+    print(f"{rows[0][0]:>13}: {rows[0][1].line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
+    loop = LoopConfig(batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                      checkpoint_every=10**9, objective=ObjectiveConfig(kl_coef=args.kl_coef), band=band,
+                      warmup_steps=args.warmup)
+    for k in range(1, args.increments + 1):
+        records = [x for r in work(policy, aw, users, args.sessions, spec, sim, k) for x in r.records]
+        heldout = cast(list[RewardRecord], records[-HELDOUT:])
+        window = cast(list[RewardRecord], records[:-HELDOUT])
+        child = policy.clone()
+        history = rl_train(child, policy, samples(window, args.grouping, args.group_size),
+                           replace(loop, seed=args.seed + k), probe=to_samples(heldout, [0.0] * len(heldout)))
+        gate = evaluate(score_heldout(child, policy, heldout), [h["loss"] for h in history], GateConfig())
+        policy = child
+        f = replace(agent_figures(work(policy, aw, users, args.eval_sessions, spec, sim, 10_000 + k)),
+                    kl=gate.figures.get("kl_parent"))
+        rows.append((f"increment {k}", f))
+        print(f"{rows[-1][0]:>13}: {f.line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
+    first, last = rows[0][1], rows[-1][1]
+    print(f"last vs bootstrap: completion {last.completion - first.completion:+.1%} (absolute), "
+          f"turns per completed session {last.turns_completed - first.turns_completed:+.2f}, "
+          f"sessions with an invalid call {last.invalid_sessions - first.invalid_sessions:+.1%}")
+    if args.json:
+        print(json.dumps({"rows": [{"policy": n, **f.__dict__} for n, f in rows]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
