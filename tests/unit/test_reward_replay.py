@@ -172,6 +172,27 @@ def test_a_past_canary_is_judged_again_with_the_replayed_rewards() -> None:
 
 
 # ------------------------------------------------------------------ sessions
+def test_replay_measures_advantages_as_the_trainer_groups_them() -> None:
+    """Session turns are grouped by session, as the trainer does: two sessions of three turns
+    (live returns +1 and -1) give advantages of +1 and -1; replayed with both returning +1, every
+    advantage is 0. Grouped per turn in window order (three turns a group), every live
+    advantage would be 0 and the replay would seem to change nothing."""
+    from ingest.events import CreditedSession
+    from services.cli.replay import advantages
+    from services.settings.model import Settings
+
+    pairs = []
+    for k, (sid, live, new) in enumerate([("a", 1.0, 1.0), ("b", -1.0, 1.0)]):
+        for turn in range(3):
+            p = _pair(3 * k + turn, "stable", live, new)
+            credited = CreditedSession(turn=turn, turns=3, status="completed", invalid_tool_calls=0,
+                                       lead=turn == 0)
+            upd = {"session_id": sid, "session_credit": credited}
+            pairs.append(Pair(p.live.model_copy(update=upd), p.replayed.model_copy(update=upd)))
+    settings = Settings.model_validate({"trainer": {"group_size": 3}})
+    assert advantages(pairs, settings) == {"mean_abs_change": pytest.approx(1.0), "sign_flip_share": 1.0}
+
+
 def _worked_example() -> tuple[list[tuple[float, Event]], dict[str, float]]:
     """docs/rewards.md's worked example and a request of no session, appended one per 10 ms."""
     events, expected = worked_example()
