@@ -57,8 +57,10 @@ MIN_USERS = 30
 """Users on each side before the comparison has an interval: fewer than a canary's
 ``judge_min_users`` (a holdout is a small share and nothing is decided on it), enough for the
 clustered variance and the normal approximation."""
-METRICS = ("persistence", "latency_ms", "dissatisfied", "reward", "acceptance")
-"""The judge's metrics reported for champion vs holdout (those the judge measured)."""
+METRICS = ("persistence", "latency_ms", "dissatisfied", "reward", "acceptance",
+           "session_completion", "turns_per_completed", "session_invalid_tool_rate")
+"""The judge's metrics reported for champion vs holdout (those the judge measured: the
+per-session ones under a reward spec with sessions)."""
 
 
 def salt_of(command_id: str) -> str:

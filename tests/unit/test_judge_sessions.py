@@ -117,3 +117,27 @@ def test_the_deployer_judges_sessions_only_under_a_session_spec() -> None:
     names = [m.name for m in judge_policy_for(Settings(reward_spec=agent)).metrics]
     assert names[-3:] == ["session_completion", "turns_per_completed", "session_invalid_tool_rate"]
     assert not {"session_completion"} & {m.name for m in judge_policy_for(Settings()).metrics}
+
+
+def test_the_champion_against_the_holdout_reports_the_session_metrics() -> None:
+    """deployer.holdout.measure (the deployer's holdout monitor, the demo report) gives the
+    per-session effects, champion minus holdout, with the plain definitions' values."""
+    from deployer.cohorts import HoldoutWindow
+    from deployer.holdout import measure
+
+    rng = random.Random(11)
+    base, champ = generate(rng, 80, 0.3, 5.0), generate(rng, 80, 0.5, 4.0)
+    window = HoldoutWindow("1", "2", NOW.timestamp() - 60)
+    for arm, version, sessions in (("holdout", "1", base), ("stable", "2", champ)):
+        for i, s in enumerate(sessions):
+            window.add_all(r.model_copy(update={"model": ModelRef(name="m", version=version)})
+                           for r in records(s, f"{arm}-{i}", arm))
+    found = {e.metric: e for e in measure(window, POLICY, NOW.timestamp()).effects}
+    assert set(found) == {"session_completion", "turns_per_completed", "session_invalid_tool_rate"}
+    for name, value in plain(base).items():
+        assert found[name].holdout_mean == pytest.approx(value), name
+    for name, value in plain(champ).items():
+        assert found[name].champion_mean == pytest.approx(value), name
+    done = found["session_completion"]
+    assert done.lower < done.estimate < done.upper and done.estimate == pytest.approx(
+        plain(champ)["session_completion"] - plain(base)["session_completion"])
