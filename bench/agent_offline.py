@@ -42,10 +42,11 @@ from services.sim.agent import AgentSession, AgentWorld, agent_corpus, make_agen
 from services.sim.agent_events import turn_events
 from services.sim.users import SimUser, make_population
 from trainer.gate import GateConfig, evaluate
-from trainer.increment import build_samples, score_heldout, to_samples
+from trainer.increment import score_heldout
 from trainer.loop import LoopConfig, rl_train, sft_train
 from trainer.objective import ObjectiveConfig, assign_groups, group_advantages
 from trainer.policy import TinyConfig, TinyTransformer
+from trainer.samples import build_samples, to_samples
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -46,10 +46,11 @@ from services.sim.users import (
     react,
 )
 from trainer.gate import GateConfig, GateResult, evaluate
-from trainer.increment import build_samples, score_heldout, to_samples
+from trainer.increment import score_heldout
 from trainer.loop import LoopConfig, rl_train, sft_train, summarize
 from trainer.objective import ObjectiveConfig
 from trainer.policy import TinyConfig, TinyTransformer, load_policy
+from trainer.samples import build_samples, to_samples
 from trainer.tokens import completion_kind
 from trainer.trust_region import KLBand, stop_name
 

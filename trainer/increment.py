@@ -35,7 +35,7 @@ from ingest.events import RewardRecord
 from trainer.gate import GateConfig, GateResult, HeldoutScore, evaluate
 from trainer.loop import LoopConfig, Sample, summarize
 from trainer.mismatch import Mismatch, measure_parent
-from trainer.objective import advantages, reward_stats
+from trainer.objective import reward_stats
 from trainer.policy import TrainablePolicy, load_policy, score_records
 from trainer.registration import (
     SKIPPED_NOTE,
@@ -50,6 +50,7 @@ from trainer.registration import (
     registered_window_version,
     success_note,
 )
+from trainer.samples import build_samples, to_samples
 from trainer.train_job import TrainJob, TrainRequest, TrainResult
 from trainer.trust_region import band_params, stop_name
 from trainer.window import (
@@ -361,19 +362,6 @@ def commit_window(rewards: RewardLog, pending: PendingWindow, window: Window) ->
 
 
 # ------------------------------------------------------------------ pure helpers
-
-
-def build_samples(records: Sequence[RewardRecord], group_size: int, normalize_std: bool) -> list[Sample]:
-    """Samples with group-relative advantages (:func:`trainer.objective.advantages`)."""
-    keys = [tuple(r.prompt_tokens) for r in records]
-    sessions = [r.session_id if r.session_credit else None for r in records]
-    adv = advantages([r.reward for r in records], keys, sessions, group_size, normalize_std)
-    return to_samples(records, adv)
-
-
-def to_samples(records: Sequence[RewardRecord], advantages: Sequence[float]) -> list[Sample]:
-    return [Sample(list(r.prompt_tokens), list(r.completion_tokens), list(r.behavior_logprobs), a,
-                   r.temperature) for r, a in zip(records, advantages, strict=True)]
 
 
 def score_heldout(candidate: TrainablePolicy, parent: TrainablePolicy, records: Sequence[RewardRecord],

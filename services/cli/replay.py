@@ -99,16 +99,14 @@ def read_inputs(settings: Settings, start: float | None, end: float | None) -> I
 
 
 def advantages(pairs: Sequence[Pair], settings: Settings) -> dict[str, float]:
-    """The trainer's advantages of these records under both rewards, same groups (a session's
-    turns against other sessions, the rest by prompt: trainer.objective.advantages)."""
-    from trainer.objective import advantages as trainer_advantages  # torch
+    """The trainer's advantages of these records under both rewards, grouped as the trainer
+    groups the live records (trainer.samples.record_advantages)."""
+    from trainer.samples import record_advantages  # torch
 
-    t = settings.trainer
-    keys = [tuple(p.live.prompt_tokens) for p in pairs]
-    sessions = [p.live.session_id if p.live.session_credit else None for p in pairs]
-    live, new = ([r.reward for r in side] for side in ([p.live for p in pairs], [p.replayed for p in pairs]))
-    return advantage_shift(trainer_advantages(live, keys, sessions, t.group_size, t.normalize_std),
-                           trainer_advantages(new, keys, sessions, t.group_size, t.normalize_std))
+    t, live = settings.trainer, [p.live for p in pairs]
+    return advantage_shift(
+        record_advantages(live, [p.live.reward for p in pairs], t.group_size, t.normalize_std),
+        record_advantages(live, [p.replayed.reward for p in pairs], t.group_size, t.normalize_std))
 
 
 def judged(row: dict[str, Any]) -> bool:

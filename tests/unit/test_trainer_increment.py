@@ -19,7 +19,7 @@ from ingest.contracts.registry import CANDIDATE, CHAMPION, Tag
 from ingest.events import ModelRef, RewardRecord
 from trainer.adapters.memory import InMemoryRewardLog
 from trainer.gate import GateConfig
-from trainer.increment import IncrementConfig, build_samples, run_increment
+from trainer.increment import IncrementConfig, run_increment
 from trainer.loop import (
     LoopConfig,
     Sample,
@@ -28,6 +28,7 @@ from trainer.loop import (
     summarize,
 )
 from trainer.policy import TinyConfig, TinyTransformer, load_policy
+from trainer.samples import build_samples
 from trainer.tokens import BOS, EOS
 from trainer.train_job import LocalTrainJob, TrainRequest
 from trainer.window import PendingWindow

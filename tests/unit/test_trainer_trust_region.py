@@ -15,9 +15,9 @@ from torch.optim import Optimizer
 
 from tests.unit.test_trainer_increment import one_thread, served  # noqa: F401 (autouse fixture)
 from trainer.gate import kl_parent_candidate
-from trainer.increment import build_samples
 from trainer.loop import LoopConfig, Sample, rl_train
 from trainer.policy import TinyConfig, TinyTransformer
+from trainer.samples import build_samples
 from trainer.trust_region import (
     LENGTH_SEED,
     STOP_CODES,
