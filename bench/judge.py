@@ -48,6 +48,7 @@ from bench.judge_sim import (
     true_p99,
 )
 from rollback import baselines
+from rollback.metrics import early_variances
 from rollback.stats import (
     exceedance_log_lr,
     mixture_radius,
@@ -114,17 +115,24 @@ def guard_by_tick(stable: Arm, canary: Arm, policy: JudgePolicy, guardrail: str)
 
 
 def bounds_by_tick(stable: Arm, canary: Arm, cfg: SimConfig, policy: JudgePolicy, name: str,
-                   mde: float) -> tuple[Arr, Arr, Arr, BoolArr]:
+                   mde: float, early: bool = True) -> tuple[Arr, Arr, Arr, BoolArr]:
     """(estimate, lower, upper, defined) of canary − stable for one metric or detector at every
-    look, as rollback.metrics.compare computes them; ``defined`` is False where it says
-    "insufficient" (too few users, or no stratum with two users in each arm)."""
+    look, as rollback.metrics.compare computes them; ``defined`` is False where no interval is
+    computed (too few users, or no stratum with two users in each arm). ``early``: a metric,
+    whose interval exists from ``rollback_min_users`` on each arm's variance floored by the
+    larger per-user variance until ``min_users``; a detector waits for ``min_users``."""
     alpha = min(0.5, 2 * policy.alpha_per_test())
-    users = np.minimum(cfg.cum_users("stable"), cfg.cum_users("canary"))
+    n_s, n_c = (cfg.cum_users(a).astype(np.float64) for a in ("stable", "canary"))
+    users = np.minimum(n_s, n_c)
     m_s, m_c, v_s, v_c = stratified_by_tick(stable, canary, name, policy.user_weight_cap,
                                             policy.tail_cap_quantile)
     est = m_c - m_s
-    defined = np.isfinite(est) & np.isfinite(v_s + v_c) & (users >= policy.min_users)
-    r = mixture_radius(np.maximum(v_s + v_c, (mde * 1e-3) ** 2), policy.mixture_scale * mde, alpha)
+    floor = min(policy.rollback_min_users, policy.min_users) if early else policy.min_users
+    with np.errstate(invalid="ignore", divide="ignore"):
+        floored = np.add(*early_variances(np.asarray(v_s, np.float64), n_s, np.asarray(v_c, np.float64), n_c))
+    var = np.where(users < policy.min_users, floored, v_s + v_c)
+    defined = np.isfinite(est) & np.isfinite(var) & (users >= floor)
+    r = mixture_radius(np.maximum(var, (mde * 1e-3) ** 2), policy.mixture_scale * mde, alpha)
     return est, est - r, est + r, defined
 
 
@@ -135,22 +143,23 @@ def ours_by_tick(stable: Arm, canary: Arm, cfg: SimConfig, policy: JudgePolicy) 
     """
     enough = np.minimum(cfg.cum_users("stable"), cfg.cum_users("canary")) >= policy.min_users
     worse = np.zeros((stable.n.shape[0], cfg.ticks), dtype=bool)
+    # before min_users a metric may only be worse: nothing is non-inferior yet
     ok = np.ones_like(worse)
     for spec in policy.metrics:
         _, lower, upper, defined = bounds_by_tick(stable, canary, cfg, policy, spec.name, spec.mde)
         if spec.direction == "higher_is_better":
             worse |= defined & (upper < 0)
-            inferior_possible = ~defined | (lower <= -spec.mde)
+            inferior_possible = ~(defined & enough) | (lower <= -spec.mde)
         else:
             worse |= defined & (lower > 0)
-            inferior_possible = ~defined | (upper >= spec.mde)
+            inferior_possible = ~(defined & enough) | (upper >= spec.mde)
         if spec.primary:
             ok &= ~inferior_possible
     fired = np.zeros_like(worse)
     holding = np.zeros_like(worse)
     if "edit_rate" in policy.detectors.enabled:
         tol = policy.detectors.edit_rate_drop
-        est, _, upper, defined = bounds_by_tick(stable, canary, cfg, policy, "edit_rate", tol)
+        est, _, upper, defined = bounds_by_tick(stable, canary, cfg, policy, "edit_rate", tol, early=False)
         fired = defined & (upper < -tol)
         holding = defined & (est < -tol) & ~fired
     guard = (guard_by_tick(stable, canary, policy, "error_rate")

@@ -22,6 +22,12 @@ Traffic, in continuous time (nothing aligned to ticks or strata):
 
 Shapes: A/A under drift; A/A with Zipf users; A/A with Pareto latency; a persistence
 regression of one and of two MDEs (Zipf users); a latency regression of one and of two MDEs.
+Agent shapes (judged with the per-session metrics too, as a session reward spec makes the
+deployer do): each request is an agent session's lead turn, with the user's own completion
+propensity (a 24-hour cycle shared by both arms), turns (more when abandoned) and broken tool
+calls; the record is visible once the session has closed and its window with it. A/A with Zipf
+users; completion down one and two MDEs; turns per completed session and sessions with an
+invalid tool call up one MDE.
 Per shape: how canaries ended (false rollbacks with a 95 % upper bound for A/A shapes;
 promotions within the budget; detections before any promotion for regressions), the canary
 users and hours at decision. ``--baselines`` adds Kayenta- and Flagger-style judges on the
@@ -36,20 +42,23 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
+from numpy.typing import NDArray
 from scipy import stats as sps
 
 from deployer.canary import next_state
 from deployer.status import CanaryPolicy, CanaryStatus, Judgement, Observations
 from rollback.columns import ColumnBuilder
 from rollback.judge import judge
+from rollback.metrics import session_metrics
 from rollback.plan import plan_canary
-from rollback.types import CohortData, JudgePolicy, RequestOutcome, Verdict
+from rollback.types import CohortData, JudgePolicy, RequestOutcome, Verdict, default_metrics
 
 HOURS = 6.0
 SESSION_MEAN_S = 2 * 3600.0
 REQUESTS_PER_HOUR = 3.0
 VISIBLE_AFTER_S = (600.0, 660.0)
 KINDS = np.array(["edit", "question", "empty"])
+Flags = NDArray[np.bool_]
 
 
 @dataclass(frozen=True)
@@ -60,11 +69,18 @@ class Shape:
     pareto: bool = False
     persistence_effect: float = 0.0
     latency_effect_ms: float = 0.0
+    agent: bool = False
+    completion_effect: float = 0.0
+    turns_effect: float = 0.0
+    invalid_effect: float = 0.0
 
     @property
     def metric(self) -> str:
-        """The primary metric the shape regresses (persistence for A/A shapes)."""
-        return "latency_ms" if self.latency_effect_ms else "persistence"
+        """The metric the shape regresses (persistence, or session completion, for A/A shapes)."""
+        effects = {"latency_ms": self.latency_effect_ms, "turns_per_completed": self.turns_effect,
+                   "session_invalid_tool_rate": self.invalid_effect}
+        return next((m for m, e in effects.items() if e),
+                    "session_completion" if self.agent else "persistence")
 
 
 SHAPES = {s.name: s for s in (
@@ -75,6 +91,11 @@ SHAPES = {s.name: s for s in (
     Shape("latency +1 MDE", aa=False, latency_effect_ms=100.0),
     Shape("persistence -2 MDE, Zipf", aa=False, zipf=True, persistence_effect=-0.06),
     Shape("latency +2 MDE", aa=False, latency_effect_ms=200.0),
+    Shape("A/A, agent sessions, Zipf", zipf=True, agent=True),
+    Shape("completion -1 MDE, agent, Zipf", aa=False, zipf=True, agent=True, completion_effect=-0.05),
+    Shape("completion -2 MDE, agent, Zipf", aa=False, zipf=True, agent=True, completion_effect=-0.10),
+    Shape("turns +1 MDE, agent", aa=False, agent=True, turns_effect=0.5),
+    Shape("invalid calls +1 MDE, agent", aa=False, agent=True, invalid_effect=0.05),
 )}
 
 
@@ -118,6 +139,9 @@ class Traffic:
         self.dissatisfied = rng.beta(1, 19, n)
         self.latency = np.exp(rng.normal(0.0, 0.3, n))
         self.phase = rng.uniform(0, 2 * math.pi)
+        self.complete = rng.beta(0.45 * 6, 0.55 * 6, n)  # agent sessions: the user's propensities
+        self.turns = rng.gamma(4.0, 1.25, n)
+        self.broken = rng.beta(1, 7, n)
         self.shape, self.rng, self.next = shape, rng, 0
 
     def served(self, until: float, weight: float) -> Iterator[tuple[str, RequestOutcome, float]]:
@@ -144,6 +168,9 @@ class Traffic:
         reward = np.where(accepted, ratio, 0.0) - 0.0005 * lat + rng.normal(0, 0.1, k)
         tokens = rng.poisson(40, k)
         visible = t + rng.uniform(*VISIBLE_AFTER_S, k)
+        turns, done, broken = self._sessions(t, u, canary)
+        if shape.agent:  # the record waits for the session to close (a turn every ~40 s)
+            visible = visible + turns * rng.uniform(20.0, 60.0, k)
         for i in range(k):
             arm = "canary" if canary[i] else "stable"
             yield arm, RequestOutcome(
@@ -152,7 +179,29 @@ class Traffic:
                 accepted=bool(accepted[i]) if kind[i] == "edit" else None, dissatisfied=int(unhappy[i]),
                 completion_kind=str(kind[i]),  # type: ignore[arg-type]
                 completion_tokens=int(tokens[i]), ts=float(t[i]),
+                session_turns=int(turns[i]), session_completed=bool(done[i]), session_invalid=bool(broken[i]),
             ), float(visible[i])
+
+    def _sessions(self, t: NDArray[np.float64], u: NDArray[np.int64],
+                  canary: NDArray[np.bool_]) -> tuple[NDArray[np.int64], Flags, Flags]:
+        """Each request's agent session (zeros for a shape without sessions): turns, completed,
+        made an invalid tool call. Completion follows the user's propensity on a shared 24-hour
+        cycle; an abandoned session runs longer before the user gives up."""
+        k, shape, rng = len(t), self.shape, self.rng
+        if not shape.agent:
+            return np.zeros(k, np.int64), np.zeros(k, bool), np.zeros(k, bool)
+        cycle = 0.05 * np.sin(2 * math.pi * t / 86_400.0 + self.phase + 1.0)
+        p = np.clip(self.complete[u] + cycle + np.where(canary, shape.completion_effect, 0.0), 0.01, 0.99)
+        done = rng.uniform(0, 1, k) < p
+        mean = self.turns[u] + np.where(done, 0.0, 2.0) + np.where(canary & done, shape.turns_effect, 0.0)
+        turns = 1 + rng.poisson(np.maximum(mean, 0.0))
+        broken = rng.uniform(0, 1, k) < self.broken[u] + np.where(canary, shape.invalid_effect, 0.0)
+        return turns.astype(np.int64), done, broken
+
+
+def policy_for(shape: Shape) -> JudgePolicy:
+    """The deployer's default judge; with agent sessions, the per-session metrics too."""
+    return JudgePolicy(metrics=default_metrics() + session_metrics()) if shape.agent else JudgePolicy()
 
 
 def run_canary(shape_name: str, seed: int, tick_s: float, users_per_min: float) -> Result:
@@ -160,7 +209,7 @@ def run_canary(shape_name: str, seed: int, tick_s: float, users_per_min: float) 
     shape = SHAPES[shape_name]
     rng = np.random.default_rng(seed)
     traffic = Traffic(shape, rng, users_per_min)
-    cpol, jpol = CanaryPolicy(), JudgePolicy()
+    cpol, jpol = CanaryPolicy(), policy_for(shape)
     status = CanaryStatus()
     cols = {"stable": ColumnBuilder(), "canary": ColumnBuilder()}
     outs: dict[str, list[RequestOutcome]] = {"stable": [], "canary": []}

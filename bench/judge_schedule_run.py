@@ -12,9 +12,8 @@ import json
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from bench.judge_schedule import SHAPES, Result, fixed_horizon_users, run_canary, summarise
+from bench.judge_schedule import SHAPES, Result, fixed_horizon_users, policy_for, run_canary, summarise
 from bench.judge_schedule_baselines import BASELINES, LABEL, run_baseline
-from rollback.types import JudgePolicy
 
 JUDGES = ("ours", *BASELINES)
 
@@ -32,12 +31,12 @@ def users_ratio(out: dict[str, dict[str, dict[str, object]]], shape: str) -> dic
                  for k in ("median_users_to_rollback", "median_var_per_user"))
     if not (isinstance(ours, float) and isinstance(var, float)):
         return None
-    fixed = fixed_horizon_users(var, SHAPES[shape].metric, JudgePolicy())
+    fixed = fixed_horizon_users(var, SHAPES[shape].metric, policy_for(SHAPES[shape]))
     return {"ours": ours, "fixed_horizon": fixed, "ratio": ours / fixed}
 
 
 def _table(out: dict[str, dict[str, dict[str, object]]]) -> None:
-    print(f"{'shape':<28}{'judge':<34}{'n':>5}{'promoted':>10}{'rolled back':>13}{'(upper 95%)':>13}"
+    print(f"{'shape':<32}{'judge':<34}{'n':>5}{'promoted':>10}{'rolled back':>13}{'(upper 95%)':>13}"
           f"{'aborted':>9}{'undecided':>11}{'users→promote':>15}{'users→rollback':>16}{'h→promote':>11}"
           f"{'h→rollback':>12}")
     for name, judges in out.items():
@@ -46,7 +45,7 @@ def _table(out: dict[str, dict[str, dict[str, object]]]) -> None:
                 v = s[key]
                 return "-" if v is None else format(v, fmt)
             label = LABEL.get(judge_name, "ours")
-            print(f"{name:<28}{label:<34}{s['canaries']:>5}{s['promotion_rate']:>10.1%}"
+            print(f"{name:<32}{label:<34}{s['canaries']:>5}{s['promotion_rate']:>10.1%}"
                   f"{s['rollback_rate']:>13.1%}{s['rollback_upper95']:>13.1%}{s['aborted']:>9}"
                   f"{s['undecided']:>11}{f('median_users_to_promotion', ',.0f'):>15}"
                   f"{f('median_users_to_rollback', ',.0f'):>16}{f('median_hours_to_promotion', '.2f'):>11}"
@@ -75,7 +74,8 @@ def main(argv: list[str]) -> int:
         for i, name in enumerate(args.shape or list(SHAPES)):
             seeds = [args.seed + 100_000 * i + k for k in range(args.canaries)]
             out[name] = {}
-            for judge_name in judges:
+            # the baselines watch the per-request metrics a proxy exports, not sessions
+            for judge_name in ("ours",) if SHAPES[name].agent else judges:
                 n = len(seeds)
                 results = list(pool.map(run_one, [judge_name] * n, [name] * n, seeds, [args.tick_s] * n,
                                         [args.users_per_min] * n, chunksize=4))

@@ -3,7 +3,9 @@
 Order of precedence in a verdict:
 1. a guardrail tripped (error rate or p99 latency over its ceiling) -> rollback, at once;
 2. a metric is confidently worse on the canary (its always-valid confidence sequence on
-   canary − stable excludes 0 in the bad direction) -> rollback;
+   canary − stable excludes 0 in the bad direction; from ``rollback_min_users`` users per
+   arm, each arm's variance floored by the larger per-user variance until ``min_users``)
+   -> rollback;
 3. a reward-hacking detector found confident behaviour drift -> rollback;
 4. every primary metric is confidently no worse than −MDE (non-inferior), no detector is
    holding, each arm has at least ``min_users`` users -> promote;
@@ -203,7 +205,7 @@ def _metric(spec: MetricSpec, stable: CohortData, canary: CohortData,
         cells = _cells(spec.name, *arms, tail_cap=policy.tail_cap_quantile)
     return compare_cells(spec.name, cells[0], cells[1], strata, cap=policy.user_weight_cap,
                          direction=spec.direction, mde=spec.mde, tau=tau, alpha=alpha_t,
-                         min_n=policy.min_users, state=st)
+                         min_n=policy.min_users, state=st, min_n_worse=policy.rollback_min_users)
 
 
 def _cells(name: str, stable: IndexedArm, canary: IndexedArm,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -21,6 +22,8 @@ from rollback.types import (
     RequestOutcome,
     Status,
 )
+
+V = TypeVar("V", float, NDArray[np.float64])
 
 ValueFn = Callable[[RequestOutcome], float | None]
 
@@ -272,18 +275,27 @@ def compare(
     alpha: float,
     min_n: int,
     state: JudgeState,
+    min_n_worse: int | None = None,
 ) -> MetricEvidence:
     """Compare two arms given (mean, variance of the mean, n) for each.
 
     ``stable``/``canary`` are (mean, var, n, unused). ``alpha`` is this test's one-sided
     error; the two-sided confidence sequence is built at 2·alpha. The running minimum of the
     always-valid p-value is read from and written to ``state`` under ``p.<metric>``.
+
+    ``min_n_worse`` (at most ``min_n``): from this many users per arm a confident regression
+    already counts ("worse"); anything else stays "insufficient" until ``min_n``. In that early
+    phase each arm's variance is at least the larger per-user variance of the two over its own
+    users (:func:`early_variances`), so a small arm that looks steady by chance cannot narrow
+    the interval (the evidence still reports the variances the arms show).
     """
     m_s, v_s, n_s, _ = stable
     m_c, v_c, n_c, _ = canary
     est = m_c - m_s
-    var = v_s + v_c
-    enough = n_s >= min_n and n_c >= min_n and math.isfinite(var) and math.isfinite(est)
+    floor = min_n if min_n_worse is None else min(min_n_worse, min_n)
+    early = min(n_s, n_c) < min_n
+    var = float(sum(early_variances(v_s, n_s, v_c, n_c))) if early and min(n_s, n_c) >= floor else v_s + v_c
+    enough = n_s >= floor and n_c >= floor and math.isfinite(var) and math.isfinite(est)
     if not enough:
         return MetricEvidence(metric, direction, m_s, m_c, est, -math.inf, math.inf,
                               state.get(f"p.{metric}", 1.0), int(n_s), int(n_c), mde, "insufficient",
@@ -294,15 +306,25 @@ def compare(
     state[f"p.{metric}"] = p
     lower, upper = est - r, est + r
     status = classify(direction, lower, upper, mde)
+    if early and status != "worse":
+        status = "insufficient"
     return MetricEvidence(metric, direction, m_s, m_c, est, lower, upper, p, int(n_s), int(n_c), mde,
                           status, float(v_s), float(v_c))
 
 
+def early_variances(v_s: V, n_s: V, v_c: V, n_c: V) -> tuple[V, V]:
+    """Each arm's variance of its mean, at least the larger of the two per-user variances
+    (``v · n``) over its own users: what a small arm is judged on before ``min_users``
+    (numbers, or arrays element by element)."""
+    per_user = np.maximum(v_s * n_s, v_c * n_c)
+    return np.maximum(v_s, per_user / n_s), np.maximum(v_c, per_user / n_c)
+
+
 def compare_cells(metric: str, stable: Cells, canary: Cells, strata: int, *, cap: float | None,
                   direction: Direction, mde: float, tau: float, alpha: float, min_n: int,
-                  state: JudgeState) -> MetricEvidence:
+                  state: JudgeState, min_n_worse: int | None = None) -> MetricEvidence:
     """The stratified, user-clustered comparison of one metric, as evidence."""
     st = stratified_difference(stable, canary, strata, cap)
     return compare(metric, (st.stable_mean, st.var_stable, st.users_stable, 0),
                    (st.canary_mean, st.var_canary, st.users_canary, 0), direction=direction, mde=mde,
-                   tau=tau, alpha=alpha, min_n=min_n, state=state)
+                   tau=tau, alpha=alpha, min_n=min_n, state=state, min_n_worse=min_n_worse)

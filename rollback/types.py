@@ -232,8 +232,14 @@ class JudgePolicy:
     metrics: tuple[MetricSpec, ...] = field(default_factory=default_metrics)
     """Metrics tested sequentially (always-valid confidence sequences on canary − stable)."""
     min_users: int = 200
-    """No statistical decision before each arm has this many users (the variance estimate and
-    the normal approximation need them). Guardrails do not wait for it."""
+    """No promotion before each arm has this many users (the variance estimate and the normal
+    approximation need them), and no statistical decision but a confident regression (from
+    ``rollback_min_users``). Guardrails do not wait for it."""
+    rollback_min_users: int = 100
+    """A metric may roll back (confidently worse) from this many users per arm (capped at
+    ``min_users``); until ``min_users`` each arm's variance is floored by the larger per-user
+    variance of the two, and nothing else is decided. A clear regression is then rolled back
+    at its evidence, not at the promote floor."""
     max_users: int = 20_000
     """Sample budget: users per arm (the smaller counts). Reached undecided: inconclusive."""
     max_duration_s: float = 6 * 3600.0
@@ -270,6 +276,8 @@ class JudgePolicy:
             raise ValueError(f"tail_cap_quantile must be in (0.5, 1) or None, got {self.tail_cap_quantile}")
         if self.mixture_scale <= 0:
             raise ValueError(f"mixture_scale must be > 0, got {self.mixture_scale}")
+        if self.rollback_min_users < 1:
+            raise ValueError(f"rollback_min_users must be >= 1, got {self.rollback_min_users}")
         if not 1 <= self.min_users <= self.max_users:
             raise ValueError(f"need 1 <= min_users <= max_users, got {self.min_users}, {self.max_users}")
         bad = [m.name for m in self.metrics if not m.mde > 0]

@@ -47,7 +47,11 @@ class DeployerSettings(Section):
     judge_alpha: Annotated[float, Field(gt=0.0, lt=0.5)] = 0.01
     """The judge's false-rollback rate for an A/A canary, checked at every tick."""
     judge_min_users: Annotated[int, Field(ge=1)] = 200
-    """No statistical decision before each arm has this many users."""
+    """No promotion before each arm has this many users (and no statistical decision but a
+    confident regression, from judge_rollback_min_users)."""
+    judge_rollback_min_users: Annotated[int, Field(ge=1)] = 100
+    """A confident regression rolls back from this many users per arm (capped at
+    judge_min_users), judged on the larger per-user variance of the two arms until then."""
     judge_max_users: Annotated[int, Field(ge=1)] = 20_000
     """Sample budget in users per arm; spent without a decision, the canary is aborted."""
     judge_max_error_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 0.05

@@ -70,6 +70,7 @@ def judge_policy(d: DeployerSettings, horizon_s: int = PERSISTENCE_HORIZON_S,
     return JudgePolicy(
         metrics=tuple(replace(s, mde=d.judge_mde.get(s.name, s.mde)) for s in specs),
         alpha=d.judge_alpha, min_users=d.judge_min_users, max_users=d.judge_max_users,
+        rollback_min_users=d.judge_rollback_min_users,
         max_duration_s=d.max_duration_s, stratum_s=d.judge_stratum_s,
         user_weight_cap=d.judge_user_weight_cap, persistence_horizon_s=horizon_s,
         tail_cap_quantile=d.judge_tail_cap_quantile,

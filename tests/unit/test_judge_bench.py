@@ -3,6 +3,8 @@ baselines behave as documented on hand-built inputs."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -36,6 +38,7 @@ SHAPES = {
     ("even", 1, {}), ("even", 2, {"persistence_shift": -0.08}), ("even", 3, {"persistence_shift": -0.04}),
     ("ramp, drift, bursts", 4, {}), ("ramp, drift, bursts", 5, {"persistence_shift": -0.1}),
     ("zipf, pareto", 6, {"persistence_shift": -0.08}), ("zipf, pareto", 7, {"latency_shift_ms": 300.0}),
+    ("even", 8, {"latency_shift_ms": 1000.0}),
 ])
 def test_vectorised_decisions_match_judge(shape: str, seed: int, shifts: dict[str, float]) -> None:
     cfg = SHAPES[shape]
@@ -45,7 +48,8 @@ def test_vectorised_decisions_match_judge(shape: str, seed: int, shifts: dict[st
     policy = bench_policy(cfg.budget, cfg)
     code, _ = ours_by_tick(stable, canary, cfg, policy)
     specs = {m.name: m.mde for m in policy.metrics} | {"edit_rate": policy.detectors.edit_rate_drop}
-    bounds = {name: bounds_by_tick(stable, canary, cfg, policy, name, mde) for name, mde in specs.items()}
+    bounds = {name: bounds_by_tick(stable, canary, cfg, policy, name, mde, early=name != "edit_rate")
+              for name, mde in specs.items()}
     guards = {"error_rate": guard_by_tick(stable, canary, policy, "error_rate"),
               "p99_latency_ms": guard_by_tick(stable, canary, policy, "p99_latency_ms")}
     seen = set()
@@ -61,14 +65,19 @@ def test_vectorised_decisions_match_judge(shape: str, seed: int, shifts: dict[st
                 tripped += g.tripped
             for ev in (*v.metrics, *(d.evidence for d in v.detectors)):
                 est, lower, upper, defined = (x[c, t] for x in bounds[ev.metric])
-                assert (ev.status != "insufficient") == defined, (ev.metric, c, t)
+                # an interval is computed where the vectorised one is (early: only "worse" counts)
+                assert math.isfinite(ev.ci_lower) == defined, (ev.metric, c, t)
+                assert ev.status == "insufficient" or defined, (ev.metric, c, t)
                 if defined:
                     assert (ev.estimate, ev.ci_lower, ev.ci_upper) == pytest.approx((est, lower, upper)), \
                         (ev.metric, c, t)
     if shifts.get("persistence_shift", 0) < -0.05:
         assert -1 in seen
-    if "latency_shift_ms" in shifts:
+    if "latency_shift_ms" in shifts and shape == "zipf, pareto":
         assert tripped  # the p99 guardrail's path is exercised
+    if "latency_shift_ms" in shifts and shape == "even":
+        # the early path: rolled back at the first look, with fewer users than min_users
+        assert (code[:, 0] == -1).any() and cfg.cum_users("canary")[0] < policy.min_users
 
 
 def test_first_true() -> None:

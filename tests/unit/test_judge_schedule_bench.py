@@ -64,3 +64,34 @@ def test_the_summary_counts_and_bounds() -> None:
     s = summarise(rows)
     assert s["promoted"] == 2 and s["rolled_back"] == 1 and s["promotion_rate"] == 0.5
     assert s["median_users_to_promotion"] == 200.0 and s["median_hours_to_rollback"] == 0.5
+
+
+def test_agent_sessions_follow_the_users_propensities_and_the_canarys_effect() -> None:
+    def sessions(shape: str) -> dict[str, list]:
+        traffic = Traffic(SHAPES[shape], np.random.default_rng(6), users_per_min=60.0)
+        by: dict[str, list] = {"stable": [], "canary": []}
+        for arm, o, visible in traffic.served(HOURS * 3600.0, 0.5):
+            assert o.session_turns >= 1 and visible > o.ts + 600 + 20 * o.session_turns - 1e-6
+            by[arm].append(o)
+        return by
+
+    def rate(os: list, f: str) -> float:
+        return float(np.mean([getattr(o, f) for o in os]))
+
+    aa = sessions("A/A, agent sessions, Zipf")
+    assert 0.3 < rate(aa["stable"], "session_completed") < 0.6
+    assert abs(rate(aa["canary"], "session_completed") - rate(aa["stable"], "session_completed")) < 0.03
+    worse = sessions("completion -2 MDE, agent, Zipf")
+    drop = rate(worse["stable"], "session_completed") - rate(worse["canary"], "session_completed")
+    assert 0.06 < drop < 0.14
+    done = [o.session_turns for o in aa["stable"] if o.session_completed]
+    gave_up = [o.session_turns for o in aa["stable"] if not o.session_completed]
+    assert np.mean(gave_up) > np.mean(done) + 1  # an abandoned session ran longer
+    plain = Traffic(SHAPES["A/A, drift"], np.random.default_rng(6), users_per_min=60.0)
+    assert all(o.session_turns == 0 for _, o, _ in plain.served(3600.0, 0.5))
+
+
+def test_session_regressions_are_judged_on_the_per_session_metrics() -> None:
+    result = run_canary("invalid calls +1 MDE, agent", seed=12, tick_s=300.0, users_per_min=60.0)
+    assert result.outcome == "rolled_back"
+    assert "sessions with an invalid tool call" in result.reason, result.reason
