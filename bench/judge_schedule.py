@@ -116,8 +116,9 @@ class Traffic:
     """One canary's users and requests (served times, user, hash), drawn up front; outcomes
     are drawn when a request is served, knowing its arm."""
 
-    def __init__(self, shape: Shape, rng: np.random.Generator, users_per_min: float) -> None:
-        span = HOURS * 3600.0
+    def __init__(self, shape: Shape, rng: np.random.Generator, users_per_min: float,
+                 hours: float = HOURS) -> None:
+        span = hours * 3600.0
         n = int(rng.poisson(users_per_min / 60.0 * span))
         arrive = rng.uniform(0.0, span, n)
         stay = rng.exponential(SESSION_MEAN_S, n)
@@ -204,11 +205,13 @@ def policy_for(shape: Shape) -> JudgePolicy:
     return JudgePolicy(metrics=default_metrics() + session_metrics()) if shape.agent else JudgePolicy()
 
 
-def run_canary(shape_name: str, seed: int, tick_s: float, users_per_min: float) -> Result:
-    """One canary from its start to its decision (or the wall-clock cap)."""
+def run_canary(shape_name: str, seed: int, tick_s: float, users_per_min: float,
+               hours: float = HOURS) -> Result:
+    """One canary from its start to its decision, or ``hours`` (the deployer's 6-hour cap;
+    shorter: only the canary's first hours, e.g. to count early rollbacks at a fine tick)."""
     shape = SHAPES[shape_name]
     rng = np.random.default_rng(seed)
-    traffic = Traffic(shape, rng, users_per_min)
+    traffic = Traffic(shape, rng, users_per_min, hours)
     cpol, jpol = CanaryPolicy(), policy_for(shape)
     status = CanaryStatus()
     cols = {"stable": ColumnBuilder(), "canary": ColumnBuilder()}
@@ -217,7 +220,7 @@ def run_canary(shape_name: str, seed: int, tick_s: float, users_per_min: float) 
     state: dict[str, float] | None = None
     verdict = None
     now = 0.0
-    while now <= HOURS * 3600.0 + tick_s:
+    while now <= hours * 3600.0 + tick_s:
         judgement = None
         waiting += [(vis, arm, o) for arm, o, vis in traffic.served(now, status.weight)]
         ready = [w for w in waiting if w[0] <= now]
@@ -242,7 +245,7 @@ def run_canary(shape_name: str, seed: int, tick_s: float, users_per_min: float) 
             return Result(shape.name, status.outcome, hours, users, status.reason[:160],
                           _var_per_user(verdict, shape.metric))
         now += tick_s if status.phase.value != "pending" else 1.0
-    return Result(shape.name, "undecided", HOURS, len({o.user_key for o in outs["canary"]}), "")
+    return Result(shape.name, "undecided", hours, len({o.user_key for o in outs["canary"]}), "")
 
 
 def _var_per_user(verdict: Verdict | None, metric: str) -> float:

@@ -12,15 +12,16 @@ import json
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from bench.judge_schedule import SHAPES, Result, fixed_horizon_users, policy_for, run_canary, summarise
+from bench.judge_schedule import HOURS, SHAPES, Result, fixed_horizon_users, policy_for, run_canary, summarise
 from bench.judge_schedule_baselines import BASELINES, LABEL, run_baseline
 
 JUDGES = ("ours", *BASELINES)
 
 
-def run_one(judge_name: str, shape: str, seed: int, tick_s: float, users_per_min: float) -> Result:
+def run_one(judge_name: str, shape: str, seed: int, tick_s: float, users_per_min: float,
+            hours: float = HOURS) -> Result:
     if judge_name == "ours":
-        return run_canary(shape, seed, tick_s, users_per_min)
+        return run_canary(shape, seed, tick_s, users_per_min, hours)
     return run_baseline(judge_name, shape, seed, tick_s, users_per_min)
 
 
@@ -62,11 +63,16 @@ def main(argv: list[str]) -> int:
                     help="run only this shape (repeatable; default: all)")
     ap.add_argument("--baselines", action="store_true",
                     help="also the Kayenta- and Flagger-style judges, on the same traffic")
+    ap.add_argument("--hours", type=float, default=HOURS,
+                    help="stop each canary of our judge after this many hours (default: the deployer's "
+                         "6-hour cap); shorter counts the early decisions at a fine --tick-s cheaply, "
+                         "the rest end undecided")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if args.canaries < 1 or args.tick_s <= 0 or args.users_per_min <= 0:
-        ap.error("--canaries >= 1, --tick-s > 0 and --users-per-min > 0 are required")
+    if args.canaries < 1 or args.tick_s <= 0 or args.users_per_min <= 0 or not 0 < args.hours <= HOURS:
+        ap.error(f"--canaries >= 1, --tick-s > 0, --users-per-min > 0 and 0 < --hours <= {HOURS:g} "
+                 "are required")
     t0 = time.perf_counter()
     out: dict[str, dict[str, dict[str, object]]] = {}
     judges = JUDGES if args.baselines else ("ours",)
@@ -78,7 +84,7 @@ def main(argv: list[str]) -> int:
             for judge_name in ("ours",) if SHAPES[name].agent else judges:
                 n = len(seeds)
                 results = list(pool.map(run_one, [judge_name] * n, [name] * n, seeds, [args.tick_s] * n,
-                                        [args.users_per_min] * n, chunksize=4))
+                                        [args.users_per_min] * n, [args.hours] * n, chunksize=4))
                 out[name][judge_name] = summarise(results)
             if not args.json:
                 print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -92,5 +98,6 @@ def main(argv: list[str]) -> int:
             print(f"{name}: ours decided at {r['ours']:,.0f} canary users (median), {r['ratio']:.2f}x the "
                   f"{r['fixed_horizon']:,.0f} of a fixed-horizon test powered (95%) for one MDE")
     print(f"{args.canaries} canaries per shape, seed {args.seed}, tick {args.tick_s:g} s, "
-          f"{args.users_per_min:g} new users/min, {time.perf_counter() - t0:.0f} s")
+          f"{args.users_per_min:g} new users/min, {args.hours:g} h per canary, "
+          f"{time.perf_counter() - t0:.0f} s")
     return 0

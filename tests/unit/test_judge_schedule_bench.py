@@ -95,3 +95,9 @@ def test_session_regressions_are_judged_on_the_per_session_metrics() -> None:
     result = run_canary("invalid calls +1 MDE, agent", seed=12, tick_s=300.0, users_per_min=60.0)
     assert result.outcome == "rolled_back"
     assert "sessions with an invalid tool call" in result.reason, result.reason
+
+
+def test_a_shorter_run_stops_each_canary_at_its_hours() -> None:
+    result = run_canary("A/A, drift", seed=13, tick_s=300.0, users_per_min=60.0, hours=0.5)
+    assert result.outcome == "undecided" and result.hours == 0.5  # 200 users per arm take longer
+    assert 0 < result.canary_users < 200
