@@ -143,16 +143,15 @@ def ours_by_tick(stable: Arm, canary: Arm, cfg: SimConfig, policy: JudgePolicy) 
     """
     enough = np.minimum(cfg.cum_users("stable"), cfg.cum_users("canary")) >= policy.min_users
     worse = np.zeros((stable.n.shape[0], cfg.ticks), dtype=bool)
-    # before min_users a metric may only be worse: nothing is non-inferior yet
     ok = np.ones_like(worse)
     for spec in policy.metrics:
         _, lower, upper, defined = bounds_by_tick(stable, canary, cfg, policy, spec.name, spec.mde)
         if spec.direction == "higher_is_better":
             worse |= defined & (upper < 0)
-            inferior_possible = ~(defined & enough) | (lower <= -spec.mde)
+            inferior_possible = ~defined | (lower <= -spec.mde)
         else:
             worse |= defined & (lower > 0)
-            inferior_possible = ~(defined & enough) | (upper >= spec.mde)
+            inferior_possible = ~defined | (upper >= spec.mde)
         if spec.primary:
             ok &= ~inferior_possible
     fired = np.zeros_like(worse)

@@ -293,9 +293,9 @@ def compare(
     m_c, v_c, n_c, _ = canary
     est = m_c - m_s
     floor = min_n if min_n_worse is None else min(min_n_worse, min_n)
-    early = min(n_s, n_c) < min_n
-    var = float(sum(early_variances(v_s, n_s, v_c, n_c))) if early and min(n_s, n_c) >= floor else v_s + v_c
-    enough = n_s >= floor and n_c >= floor and math.isfinite(var) and math.isfinite(est)
+    early, counted = min(n_s, n_c) < min_n, min(n_s, n_c) >= floor
+    var = float(sum(early_variances(v_s, n_s, v_c, n_c))) if early and counted else v_s + v_c
+    enough = counted and math.isfinite(var) and math.isfinite(est)
     if not enough:
         return MetricEvidence(metric, direction, m_s, m_c, est, -math.inf, math.inf,
                               state.get(f"p.{metric}", 1.0), int(n_s), int(n_c), mde, "insufficient",
