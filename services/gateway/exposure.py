@@ -357,13 +357,18 @@ class SpooledExposures:
 
 def exposure_events(record: dict[str, Any],
                     count: Callable[[str, int], None] = count_exposures) -> list[Any]:
-    """A logged record as its events: the ``completion.served``, then the events logged with
-    it under :data:`ALSO` (a session turn's, services/gateway/chat/turns.py). ValueError when
-    the served event does not fit the contract; an accompanying event that does not is
-    logged, counted ``invalid`` and left out, and the others still go."""
+    """A logged record as its events: those logged with it under :data:`ALSO` (a session
+    turn's, services/gateway/chat/turns.py), then its ``completion.served``. All are keyed by
+    the request, so they land on one partition in this order: the reward worker has read the
+    turn's ``session.turn`` when it reads the served event, and a session turn's window can
+    never close into a per-request reward first (a batch boundary or a restarted worker
+    between the two would let it). ValueError when the served event does not fit the
+    contract (then nothing goes); an accompanying event that does not is logged, counted
+    ``invalid`` and left out, and the others still go."""
     fields = dict(record)
     also = fields.pop(ALSO, None) or []
-    events: list[Any] = [CompletionServed(**fields)]
+    served = CompletionServed(**fields)
+    events: list[Any] = []
     for extra in also if isinstance(also, list) else [also]:
         try:
             events.append(EVENT_ADAPTER.validate_python(extra))
@@ -371,4 +376,4 @@ def exposure_events(record: dict[str, Any],
             count("invalid", 1)
             log.error("an event logged with request %s does not fit the contract, not sent: %s",
                       fields.get("request_id"), exc)
-    return events
+    return [*events, served]

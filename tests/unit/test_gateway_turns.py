@@ -89,11 +89,13 @@ def _served_fields(**over: Any) -> dict[str, Any]:
             "completion_tokens": [2], "logprobs": [-0.1], "latency_ms": 5.0, **over}
 
 
-def test_a_record_gives_its_served_event_then_the_events_logged_with_it() -> None:
+def test_a_record_gives_the_events_logged_with_it_then_its_served_event() -> None:
+    """The session.turn goes first: the reward worker reads it before the served event, so
+    the turn's window cannot close into a per-request reward before its session claims it."""
     also = turns.session_events("s1", "r1", 0, TS, [_call("c1", "f", "{}")], [None])
     events = exposure_events(_served_fields(**{ALSO: also}))
-    assert [e.type for e in events] == ["completion.served", "session.turn", "tool.call"]
-    assert isinstance(events[0], CompletionServed)
+    assert [e.type for e in events] == ["session.turn", "tool.call", "completion.served"]
+    assert isinstance(events[-1], CompletionServed)
     assert [e.type for e in exposure_events(_served_fields())] == ["completion.served"]
 
 
@@ -103,7 +105,7 @@ def test_an_event_that_does_not_fit_is_counted_and_the_served_one_still_goes() -
            "turn": -1}
     good = {**bad, "event_id": "t2", "turn": 0}
     events = exposure_events(_served_fields(**{ALSO: [bad, good]}), lambda r, n: counted.append((r, n)))
-    assert [e.event_id for e in events] == ["e1", "t2"] and counted == [("invalid", 1)]
+    assert [e.event_id for e in events] == ["t2", "e1"] and counted == [("invalid", 1)]
     with pytest.raises(ValueError):
         exposure_events(_served_fields(latency_ms=-1.0, **{ALSO: [good]}))
 

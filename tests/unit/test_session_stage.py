@@ -235,3 +235,17 @@ def test_notes_bring_a_look_forward_at_most_once_a_second_and_never_push_it_back
     assert next_look(50.0, now + 0.5, False, now) is None  # already looked at sooner
     assert next_look(150.0, 150.0, False, now) is None  # open: its timer stays
     assert next_look(50.0, None, False, now) == now + NOTE_RECHECK_S  # no timer: one is set
+
+
+def test_a_turn_logged_before_its_served_event_has_claimed_the_window_before_it_can_close() -> None:
+    """The gateway sends a turn's session.turn before its completion.served (one partition, in
+    order): the window is claimed before the served event starts its early-close clock, so
+    no batch boundary or restarted worker can close it into a per-request reward first."""
+    from ingest.reward.join import close_at, due_at
+
+    w = apply(None, turn(0, "r0"), 0.0, SPEC)
+    assert w.sessions == (SID,) and w.served is None
+    assert close_at(w, SPEC) == due_at(w, SPEC)  # nothing closes early before the served event
+    w = apply(w, served("r0", kind="question"), 5.0, SPEC)
+    assert w.sessions == (SID,) and close_at(w, SPEC) == 5.0 + SPEC.window.followup_s
+    assert close(w, SPEC, 70.0).record is not None
