@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from services.sim.agent import agent_corpus
 from services.sim.chat_world import ASK_WORD, CONTENT_WORDS, ChatVocab
 from services.sim.users import World, bootstrap_corpus, make_world, question_completion
 from services.stack.tiny_llm import build_tiny_llm
@@ -87,9 +88,21 @@ def with_questions(pairs: Sequence[tuple[list[int], list[int]]], share: float,
     return [(p, question_completion() if rng.random() < share else c) for p, c in pairs]
 
 
+def pretrain_pairs(n_pairs: int, seed: int, agent: bool = False) -> list[tuple[list[int], list[int]]]:
+    """The base model's world pairs: one-shot answers with now and then a question, or with
+    ``agent`` the turns of middling agents' sessions (services/sim/agent.py's
+    :func:`agent_corpus`: calls, questions and answers, some of them wrong)."""
+    if agent:
+        return agent_corpus(n_pairs, seed)
+    return with_questions(bootstrap_corpus(n_pairs, seed), QUESTION_SHARE, seed)
+
+
 def build_demo_model(dst: Path, seed: int = 0, epochs: int = PRETRAIN_EPOCHS,
-                     n_pairs: int = PRETRAIN_PAIRS, say: Callable[[str], None] = print) -> Path:
-    """The demo's base model and tokenizer under ``dst`` (see the module docstring)."""
+                     n_pairs: int = PRETRAIN_PAIRS, say: Callable[[str], None] = print,
+                     agent: bool = False) -> Path:
+    """The demo's base model and tokenizer under ``dst`` (see the module docstring); with
+    ``agent``, an agent that works the agent world's sessions badly (``rtrl demo --agent
+    --engine vllm``)."""
     import torch
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -101,8 +114,7 @@ def build_demo_model(dst: Path, seed: int = 0, epochs: int = PRETRAIN_EPOCHS,
     world = make_world(seed)
     build_tiny_llm(dst, seed, VOCAB, tokenizer_texts(world, seed))
     tokenizer = AutoTokenizer.from_pretrained(str(dst))
-    world_pairs = with_questions(bootstrap_corpus(n_pairs, seed), QUESTION_SHARE, seed)
-    pairs = chat_pairs(tokenizer, world, world_pairs)
+    pairs = chat_pairs(tokenizer, world, pretrain_pairs(n_pairs, seed, agent))
     torch.manual_seed(seed)
     policy = HFPolicy.from_pretrained(dst, dtype=torch.float32)
     t0 = time.monotonic()
@@ -122,14 +134,15 @@ def word_tokens(tokenizer: Any) -> dict[str, list[int]]:
 
 
 BUILDER_SOURCES = ("services/demo/chat_model.py", "services/stack/tiny_llm.py", "services/sim/chat_world.py",
-                   "services/sim/users.py", "trainer/hf_policy.py", "trainer/loop.py")
+                   "services/sim/users.py", "services/sim/agent.py", "trainer/hf_policy.py",
+                   "trainer/loop.py")
 """The modules whose code shapes the demo model: a change to any of them makes a new cache key."""
 CACHE_DONE = "rtrl-cache.json"
 """Written last into a cached model: a directory without it is an interrupted build."""
 
 
 def model_key(seed: int, epochs: int = PRETRAIN_EPOCHS, n_pairs: int = PRETRAIN_PAIRS,
-              root: Path | None = None) -> str:
+              root: Path | None = None, agent: bool = False) -> str:
     """What the model built by :func:`build_demo_model` depends on, as a short hash."""
     import torch
     import transformers
@@ -138,6 +151,7 @@ def model_key(seed: int, epochs: int = PRETRAIN_EPOCHS, n_pairs: int = PRETRAIN_
     h = hashlib.sha256(json.dumps({
         "seed": seed, "epochs": epochs, "pairs": n_pairs, "vocab": VOCAB, "lr": PRETRAIN_LR,
         "questions": QUESTION_SHARE, "torch": torch.__version__, "transformers": transformers.__version__,
+        **({"agent": True} if agent else {}),
     }, sort_keys=True).encode())
     for rel in BUILDER_SOURCES:
         h.update(rel.encode())
@@ -147,15 +161,16 @@ def model_key(seed: int, epochs: int = PRETRAIN_EPOCHS, n_pairs: int = PRETRAIN_
 
 def cached_demo_model(dst: Path, seed: int, cache: Path | None, epochs: int = PRETRAIN_EPOCHS,
                       n_pairs: int = PRETRAIN_PAIRS, say: Callable[[str], None] = print,
-                      build: Callable[..., Path] | None = None) -> Path:
+                      build: Callable[..., Path] | None = None, agent: bool = False) -> Path:
     """The demo model under ``dst``: copied from ``cache`` when a finished build with the same
     key is there, else built (:func:`build_demo_model`) and then stored in ``cache`` (None: no
     cache). A cache that cannot be written costs only the copy: the model is still built."""
     build = build or build_demo_model
+    extra = {"agent": True} if agent else {}
     if cache is None:
-        return build(dst, seed, epochs=epochs, n_pairs=n_pairs, say=say)
+        return build(dst, seed, epochs=epochs, n_pairs=n_pairs, say=say, **extra)
     cache = cache.expanduser()
-    key = model_key(seed, epochs, n_pairs)
+    key = model_key(seed, epochs, n_pairs, agent=agent)
     hit = cache / key
     if (hit / CACHE_DONE).exists():
         if dst.exists():
@@ -163,7 +178,7 @@ def cached_demo_model(dst: Path, seed: int, cache: Path | None, epochs: int = PR
         shutil.copytree(hit, dst, ignore=shutil.ignore_patterns(CACHE_DONE))
         say(f"base model {key} from the cache {cache} (delete it to build again)")
         return dst
-    build(dst, seed, epochs=epochs, n_pairs=n_pairs, say=say)
+    build(dst, seed, epochs=epochs, n_pairs=n_pairs, say=say, **extra)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))

@@ -167,7 +167,7 @@ def configure(plan: DemoPlan, stack_env: Mapping[str, str]) -> DemoConfig:
     engine_port = None
     if demo.engine == "vllm":
         engine_port = free_port()
-        env.update(engine_env(data, engine_port, demo.canary_max_s))
+        env.update(engine_env(data, engine_port, demo.canary_max_s, agent=demo.agent))
     return DemoConfig(spec_path=spec_path, corpus=corpus, primary_horizon=primary_horizon,
                       gateway_port=gateway_port, env=env, engine_port=engine_port,
                       settings=settings_from_env({**plan.environ, **env}), operator_token=token)

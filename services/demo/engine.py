@@ -11,6 +11,10 @@ What changes against the built-in policy's demo (everything else is the same loo
    that the deployer loads into the engine and checks before its canary gets traffic;
 4. the gateway serves from the engine (``RTRL_ENGINE__*``) and the simulated users speak chat
    (``RTRL_SIMULATOR__API=chat``): prompts and answers are words (services/sim/chat_world.py).
+
+With ``--agent`` the base model is pretrained on middling agents' turns instead, and the
+agent users work their sessions over chat: each turn a chat request naming its session and
+turn, the answer's words read as the action (services/sim/agent_run.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 from services.demo.chat_model import LORA_TARGETS, cached_demo_model, chat_pairs
 from services.demo.console import say
+from services.sim.agent import agent_corpus
 from services.sim.users import bootstrap_corpus, make_world
 from services.stack.engine import EngineError, default_venv, server_argv, server_env, wait_engine
 from services.stack.supervisor import ProcSpec, Supervisor
@@ -60,16 +65,19 @@ def engine_url(port: int) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def engine_env(data: Path, port: int, canary_max_s: float | None = None) -> dict[str, str]:
+def engine_env(data: Path, port: int, canary_max_s: float | None = None,
+               agent: bool = False) -> dict[str, str]:
     """The services' settings for a gateway in front of the demo's engine (canaries get
-    ``canary_max_s``, by default :data:`CANARY_MAX_S`)."""
+    ``canary_max_s``, by default :data:`CANARY_MAX_S`). ``agent``: the agent demo's small
+    steps (services/demo/config.py's ``DEMO_AGENT_BAND``) stay, at the LoRA learning rate."""
+    lora = {k: v for k, v in LORA_TRAINER_ENV.items() if not (agent and k.startswith("RTRL_TRAINER__BAND__"))}
     return {
         "RTRL_ENGINE__KIND": "vllm",
         "RTRL_ENGINE__BASE_URL": engine_url(port),
         "RTRL_ENGINE__BASE_MODEL": SERVED_NAME,
         "RTRL_ENGINE__ADAPTER_DIR": str(data / "adapters"),
         "RTRL_TRAINER__BASE_MODEL_DIR": str(model_dir(data)),
-        **LORA_TRAINER_ENV,
+        **lora,
         "RTRL_SIMULATOR__API": "chat",
         "RTRL_DEPLOYER__MAX_DURATION_S": f"{canary_max_s or CANARY_MAX_S:g}",
     }
@@ -85,20 +93,23 @@ def engine_spec(model: Path, port: int) -> ProcSpec:
                     env=server_env({}), unset=("PYTHONPATH",))
 
 
-def prepare(data: Path, seed: int, supervisor: Supervisor, port: int, cache: Path | None = None) -> Path:
+def prepare(data: Path, seed: int, supervisor: Supervisor, port: int, cache: Path | None = None,
+            agent: bool = False) -> Path:
     """Build the base model (or copy it from ``cache``), start the engine on it, and write the
     bootstrap corpus in its token ids; the corpus's path (the engine is still starting:
-    :func:`await_engine`)."""
-    say("the demo's base model (a tiny Llama and its tokenizer, trained to answer the "
-        "simulated users badly) ...")
-    model = cached_demo_model(model_dir(data), seed, cache, say=say)
+    :func:`await_engine`). ``agent``: the model works the agent world's sessions (``rtrl demo
+    --agent``), and the corpus is agents' turns."""
+    say("the demo's base model (a tiny Llama and its tokenizer, trained to "
+        f"{'work the simulated agent sessions' if agent else 'answer the simulated users'} badly) ...")
+    model = cached_demo_model(model_dir(data), seed, cache, say=say, agent=agent)
     supervisor.start(engine_spec(model, port))
     say(f"vLLM starting on {engine_url(port)} (log: {supervisor.log_dir / (ENGINE + '.log')})")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     corpus = data / "chat-corpus.jsonl"
-    write_corpus(corpus, chat_pairs(tokenizer, make_world(seed), bootstrap_corpus(500, seed)))
+    pairs = agent_corpus(500, seed) if agent else bootstrap_corpus(500, seed)
+    write_corpus(corpus, chat_pairs(tokenizer, make_world(seed), pairs))
     return corpus
 
 

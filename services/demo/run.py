@@ -190,7 +190,7 @@ def run_phases(plan: DemoPlan, run: Run) -> int:
     bootstrap_args: tuple[str, ...] = ("--epochs", "2")
     if config.engine_port is not None:
         corpus = demo_engine.prepare(plan.data, plan.demo.seed, live.supervisor, config.engine_port,
-                                     plan.demo.model_cache_dir)
+                                     plan.demo.model_cache_dir, agent=plan.demo.agent)
         bootstrap_args = tuple(demo_engine.bootstrap_args(plan.data))
         run.notes.append("Served by vLLM's CPU build: a tiny Llama-architecture model built by the demo, "
                          "chat users, LoRA increments loaded into the engine before their canaries.")
@@ -340,7 +340,7 @@ def main(argv: list[str]) -> int:
                              "injects malformed-tool, then stalling)")
     parser.add_argument("--agent", action="store_true", default=base.agent,
                         help="agent sessions: users with multi-step tasks that need tools, rewarded per "
-                             "session, judged per session (built-in policy only)")
+                             "session, judged per session (with --engine vllm: over chat, in words)")
     parser.add_argument("--engine", choices=["builtin", "vllm"], default=base.engine,
                         help="builtin: the built-in token-id policy (fast); vllm: a tiny Llama served by "
                              "vLLM's CPU build, chat users, LoRA increments (default %(default)s)")
@@ -365,9 +365,6 @@ def main(argv: list[str]) -> int:
         "chaos": args.chaos, "chaos_every_s": args.chaos_every, "engine": args.engine, "load": args.load,
         "agent": args.agent,
     })
-    if args.agent and args.engine != "builtin":
-        parser.error("--agent runs on the built-in policy (--engine builtin): the vLLM demo's chat users "
-                     "do not work agent sessions yet")
     named = any(a.startswith("--bad-candidate") for a in argv)
     if args.agent and args.bad_candidate == "reward-hacked" and named:
         parser.error("--agent: the reward-hacked candidate asks one-shot users; use stalling, "

@@ -27,10 +27,10 @@ class SimulatorSettings(Section):
     gateway in front of a real LLM (``rtrl demo --engine vllm``)."""
     agent: bool = False
     """Agent sessions instead of one-shot asks: users with multi-step tasks that need tools
-    (search, edit, run), one token-id request per turn naming its session and turn, who
-    abandon sessions that loop, stall or break tools (services/sim/agent.py). Needs
-    ``api = tokens`` and a reward spec with a ``[session]`` table (``agent.toml``);
-    ``max_requests`` then counts sessions."""
+    (search, edit, run), one request per turn naming its session and turn (token ids, or
+    with ``api = chat`` a chat message in words), who abandon sessions that loop, stall or
+    break tools (services/sim/agent.py). Needs a reward spec with a ``[session]`` table
+    (``agent.toml``); ``max_requests`` then counts sessions."""
     n_users: int = 200
     """Simulated users; each has a user_key, a type from the mix and hidden preferences."""
     user_mix: dict[str, float] = Field(default_factory=dict)
@@ -97,7 +97,8 @@ class DemoSettings(Section):
     """Agent sessions (``rtrl demo --agent``): users with multi-step tasks that need tools
     (``simulator.agent``), the packaged agent reward spec's session terms, a bootstrap
     champion of middling agents, and the judge's per-session metrics beside the per-request
-    ones (docs/demo.md, "Agent sessions"). On the built-in policy only."""
+    ones (docs/demo.md, "Agent sessions"). With ``engine = vllm`` the base model is
+    pretrained on the agents' turns and the users work their sessions over chat."""
     engine: Literal["builtin", "vllm"] = "builtin"
     """``builtin``: the built-in token-id policy in the gateway (fast); ``vllm``: a tiny Llama
     built by the demo, served by vLLM's CPU build (``scripts/vllm-env``), chat users, LoRA

@@ -1,8 +1,11 @@
 """Agent sessions through the real gateway (``simulator.agent = true``).
 
 A worker thread works one whole session at a time (services/sim/agent.py): each turn is a
-token-id request that names the session and its turn (the gateway logs the turn's
-``session.turn``), the user's harness reads the answer as an action and sends the session's
+request that names the session and its turn (the gateway logs the turn's ``session.turn``):
+a token-id request, or with ``simulator.api = chat`` an OpenAI chat request whose message is
+the turn's prompt in words (services/sim/chat_world.py, as ``rtrl demo --engine vllm``'s
+users speak to a real LLM; the answer's words are read back as the world's ids). The user's
+harness reads the answer as an action and sends the session's
 client events (services/sim/agent_events.py) through the simulator's scheduler. A turn the
 gateway refuses is tried again (same turn index, a new request id) up to
 :data:`TURN_ATTEMPTS` times; after that the session is left as it is, and the reward worker
@@ -23,9 +26,10 @@ from services.runtime.process import Stopper
 from services.settings.demo import SimulatorSettings
 from services.sim.agent import AgentSession, AgentWorld, make_agent_world
 from services.sim.agent_events import turn_events
+from services.sim.chat_world import ChatVocab
 from services.sim.transport import EventScheduler, Gateway, GatewayError, RateLimiter
 from services.sim.users import SimUser
-from services.sim.wire import Answer, token_answer, token_request
+from services.sim.wire import Answer, agent_chat_answer, agent_chat_request, token_answer, token_request
 
 TURN_ATTEMPTS = 3
 
@@ -63,6 +67,7 @@ class AgentDriver:
                  on_turn: Callable[[], None] = lambda: None) -> None:
         self.sim = sim
         self.aw: AgentWorld = make_agent_world(sim.seed)
+        self.vocab = ChatVocab(self.aw.world)
         self.users = list(users)
         self.gateway = gateway
         self.scheduler = scheduler
@@ -79,14 +84,19 @@ class AgentDriver:
             if stopper.stopping:
                 return None
             request_id = f"sim-{self.sim.seed}-a{n}-t{session.turn}-{uuid.uuid4().hex[:8]}"
-            path, body = token_request(prompt, session.user.key, session_id, request_id, self.sim)
-            body["turn"] = session.turn
+            if self.sim.api == "chat":
+                path, body = agent_chat_request(prompt, session.user.key, session_id, session.turn,
+                                                request_id, self.sim, self.vocab)
+            else:
+                path, body = token_request(prompt, session.user.key, session_id, request_id, self.sim)
+                body["turn"] = session.turn
             served_at = datetime.now(UTC)
             status, resp = self.gateway.complete(body, path)
             if status == 200:
                 try:
-                    answer = token_answer(resp, request_id)
-                except (KeyError, TypeError, ValueError) as exc:
+                    answer = (agent_chat_answer(resp, request_id, self.vocab) if self.sim.api == "chat"
+                              else token_answer(resp, request_id))
+                except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
                     raise GatewayError(status, f"malformed answer ({exc}): {resp!r:.200}") from None
                 SIM_REQUESTS.labels(arm=answer.arm, code="200").inc()
                 return answer, served_at

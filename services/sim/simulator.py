@@ -10,7 +10,7 @@ schedules the client events of the contract at compressed times:
     followup.dissatisfied           followup_delay_s after the reaction
 
 With ``simulator.agent`` each worker works whole agent sessions instead: multi-step tasks
-that need tools, one token-id request per turn (services/sim/agent_run.py).
+that need tools, one request per turn (services/sim/agent_run.py).
 
 All delays are multiplied by ``simulator.time_scale`` (use the same value as
 ``reward.time_scale``), so a 1 h horizon can pass in seconds. Events are signed and sent to
@@ -136,9 +136,6 @@ class Simulator:
         self.requests = 0
         self.agent: AgentDriver | None = None
         if sim.agent:
-            if sim.api != "tokens":
-                raise ValueError("simulator.agent runs sessions on the token-id API (the built-in "
-                                 "policy's world); set simulator.api = tokens")
             self.agent = AgentDriver(sim, self.users, self.gateway, self.scheduler, self.limiter,
                                      self.horizons, self._turn_served)
 

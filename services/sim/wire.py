@@ -4,7 +4,7 @@ of its reaction (pure: no clients, no clocks)."""
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -15,6 +15,7 @@ from services.settings.demo import SimulatorSettings
 from services.sim.chat_world import ChatVocab
 from services.sim.transport import CHAT, COMPLETIONS
 from services.sim.users import Outcome
+from trainer.tokens import EOS
 
 
 def _eid() -> str:
@@ -80,6 +81,15 @@ def chat_request(prompt: list[int], user_key: str, request_id: str, sim: Simulat
                   "request_id": request_id, "max_tokens": sim.max_tokens, "temperature": sim.temperature}
 
 
+def agent_chat_request(prompt: list[int], user_key: str, session: str, turn: int, request_id: str,
+                       sim: SimulatorSettings, vocab: ChatVocab) -> tuple[str, dict[str, Any]]:
+    """An agent session's turn as an OpenAI chat request: the turn's prompt as the user's
+    message, the session named and the turn index given (the gateway logs the turn's
+    ``session.turn``, docs/gateway.md, "Sessions")."""
+    path, body = chat_request(prompt, user_key, request_id, sim, vocab)
+    return path, {**body, "session_id": session, "turn": turn}
+
+
 def token_answer(resp: dict[str, Any], request_id: str) -> Answer:
     return Answer(str(resp.get("request_id", request_id)), str(resp.get("arm", "stable")),
                   str(resp.get("model", {}).get("version", "?")), list(resp["completion_tokens"]),
@@ -93,3 +103,13 @@ def chat_answer(resp: dict[str, Any], request_id: str, vocab: ChatVocab) -> Answ
     text = (resp["choices"][0].get("message") or {}).get("content") or ""
     return Answer(str(ext.get("request_id", request_id)), str(ext.get("arm", "stable")),
                   str(ext.get("version", "?")), vocab.read(text), float(ext["latency_ms"]))
+
+
+def agent_chat_answer(resp: dict[str, Any], request_id: str, vocab: ChatVocab) -> Answer:
+    """A chat answer as an agent's harness reads it: :func:`chat_answer`'s words, then EOS
+    when the model ended its answer itself (``finish_reason`` ``stop``), so an answer cut off
+    at ``max_tokens`` reads as a call cut short (services/sim/agent.py)."""
+    answer = chat_answer(resp, request_id, vocab)
+    if resp["choices"][0].get("finish_reason") == "stop":
+        answer = replace(answer, tokens=[*answer.tokens, EOS])
+    return answer

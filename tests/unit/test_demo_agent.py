@@ -119,7 +119,6 @@ def test_an_agents_bad_candidate_needs_the_agent_world(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
-    (["--agent", "--engine", "vllm"], "built-in policy"),
     (["--agent", "--bad-candidate", "reward-hacked"], "one-shot users"),
     (["--bad-candidate", "stalling"], "add --agent"),
 ])

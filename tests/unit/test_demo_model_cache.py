@@ -71,7 +71,7 @@ def test_the_key_follows_the_seed_the_sizes_and_the_builders_source(tmp_path: Pa
     base = model_key(0)
     assert model_key(0) == base
     assert len({base, model_key(1), model_key(0, epochs=chat_model.PRETRAIN_EPOCHS + 1),
-                model_key(0, n_pairs=chat_model.PRETRAIN_PAIRS + 1)}) == 4
+                model_key(0, n_pairs=chat_model.PRETRAIN_PAIRS + 1), model_key(0, agent=True)}) == 5
     for rel in BUILDER_SOURCES:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / rel, tmp_path / rel)

@@ -26,9 +26,11 @@ from services.sim.agent import (
     turn_budget,
 )
 from services.sim.agent_events import turn_events
+from services.sim.chat_world import ChatVocab
 from services.sim.simulator import Simulator
 from services.sim.transport import GatewayError
 from services.sim.users import make_population
+from services.sim.wire import agent_chat_answer
 from trainer.tokens import ASK, BOS, EOS, VOCAB_SIZE
 
 pytestmark = pytest.mark.unit
@@ -227,6 +229,51 @@ def test_a_refused_turn_is_tried_again_under_the_same_index_then_given_up() -> N
         sim.agent.one_session(1, Stopper())
 
 
-def test_agent_sessions_need_the_token_api() -> None:
-    with pytest.raises(ValueError, match="api = tokens"):
-        _agent_sim(AgentGateway(AW, 1.0), api="chat")
+class ChatAgentGateway(AgentGateway):
+    """The same scripted agent behind OpenAI chat: it reads the user's message as words and
+    writes its turn as words, ``finish_reason`` ``stop`` when the turn ended with EOS."""
+
+    def complete(self, body: dict[str, Any], path: str = "/v1/chat/completions"
+                 ) -> tuple[int, dict[str, Any]]:
+        vocab = ChatVocab(self.aw.world)
+        prompt = [BOS, *vocab.read(body["messages"][0]["content"])]
+        status, resp = super().complete({**body, "prompt_tokens": prompt}, path)
+        self.bodies[-1] = body
+        if status != 200:
+            return status, resp
+        tokens = resp["completion_tokens"]
+        choice = {"index": 0, "message": {"role": "assistant", "content": vocab.text(tokens)},
+                  "finish_reason": "stop" if EOS in tokens else "length"}
+        return 200, {"id": body["request_id"], "choices": [choice],
+                     "rtrl": {"request_id": body["request_id"], "arm": "stable", "version": "3",
+                              "latency_ms": 50.0}}
+
+
+def test_agent_sessions_in_chat_name_their_turns_and_read_the_same_actions_as_in_token_ids() -> None:
+    """Over chat (``rtrl demo --agent --engine vllm``'s users) a session's turns are chat
+    requests that name the session and the turn, and the harness reads each answer's words as
+    the action the model wrote: the same sessions end as over the token-id API."""
+    ended = {}
+    for api, gw in (("tokens", AgentGateway(AW, 0.6)), ("chat", ChatAgentGateway(AW, 0.6))):
+        sim = _agent_sim(gw, api=api)
+        assert sim.agent is not None
+        turns = [sim.agent.one_session(n, Stopper()) for n in range(30)]
+        ended[api] = (turns, sim.agent.tally.ended)
+        if api == "chat":
+            assert all(b["messages"][0]["role"] == "user" and b["turn"] == t and b["session_id"]
+                       for b, t in zip(gw.bodies, [t for n in turns for t in range(n)], strict=True))
+    assert ended["chat"] == ended["tokens"]
+    assert set(ended["chat"][1]["3"]) >= {"completed"}
+
+
+def test_an_answer_cut_off_at_max_tokens_reads_as_a_call_cut_short() -> None:
+    vocab = ChatVocab(AW.world)
+    tool = vocab.word(AW.tools["search"])
+    said = {"content": f"{tool} {vocab.word(AW.pool[0])}"}
+    resp = {"choices": [{"message": said, "finish_reason": "length"}], "rtrl": {"latency_ms": 5.0}}
+    cut = agent_chat_answer(resp, "r", vocab).tokens
+    assert cut == [AW.tools["search"], AW.pool[0]]
+    assert read_action(cut, AW).invalid_reason == "not_json"
+    resp["choices"][0]["finish_reason"] = "stop"
+    assert agent_chat_answer(resp, "r", vocab).tokens == [*cut, EOS]
+    assert read_action([*cut, EOS], AW).valid
