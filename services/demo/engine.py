@@ -22,7 +22,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from services.demo.chat_model import LORA_TARGETS, cached_demo_model, chat_pairs
+from services.demo.chat_model import (
+    AGENT_PRETRAIN_EPOCHS,
+    LORA_TARGETS,
+    PRETRAIN_EPOCHS,
+    cached_demo_model,
+    chat_pairs,
+)
 from services.demo.console import say
 from services.sim.agent import agent_corpus
 from services.sim.users import bootstrap_corpus, make_world
@@ -101,7 +107,8 @@ def prepare(data: Path, seed: int, supervisor: Supervisor, port: int, cache: Pat
     --agent``), and the corpus is agents' turns."""
     say("the demo's base model (a tiny Llama and its tokenizer, trained to "
         f"{'work the simulated agent sessions' if agent else 'answer the simulated users'} badly) ...")
-    model = cached_demo_model(model_dir(data), seed, cache, say=say, agent=agent)
+    epochs = AGENT_PRETRAIN_EPOCHS if agent else PRETRAIN_EPOCHS
+    model = cached_demo_model(model_dir(data), seed, cache, epochs=epochs, say=say, agent=agent)
     supervisor.start(engine_spec(model, port))
     say(f"vLLM starting on {engine_url(port)} (log: {supervisor.log_dir / (ENGINE + '.log')})")
     from transformers import AutoTokenizer
