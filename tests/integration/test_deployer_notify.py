@@ -27,6 +27,12 @@ from services.wiring.deployer import build_controller, build_ports
 SECRET = "hmac-test-key"
 
 
+HANG_S = 300.0
+"""How long a hanging receiver holds a notice (the test releases it sooner): far above what a
+tick takes even on a loaded machine, whose MLflow calls took 20-30 s a tick in one CI run
+(2-3 s idle), so a tick that waited for the receiver cannot pass for a slow one."""
+
+
 class Receiver:
     """An HTTP server on loopback that records every POST and answers ``status`` (after
     waiting for ``release`` when ``hang`` is set)."""
@@ -43,7 +49,7 @@ class Receiver:
                 data = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.requests.append((dict(self.headers), data))
                 if outer.hang:
-                    outer.release.wait(60)
+                    outer.release.wait(HANG_S)
                 self.send_response(outer.status)
                 self.end_headers()
 
@@ -142,15 +148,14 @@ def test_the_controller_keeps_deciding_while_the_receiver_hangs(
         settings: Settings, mlflow_server: str, tmp_path: Path, receiver: Receiver) -> None:
     receiver.hang = True
     dropped = sample("dropped")
-    op = controller_for(settings, mlflow_server, tmp_path, receiver.url, timeout_s=60.0,
+    op = controller_for(settings, mlflow_server, tmp_path, receiver.url, timeout_s=HANG_S,
                                 queue_size=1)
     ticks = [decide(op, "promote", "2")]
     wait_for(lambda: len(receiver.requests) == 1)  # the sender now hangs on the first notice
     ticks += [decide(op, "promote", "3"), decide(op, "rollback", "1")]
     assert op.controller.ports.registry.alias_version("champion") == "1", "all three decisions were made"
-    # a tick that waited for the receiver would take its 60 s hang; a loaded machine's MLflow
-    # calls take a few seconds at most
-    assert max(ticks) < 30.0, f"a tick waited for the receiver: {ticks}"
+    # a tick that waited for the receiver would take its whole hang (HANG_S)
+    assert max(ticks) < HANG_S / 3, f"a tick waited for the receiver: {ticks}"
     assert sample("dropped") == dropped + 1, "queue of 1: the third notice was dropped"
     receiver.release.set()
     assert isinstance(op.controller.ports.notifier, WebhookNotifier)

@@ -214,7 +214,7 @@ def test_a_token_request_that_names_its_turn_logs_the_sessions_turn() -> None:
     assert ALSO not in plain
     events = exposure_events(turn)
     assert [(e.type, getattr(e, "turn", None), getattr(e, "session_id", None), e.request_id)
-            for e in events] == [("completion.served", None, "s1", "r-b"), ("session.turn", 4, "s1", "r-b")]
+            for e in events] == [("session.turn", 4, "s1", "r-b"), ("completion.served", None, "s1", "r-b")]
 
 
 @pytest.mark.parametrize("turn", ["4", True, -1, 2.0, 1_000_000, None.__class__.__name__])
