@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from services.sim.agent import agent_corpus
+from services.sim.agent import world_corpus
 from services.sim.chat_world import ASK_WORD, CONTENT_WORDS, ChatVocab
 from services.sim.users import World, bootstrap_corpus, make_world, question_completion
 from services.stack.tiny_llm import build_tiny_llm
@@ -95,10 +95,9 @@ def with_questions(pairs: Sequence[tuple[list[int], list[int]]], share: float,
 def pretrain_pairs(n_pairs: int, seed: int, agent: bool = False) -> list[tuple[list[int], list[int]]]:
     """The base model's world pairs: one-shot answers with now and then a question, or with
     ``agent`` the turns of middling agents' sessions (services/sim/agent.py's
-    :func:`agent_corpus`: calls, questions and answers, some of them wrong)."""
-    if agent:
-        return agent_corpus(n_pairs, seed)
-    return with_questions(bootstrap_corpus(n_pairs, seed), QUESTION_SHARE, seed)
+    :func:`world_corpus`: calls, questions and answers, some of them wrong)."""
+    pairs = world_corpus(n_pairs, seed, agent)
+    return pairs if agent else with_questions(pairs, QUESTION_SHARE, seed)
 
 
 def build_demo_model(dst: Path, seed: int = 0, epochs: int = PRETRAIN_EPOCHS,
@@ -155,7 +154,7 @@ def model_key(seed: int, epochs: int = PRETRAIN_EPOCHS, n_pairs: int = PRETRAIN_
     h = hashlib.sha256(json.dumps({
         "seed": seed, "epochs": epochs, "pairs": n_pairs, "vocab": VOCAB, "lr": PRETRAIN_LR,
         "questions": QUESTION_SHARE, "torch": torch.__version__, "transformers": transformers.__version__,
-        **({"agent": True} if agent else {}),
+        "agent": agent,
     }, sort_keys=True).encode())
     for rel in BUILDER_SOURCES:
         h.update(rel.encode())
@@ -170,9 +169,8 @@ def cached_demo_model(dst: Path, seed: int, cache: Path | None, epochs: int = PR
     key is there, else built (:func:`build_demo_model`) and then stored in ``cache`` (None: no
     cache). A cache that cannot be written costs only the copy: the model is still built."""
     build = build or build_demo_model
-    extra = {"agent": True} if agent else {}
     if cache is None:
-        return build(dst, seed, epochs=epochs, n_pairs=n_pairs, say=say, **extra)
+        return build(dst, seed, epochs=epochs, n_pairs=n_pairs, say=say, agent=agent)
     cache = cache.expanduser()
     key = model_key(seed, epochs, n_pairs, agent=agent)
     hit = cache / key
@@ -182,7 +180,7 @@ def cached_demo_model(dst: Path, seed: int, cache: Path | None, epochs: int = PR
         shutil.copytree(hit, dst, ignore=shutil.ignore_patterns(CACHE_DONE))
         say(f"base model {key} from the cache {cache} (delete it to build again)")
         return dst
-    build(dst, seed, epochs=epochs, n_pairs=n_pairs, say=say, **extra)
+    build(dst, seed, epochs=epochs, n_pairs=n_pairs, say=say, agent=agent)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))

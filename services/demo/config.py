@@ -29,8 +29,7 @@ from services.demo.engine import engine_env
 from services.settings.demo import DemoSettings
 from services.settings.deployer import DeployerSettings
 from services.settings.model import Settings, settings_from_env
-from services.sim.agent import agent_corpus
-from services.sim.users import bootstrap_corpus
+from services.sim.agent import world_corpus
 from services.stack.embedded import EmbeddedStack, free_port
 from services.stack.supervisor import stop_recorded
 from trainer import corpus as corpus_file
@@ -223,9 +222,9 @@ def toml_text(data: dict[str, Any]) -> str:
 def write_corpus(path: Path, seed: int, n: int = 2500, agent: bool = False) -> Path:
     """A bootstrap corpus of mediocre completions in ``rtrl bootstrap``'s format: JSON lines
     ``{"prompt": [ids], "completion": [ids]}`` (ids of trainer/tokens.py), the pairs of
-    :func:`services.sim.users.bootstrap_corpus`; with ``agent``, turns of middling agents'
-    sessions (:func:`services.sim.agent.agent_corpus`)."""
-    corpus_file.write_corpus(path, agent_corpus(n, seed) if agent else bootstrap_corpus(n, seed))
+    :func:`services.sim.agent.world_corpus` (one-shot answers, or with ``agent`` turns of
+    middling agents' sessions)."""
+    corpus_file.write_corpus(path, world_corpus(n, seed, agent))
     return path
 
 

@@ -30,8 +30,8 @@ from services.demo.chat_model import (
     chat_pairs,
 )
 from services.demo.console import say
-from services.sim.agent import agent_corpus
-from services.sim.users import bootstrap_corpus, make_world
+from services.sim.agent import world_corpus
+from services.sim.users import make_world
 from services.stack.engine import EngineError, default_venv, server_argv, server_env, wait_engine
 from services.stack.supervisor import ProcSpec, Supervisor
 from trainer.corpus import write_corpus
@@ -115,8 +115,7 @@ def prepare(data: Path, seed: int, supervisor: Supervisor, port: int, cache: Pat
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     corpus = data / "chat-corpus.jsonl"
-    pairs = agent_corpus(500, seed) if agent else bootstrap_corpus(500, seed)
-    write_corpus(corpus, chat_pairs(tokenizer, make_world(seed), pairs))
+    write_corpus(corpus, chat_pairs(tokenizer, make_world(seed), world_corpus(500, seed, agent)))
     return corpus
 
 

@@ -52,6 +52,7 @@ from services.sim.users import (
     UserType,
     World,
     WorldConfig,
+    bootstrap_corpus,
     react,
 )
 from trainer.tokens import ASK, BOS, EOS, FIRST_CONTENT, VOCAB_SIZE
@@ -345,3 +346,10 @@ def agent_corpus(n: int, seed: int, skill: float = 0.5) -> list[tuple[list[int],
             pairs.append((prompt, completion))
             session.step(completion, 300.0, (3600,), rng)
     return pairs
+
+
+def world_corpus(n: int, seed: int, agent: bool = False) -> list[tuple[list[int], list[int]]]:
+    """A bootstrap corpus of the simulated world: one-shot users' mediocre answers
+    (:func:`services.sim.users.bootstrap_corpus`), or with ``agent`` middling agents' turns
+    (:func:`agent_corpus`)."""
+    return agent_corpus(n, seed) if agent else bootstrap_corpus(n, seed)
