@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 import time
 import tomllib
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from statistics import mean
 from typing import Any, cast
 
@@ -35,11 +37,14 @@ from ingest.reward.maths import Feedback
 from ingest.reward.session_credit import TurnFacts, credit, edit_persisted
 from ingest.reward.sessions import SessionWindow, assemble
 from ingest.reward.spec import RewardSpec, agent_spec_text, parse_spec
+from services.demo.chat_model import chat_prompt_ids
 from services.demo.config import demo_spec_text, demo_trainer_env, toml_text
+from services.demo.engine import lora_trainer_env
 from services.settings.demo import SimulatorSettings
 from services.settings.model import settings_from_env
 from services.sim.agent import AgentSession, AgentWorld, agent_corpus, make_agent_world
 from services.sim.agent_events import turn_events
+from services.sim.chat_world import ChatVocab
 from services.sim.users import SimUser, make_population
 from trainer.gate import GateConfig, evaluate
 from trainer.increment import score_heldout
@@ -47,6 +52,7 @@ from trainer.loop import LoopConfig, rl_train, sft_train
 from trainer.objective import ObjectiveConfig, assign_groups, group_advantages
 from trainer.policy import TinyConfig, TinyTransformer
 from trainer.samples import build_samples, to_samples
+from trainer.tokens import EOS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -108,7 +114,47 @@ def agent_figures(runs: list[SessionRun]) -> AgentFigures:
                         {k: v / turns for k, v in Counter(m for r in runs for m in r.moves).items()})
 
 
-def work_session(policy: TinyTransformer, aw: AgentWorld, user: SimUser, spec: RewardSpec,
+@dataclass(frozen=True)
+class TokenAgent:
+    """The built-in policy on the token-id API: the world's ids in and out."""
+
+    policy: Any
+
+    def act(self, prompt: list[int], sim: SimulatorSettings, seed: int) -> Act:
+        tokens, logps = self.policy.sample(prompt, sim.max_tokens, temperature=sim.temperature,
+                                           seed=seed, min_new_tokens=1)
+        return Act(prompt, tokens, logps, tokens)
+
+
+@dataclass(frozen=True)
+class ChatAgent:
+    """A Hugging Face model (the LoRA policy the vLLM demo serves) asked in chat: the prompt as
+    the engine sees it (the chat template over the user's message), the answer decoded and read
+    as the harness reads a chat answer (services/sim/wire.py: the words, then EOS when the
+    model ended the answer itself)."""
+
+    policy: Any
+    tokenizer: Any
+    vocab: ChatVocab
+
+    def act(self, prompt: list[int], sim: SimulatorSettings, seed: int) -> Act:
+        ids = chat_prompt_ids(self.tokenizer, self.vocab, prompt)
+        tokens, logps = self.policy.sample(ids, sim.max_tokens, temperature=sim.temperature, seed=seed)
+        words = self.vocab.read(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        return Act(ids, tokens, logps, [*words, EOS] if tokens and tokens[-1] in self.policy.eos else words)
+
+
+@dataclass(frozen=True)
+class Act:
+    prompt: list[int]
+    """The prompt in the policy's ids (what the trainer learns from)."""
+    tokens: list[int]
+    logps: list[float]
+    read: list[int]
+    """The answer in the world's ids, as the harness reads it."""
+
+
+def work_session(agent: TokenAgent | ChatAgent, aw: AgentWorld, user: SimUser, spec: RewardSpec,
                  sim: SimulatorSettings, seed: int) -> SessionRun:
     """One session from its first turn to its end, credited as the session stage credits it."""
     assert spec.session is not None
@@ -122,12 +168,10 @@ def work_session(policy: TinyTransformer, aw: AgentWorld, user: SimUser, spec: R
     moves: list[str] = []
     while session.end is None:
         turn, rid = session.turn, f"{sid}-t{session.turn}"
-        prompt = session.prompt(rng)
-        tokens, logps = policy.sample(prompt, sim.max_tokens, temperature=sim.temperature,
-                                      seed=seed * 1009 + turn, min_new_tokens=1)
+        act = agent.act(session.prompt(rng), sim, seed * 1009 + turn)
         at = T0 + timedelta(seconds=turn)
         early = session.progress < len(session.task.plan)
-        step = session.step(tokens, 300.0, horizons, rng)
+        step = session.step(act.read, 300.0, horizons, rng)
         events.append(SessionTurn(event_id=f"{rid}-turn", ts=at, session_id=sid, turn=turn, request_id=rid))
         events.extend(ev for _, ev in turn_events(aw, sid, turn, rid, step, at, sim)
                       if isinstance(ev, SessionEvent))
@@ -137,8 +181,8 @@ def work_session(policy: TinyTransformer, aw: AgentWorld, user: SimUser, spec: R
                      persistence={h: (k, o.inserted_chars) for h, k in o.retained.items()}),
             o.kind, spec.persistence.primary_horizon_s)
         followups = int(step.dissatisfied) + int(bool(o and o.dissatisfied))
-        facts[rid] = TurnFacts(len(prompt), len(tokens), followups, persisted)
-        served[rid] = (prompt, tokens, logps)
+        facts[rid] = TurnFacts(len(act.prompt), len(act.tokens), followups, persisted)
+        served[rid] = (act.prompt, act.tokens, act.logps)
         moves.append(move_name(step, early))
         invalid += int(step.action.kind == "call" and not step.action.valid)
         questions += int(step.action.kind == "question")
@@ -159,31 +203,41 @@ def move_name(step: Any, early: bool) -> str:
     return str(a.kind)
 
 
-def work(policy: TinyTransformer, aw: AgentWorld, users: list[SimUser], n: int, spec: RewardSpec,
+def work(agent: TokenAgent | ChatAgent, aw: AgentWorld, users: list[SimUser], n: int, spec: RewardSpec,
          sim: SimulatorSettings, seed: int) -> list[SessionRun]:
     rng = random.Random(f"agent-offline-users-{seed}")
-    return [work_session(policy, aw, rng.choice(users), spec, sim, seed * 100_003 + i) for i in range(n)]
+    return [work_session(agent, aw, rng.choice(users), spec, sim, seed * 100_003 + i) for i in range(n)]
+
+
+def trainer_base(engine: str) -> Any:
+    """The agent demo's trainer settings on ``engine``: the built-in policy's, or (``hf``) the
+    LoRA increments' of ``rtrl demo --agent --engine vllm``."""
+    lora = lora_trainer_env(agent=True) if engine == "hf" else {}
+    return settings_from_env({**demo_trainer_env(agent=True), **lora}).trainer
 
 
 def parser() -> argparse.ArgumentParser:
-    base = settings_from_env(demo_trainer_env(agent=True)).trainer  # the agent demo's trainer settings
     ap = argparse.ArgumentParser(prog="rtrl bench agent-offline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0, help="the agent world's and the users' seed")
+    ap.add_argument("--engine", choices=("builtin", "hf"), default="builtin",
+                    help="builtin: the agent demo's built-in policy on the token-id API; hf: the "
+                         "Hugging Face model --engine vllm serves (its base model, built or taken "
+                         "from the demo's model cache), asked in chat, trained as LoRA increments")
     ap.add_argument("--increments", type=int, default=3)
     ap.add_argument("--sessions", type=int, default=600, help="sessions worked per increment window")
     ap.add_argument("--eval-sessions", type=int, default=600)
     ap.add_argument("--users", type=int, default=400)
-    ap.add_argument("--corpus", type=int, default=2500, help="bootstrap turns (as the demo's)")
-    ap.add_argument("--lr", type=float, default=base.lr, help="default: the agent demo's (%(default)s)")
-    ap.add_argument("--epochs", type=int, default=base.epochs)
-    ap.add_argument("--batch-size", type=int, default=base.batch_size)
-    ap.add_argument("--group-size", type=int, default=base.group_size)
-    ap.add_argument("--kl-coef", type=float, default=base.kl_coef)
-    band = base.band
-    edges = f"{band.low:g}:{band.high:g}" + (f":{band.target:g}" if band.target is not None else "")
-    ap.add_argument("--kl-band", default=edges if band.enabled else "off", metavar="LOW:HIGH[:TARGET]|off",
-                    help="as rtrl bench loop-offline's (default: the agent demo's, %(default)s)")
-    ap.add_argument("--warmup", type=int, default=base.warmup_steps)
+    ap.add_argument("--corpus", type=int, default=2500, help="bootstrap turns (as the demo's; builtin)")
+    ap.add_argument("--lr", type=float, default=None, help="default: the agent demo's on the engine")
+    ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--group-size", type=int, default=None)
+    ap.add_argument("--kl-coef", type=float, default=None)
+    ap.add_argument("--kl-band", default=None, metavar="LOW:HIGH[:TARGET]|off",
+                    help="as rtrl bench loop-offline's (default: the agent demo's)")
+    ap.add_argument("--length-guard", default=None, metavar="FRACTION|off",
+                    help="as rtrl bench loop-offline's (default: the agent demo's)")
+    ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--grouping", choices=("session", "turns", "state"), default="session",
                     help="how advantages are grouped (default %(default)s: as the trainer does)")
     ap.add_argument("--invalid-penalty", type=float, default=None,
@@ -191,6 +245,47 @@ def parser() -> argparse.ArgumentParser:
                          "demo spec's)")
     ap.add_argument("--json", action="store_true")
     return ap
+
+
+def loop_config(args: argparse.Namespace) -> LoopConfig:
+    """The increments' settings: the flags given, the agent demo's on ``--engine`` otherwise."""
+    base = trainer_base(args.engine)
+    band = base.band
+    edges = f"{band.low:g}:{band.high:g}" + (f":{band.target:g}" if band.target is not None else "")
+    guard = f"{band.max_length_change:g}" if band.max_length_change is not None else "off"
+    kl_band = band_arg(args.kl_band or (edges if band.enabled else "off"), band.probe_every, band.max_epochs,
+                       args.length_guard or guard)
+
+    def given(name: str, default: Any) -> Any:
+        value = getattr(args, name)
+        return default if value is None else value
+
+    return LoopConfig(batch_size=given("batch_size", base.batch_size), epochs=given("epochs", base.epochs),
+                      lr=given("lr", base.lr), seed=args.seed, checkpoint_every=10**9,
+                      objective=ObjectiveConfig(kl_coef=given("kl_coef", base.kl_coef)), band=kl_band,
+                      warmup_steps=given("warmup", base.warmup_steps))
+
+
+def bootstrap(args: argparse.Namespace, aw: AgentWorld, work_dir: Path) -> TokenAgent | ChatAgent:
+    """The policy every run starts from: the built-in policy trained on the agent corpus, or the
+    vLLM demo's base model under an identity LoRA adapter (as ``rtrl demo --agent --engine
+    vllm`` bootstraps it)."""
+    if args.engine == "builtin":
+        tiny = TinyTransformer(TinyConfig())
+        sft_train(tiny, agent_corpus(args.corpus, args.seed),
+                  LoopConfig(batch_size=32, epochs=2, lr=1e-3, seed=args.seed))
+        return TokenAgent(tiny)
+    from transformers import AutoTokenizer
+
+    from services.demo.chat_model import AGENT_PRETRAIN_EPOCHS, LORA_TARGETS, cached_demo_model
+    from services.demo.engine import LORA_RANK
+    from services.settings.demo import DemoSettings
+    from trainer.lora_policy import LoRAPolicy, LoraSpec
+
+    model = cached_demo_model(work_dir / "model", args.seed, DemoSettings().model_cache_dir,
+                              epochs=AGENT_PRETRAIN_EPOCHS, agent=True)
+    policy = LoRAPolicy.create(model, LoraSpec(rank=LORA_RANK, targets=LORA_TARGETS), seed=args.seed)
+    return ChatAgent(policy, AutoTokenizer.from_pretrained(str(model)), ChatVocab(aw.world))
 
 
 def samples(window: list[RewardRecord], grouping: str, size: int) -> list[Any]:
@@ -208,9 +303,13 @@ def samples(window: list[RewardRecord], grouping: str, size: int) -> list[Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    base = settings_from_env(demo_trainer_env(agent=True)).trainer
-    band = band_arg(args.kl_band, base.band.probe_every, base.band.max_epochs,
-                    f"{base.band.max_length_change:g}" if base.band.max_length_change is not None else "off")
+    with tempfile.TemporaryDirectory(prefix="rtrl-agent-offline-") as work_dir:
+        return run(args, Path(work_dir))
+
+
+def run(args: argparse.Namespace, work_dir: Path) -> int:
+    loop = loop_config(args)
+    group_size = trainer_base(args.engine).group_size if args.group_size is None else args.group_size
     doc = tomllib.loads(demo_spec_text(agent_spec_text()))
     if args.invalid_penalty is not None:
         pen = args.invalid_penalty
@@ -220,27 +319,25 @@ def main(argv: list[str] | None = None) -> int:
     aw = make_agent_world(args.seed)
     users = make_population(aw.world, args.users, args.seed)
     t0 = time.monotonic()
-    policy = TinyTransformer(TinyConfig())
-    sft_train(policy, agent_corpus(args.corpus, args.seed), LoopConfig(batch_size=32, epochs=2, lr=1e-3,
-                                                                        seed=args.seed))
-    rows = [("bootstrap", agent_figures(work(policy, aw, users, args.eval_sessions, spec, sim, 10_000)))]
+    agent = bootstrap(args, aw, work_dir)
+    print(f"engine {args.engine}: lr {loop.lr:g}, warm-up {loop.warmup_steps}, band {loop.band}", flush=True)
+    rows = [("bootstrap", agent_figures(work(agent, aw, users, args.eval_sessions, spec, sim, 10_000)))]
     print(f"{rows[0][0]:>13}: {rows[0][1].line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
-    loop = LoopConfig(batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, seed=args.seed,
-                      checkpoint_every=10**9, objective=ObjectiveConfig(kl_coef=args.kl_coef), band=band,
-                      warmup_steps=args.warmup)
     for k in range(1, args.increments + 1):
-        records = [x for r in work(policy, aw, users, args.sessions, spec, sim, k) for x in r.records]
+        records = [x for r in work(agent, aw, users, args.sessions, spec, sim, k) for x in r.records]
         heldout = cast(list[RewardRecord], records[-HELDOUT:])
         window = cast(list[RewardRecord], records[:-HELDOUT])
-        child = policy.clone()
-        history = rl_train(child, policy, samples(window, args.grouping, args.group_size),
+        child = agent.policy.clone()
+        history = rl_train(child, agent.policy, samples(window, args.grouping, group_size),
                            replace(loop, seed=args.seed + k), probe=to_samples(heldout, [0.0] * len(heldout)))
-        gate = evaluate(score_heldout(child, policy, heldout), [h["loss"] for h in history], GateConfig())
-        policy = child
-        f = replace(agent_figures(work(policy, aw, users, args.eval_sessions, spec, sim, 10_000 + k)),
+        losses = [h["loss"] for h in history]
+        gate = evaluate(score_heldout(child, agent.policy, heldout), losses, GateConfig())
+        agent = replace(agent, policy=child)
+        f = replace(agent_figures(work(agent, aw, users, args.eval_sessions, spec, sim, 10_000 + k)),
                     kl=gate.figures.get("kl_parent"))
         rows.append((f"increment {k}", f))
-        print(f"{rows[-1][0]:>13}: {f.line()}  ({time.monotonic() - t0:.0f}s)", flush=True)
+        print(f"{rows[-1][0]:>13}: {f.line()}  steps={len(history)} ({time.monotonic() - t0:.0f}s)",
+              flush=True)
     first, last = rows[0][1], rows[-1][1]
     print(f"last vs bootstrap: completion {last.completion - first.completion:+.1%} (absolute), "
           f"turns per completed session {last.turns_completed - first.turns_completed:+.2f}, "

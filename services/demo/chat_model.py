@@ -73,11 +73,17 @@ def chat_pairs(tokenizer: Any, world: World,
     eos = int(tokenizer.eos_token_id)
     out = []
     for prompt, completion in pairs:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": vocab.message(prompt)}],
-                                            add_generation_prompt=True, tokenize=True)
         answer = tokenizer.encode(vocab.text(completion), add_special_tokens=False)
-        out.append(([int(t) for t in _ids(ids)], [int(t) for t in answer] + [eos]))
+        out.append((chat_prompt_ids(tokenizer, vocab, prompt), [int(t) for t in answer] + [eos]))
     return out
+
+
+def chat_prompt_ids(tokenizer: Any, vocab: ChatVocab, prompt: Sequence[int]) -> list[int]:
+    """A world prompt as the engine sees it in a chat request: the user's message rendered by
+    the model's chat template, with the assistant's turn opened."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": vocab.message(prompt)}],
+                                        add_generation_prompt=True, tokenize=True)
+    return [int(t) for t in _ids(ids)]
 
 
 def _ids(rendered: Any) -> list[int]:

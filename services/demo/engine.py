@@ -56,6 +56,21 @@ measured on the built-in policy; on the LoRA model a step reaches the band in ab
 at full rate, and the guard samples every probe prompt through the HF model on the same 2
 cores (with both, the bounded e2e run's first increment was at step 40 of 51 after 6 minutes,
 and never reached a canary)."""
+LORA_AGENT_LR = 3e-3
+"""The agent demo's LoRA learning rate. An agent session's return is one faint signal shared
+by its turns, so an increment must average it over its whole window: at the one-shot LoRA
+rate (3e-2) a step reaches the agent band's 0.2 nats within 8 steps (about 250 of 3,000
+turns) and lowered the completion rate offline (seed 0: 41% -> 35% -> 29%); at 3e-3 it goes
+over the window three times (about 300 steps, 0.07-0.2 nats) and raised it (39% -> 46% -> 52%
+-> 52%). ``rtrl bench agent-offline --engine hf``; docs/benchmarks.md."""
+LORA_AGENT_TRAINER_ENV = {
+    "RTRL_TRAINER__LR": f"{LORA_AGENT_LR:g}",
+    "RTRL_TRAINER__WARMUP_STEPS": "0",
+    "RTRL_TRAINER__BAND__MAX_LENGTH_CHANGE": "null",
+}
+"""The agent demo's LoRA increments: the agent band's edges (services/demo/config.py's
+``DEMO_AGENT_BAND``) at :data:`LORA_AGENT_LR`, without the length guard (it never stopped a
+step offline at this rate, and its probes took a third of the increment's time)."""
 READY_TIMEOUT_S = 420.0
 CANARY_MAX_S = 600.0
 """A canary's wall-clock cap in this demo: the real engine's latency on a busy 2-core machine
@@ -76,17 +91,23 @@ def engine_env(data: Path, port: int, canary_max_s: float | None = None,
     """The services' settings for a gateway in front of the demo's engine (canaries get
     ``canary_max_s``, by default :data:`CANARY_MAX_S`). ``agent``: the agent demo's small
     steps (services/demo/config.py's ``DEMO_AGENT_BAND``) stay, at the LoRA learning rate."""
-    lora = {k: v for k, v in LORA_TRAINER_ENV.items() if not (agent and k.startswith("RTRL_TRAINER__BAND__"))}
     return {
         "RTRL_ENGINE__KIND": "vllm",
         "RTRL_ENGINE__BASE_URL": engine_url(port),
         "RTRL_ENGINE__BASE_MODEL": SERVED_NAME,
         "RTRL_ENGINE__ADAPTER_DIR": str(data / "adapters"),
         "RTRL_TRAINER__BASE_MODEL_DIR": str(model_dir(data)),
-        **lora,
+        **lora_trainer_env(agent),
         "RTRL_SIMULATOR__API": "chat",
         "RTRL_DEPLOYER__MAX_DURATION_S": f"{canary_max_s or CANARY_MAX_S:g}",
     }
+
+
+def lora_trainer_env(agent: bool = False) -> dict[str, str]:
+    """How the LoRA increments learn, on top of the demo's trainer settings:
+    :data:`LORA_TRAINER_ENV`, or with ``agent`` :data:`LORA_AGENT_TRAINER_ENV` (also ``rtrl
+    bench agent-offline --engine hf``'s defaults)."""
+    return dict(LORA_AGENT_TRAINER_ENV if agent else LORA_TRAINER_ENV)
 
 
 def engine_spec(model: Path, port: int) -> ProcSpec:

@@ -108,11 +108,11 @@ def test_the_vllm_demo_promotes_an_increment_and_rolls_back_the_reward_hack(tmp_
 def test_the_vllm_agent_demo_rolls_back_the_malformed_tool_and_the_stalling_candidates(
         tmp_path: Path) -> None:
     """``rtrl demo --agent --engine vllm``: agent sessions over chat on the real engine. Both
-    bad LoRA candidates are rolled back by the controller's judge, and their sessions are in
-    the report beside the champion's."""
+    bad LoRA candidates are rolled back by the controller's judge, an increment is promoted by
+    it, and their sessions are in the report beside the champion's."""
     minutes = os.environ.get("RTRL_E2E_VLLM_MINUTES", "20")
-    _, summary, _ = run(tmp_path, ["--agent", "--minutes", minutes, "--increments", "1"],
-                        {"RTRL_DEMO__PROGRESS_EVERY_S": "10"}, timeout_s=1700)
+    args = ["--agent", "--minutes", minutes, "--until-promoted", "--increments", "1"]
+    data, summary, out = run(tmp_path, args, {"RTRL_DEMO__PROGRESS_EVERY_S": "10"}, timeout_s=1700)
     assert summary["kinds"].get(summary["bad_versions"][0]) == "malformed-tool", summary["kinds"]
     assert summary["kinds"].get(summary["bad_versions"][1]) == "stalling", summary["kinds"]
     for bad in summary["bad_versions"]:
@@ -121,3 +121,8 @@ def test_the_vllm_agent_demo_rolls_back_the_malformed_tool_and_the_stalling_cand
         assert d["reason"].startswith("judge: canary worse"), d["reason"]
     by_version = {(row["version"], row["arm"]) for row in summary["sessions"]["by_version_arm"]}
     assert {(summary["bad_versions"][0], "canary"), ("1", "stable")} <= by_version, by_version
+    promoted = [d["candidate"] for d in summary["decisions"] if d["candidate"] not in summary["bad_versions"]
+                and d["decided_by"] == "controller" and d["outcome"] == "promoted"]
+    assert promoted, \
+        f"no increment promoted by the controller: {summary['decisions']}\n{story(data)}\n{out[-1500:]}"
+    assert (promoted[0], "canary") in by_version, by_version

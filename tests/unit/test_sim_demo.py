@@ -98,6 +98,15 @@ def test_the_demos_steady_step_fits_inside_the_gate_and_under_the_length_detecto
     bench = parser().parse_args([])
     assert bench.kl_band == f"{band.low:g}:{band.high:g}:{band.target:g}"
     assert float(bench.length_guard) == band.max_length_change and bench.warmup == trainer.warmup_steps
+    agent_env = service_env(DemoSettings(agent=True), tmp_path, {}, 4321, {"gateway": "a", "simulator": "b"},
+                            tmp_path / "spec.toml")
+    agent = settings_from_env(agent_env).trainer
+    agent_env.update(engine_env(tmp_path, 1234, agent=True))  # the agent's LoRA steps: its band, slowly
+    agent_lora = settings_from_env(agent_env).trainer
+    assert (agent_lora.band.low, agent_lora.band.high, agent_lora.band.target) == \
+        (agent.band.low, agent.band.high, agent.band.target)
+    assert agent_lora.band.max_length_change is None and agent_lora.warmup_steps == 0
+    assert agent.lr < agent_lora.lr < lora.lr
 
 
 @pytest.mark.parametrize(("engine", "canary_max_s", "expected"),
