@@ -37,10 +37,10 @@ from ingest.reward.maths import Feedback
 from ingest.reward.session_credit import TurnFacts, credit, edit_persisted
 from ingest.reward.sessions import SessionWindow, assemble
 from ingest.reward.spec import RewardSpec, agent_spec_text, parse_spec
-from services.demo.chat_model import chat_prompt_ids
+from services.demo.chat_model import AGENT_PRETRAIN_EPOCHS, LORA_TARGETS, cached_demo_model, chat_prompt_ids
 from services.demo.config import demo_spec_text, demo_trainer_env, toml_text
-from services.demo.engine import lora_trainer_env
-from services.settings.demo import SimulatorSettings
+from services.demo.engine import LORA_RANK, lora_trainer_env
+from services.settings.demo import DemoSettings, SimulatorSettings
 from services.settings.model import settings_from_env
 from services.sim.agent import AgentSession, AgentWorld, agent_corpus, make_agent_world
 from services.sim.agent_events import turn_events
@@ -277,9 +277,6 @@ def bootstrap(args: argparse.Namespace, aw: AgentWorld, work_dir: Path) -> Token
         return TokenAgent(tiny)
     from transformers import AutoTokenizer
 
-    from services.demo.chat_model import AGENT_PRETRAIN_EPOCHS, LORA_TARGETS, cached_demo_model
-    from services.demo.engine import LORA_RANK
-    from services.settings.demo import DemoSettings
     from trainer.lora_policy import LoRAPolicy, LoraSpec
 
     model = cached_demo_model(work_dir / "model", args.seed, DemoSettings().model_cache_dir,
