@@ -46,13 +46,13 @@ from services.sim.agent import AgentSession, AgentWorld, agent_corpus, make_agen
 from services.sim.agent_events import turn_events
 from services.sim.chat_world import ChatVocab
 from services.sim.users import SimUser, make_population
+from services.sim.wire import as_ended
 from trainer.gate import GateConfig, evaluate
 from trainer.increment import score_heldout
 from trainer.loop import LoopConfig, rl_train, sft_train
 from trainer.objective import ObjectiveConfig, assign_groups, group_advantages
 from trainer.policy import TinyConfig, TinyTransformer
 from trainer.samples import build_samples, to_samples
-from trainer.tokens import EOS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -141,7 +141,7 @@ class ChatAgent:
         ids = chat_prompt_ids(self.tokenizer, self.vocab, prompt)
         tokens, logps = self.policy.sample(ids, sim.max_tokens, temperature=sim.temperature, seed=seed)
         words = self.vocab.read(self.tokenizer.decode(tokens, skip_special_tokens=True))
-        return Act(ids, tokens, logps, [*words, EOS] if tokens and tokens[-1] in self.policy.eos else words)
+        return Act(ids, tokens, logps, as_ended(words, bool(tokens) and tokens[-1] in self.policy.eos))
 
 
 @dataclass(frozen=True)
@@ -247,23 +247,28 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def loop_config(args: argparse.Namespace) -> LoopConfig:
-    """The increments' settings: the flags given, the agent demo's on ``--engine`` otherwise."""
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with each trainer flag not given set to the agent demo's on ``--engine``."""
     base = trainer_base(args.engine)
     band = base.band
     edges = f"{band.low:g}:{band.high:g}" + (f":{band.target:g}" if band.target is not None else "")
-    guard = f"{band.max_length_change:g}" if band.max_length_change is not None else "off"
-    kl_band = band_arg(args.kl_band or (edges if band.enabled else "off"), band.probe_every, band.max_epochs,
-                       args.length_guard or guard)
+    guard = band.max_length_change
+    defaults = {"lr": base.lr, "epochs": base.epochs, "batch_size": base.batch_size,
+                "group_size": base.group_size, "kl_coef": base.kl_coef, "warmup": base.warmup_steps,
+                "kl_band": edges if band.enabled else "off",
+                "length_guard": f"{guard:g}" if guard is not None else "off"}
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    return argparse.Namespace(**{**defaults, **given, "probe_every": band.probe_every,
+                                 "max_epochs": band.max_epochs})
 
-    def given(name: str, default: Any) -> Any:
-        value = getattr(args, name)
-        return default if value is None else value
 
-    return LoopConfig(batch_size=given("batch_size", base.batch_size), epochs=given("epochs", base.epochs),
-                      lr=given("lr", base.lr), seed=args.seed, checkpoint_every=10**9,
-                      objective=ObjectiveConfig(kl_coef=given("kl_coef", base.kl_coef)), band=kl_band,
-                      warmup_steps=given("warmup", base.warmup_steps))
+def loop_config(args: argparse.Namespace) -> LoopConfig:
+    """The increments' settings: the flags given, the agent demo's on ``--engine`` otherwise."""
+    a = with_defaults(args)
+    return LoopConfig(batch_size=a.batch_size, epochs=a.epochs, lr=a.lr, seed=a.seed, checkpoint_every=10**9,
+                      objective=ObjectiveConfig(kl_coef=a.kl_coef),
+                      band=band_arg(a.kl_band, a.probe_every, a.max_epochs, a.length_guard),
+                      warmup_steps=a.warmup)
 
 
 def bootstrap(args: argparse.Namespace, aw: AgentWorld, work_dir: Path) -> TokenAgent | ChatAgent:
@@ -305,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, work_dir: Path) -> int:
-    loop = loop_config(args)
-    group_size = trainer_base(args.engine).group_size if args.group_size is None else args.group_size
+    loop, group_size = loop_config(args), with_defaults(args).group_size
     doc = tomllib.loads(demo_spec_text(agent_spec_text()))
     if args.invalid_penalty is not None:
         pen = args.invalid_penalty

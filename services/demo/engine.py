@@ -89,8 +89,8 @@ def engine_url(port: int) -> str:
 def engine_env(data: Path, port: int, canary_max_s: float | None = None,
                agent: bool = False) -> dict[str, str]:
     """The services' settings for a gateway in front of the demo's engine (canaries get
-    ``canary_max_s``, by default :data:`CANARY_MAX_S`). ``agent``: the agent demo's small
-    steps (services/demo/config.py's ``DEMO_AGENT_BAND``) stay, at the LoRA learning rate."""
+    ``canary_max_s``, by default :data:`CANARY_MAX_S`), its LoRA increments learning as
+    :func:`lora_trainer_env` says (``agent``: the agent demo's)."""
     return {
         "RTRL_ENGINE__KIND": "vllm",
         "RTRL_ENGINE__BASE_URL": engine_url(port),

@@ -110,6 +110,10 @@ def agent_chat_answer(resp: dict[str, Any], request_id: str, vocab: ChatVocab) -
     when the model ended its answer itself (``finish_reason`` ``stop``), so an answer cut off
     at ``max_tokens`` reads as a call cut short (services/sim/agent.py)."""
     answer = chat_answer(resp, request_id, vocab)
-    if resp["choices"][0].get("finish_reason") == "stop":
-        answer = replace(answer, tokens=[*answer.tokens, EOS])
-    return answer
+    return replace(answer, tokens=as_ended(answer.tokens, resp["choices"][0].get("finish_reason") == "stop"))
+
+
+def as_ended(words: list[int], stopped: bool) -> list[int]:
+    """An agent's answer as its harness reads it: the words, then EOS when the model ended the
+    answer itself (``stopped``), so an answer cut off at ``max_tokens`` reads as cut short."""
+    return [*words, EOS] if stopped else words
