@@ -65,6 +65,11 @@ SHIPPER_NICE = 5
 QUICK_EXIT_S = 10.0
 """A worker that exits this soon after it started, three times in a row, stops the gateway:
 restarting it again would only hide a configuration error."""
+READY_WAIT_S = 30.0
+"""A worker accepts connections once it can serve (its stable model loaded), waiting at most
+this long: until then the kernel gives new connections to the workers that can, so a worker
+that starts or replaces another never answers a user ``503 model_not_loaded`` while a sibling
+could have served them. After the wait it accepts anyway, so ``/readyz`` says what is missing."""
 
 
 AUTO_MAX_WORKERS = 8
@@ -279,6 +284,9 @@ def worker_main(settings: Any, sock: socket.socket, spool: Path, index: int, rep
     health = Health(liveness_timeout_s=max(30.0, 10 * gw.routing_poll_s))
     exposures = SpooledExposures(spool, f"w{index}")
     gateway, parts = build(settings, health, exposures=exposures, metrics=multiprocess_registry("gateway"))
+    if not await_ready(health, stopper, READY_WAIT_S):
+        log.warning("gateway worker %d not ready after %.0f s (failing: %s): accepting connections anyway",
+                    index, READY_WAIT_S, health.ready()[1].get("failing"))
     # Everything built so far lives as long as the worker: out of the collector's sight, a full
     # collection walks only what requests left behind (a few ms, not the 100-400 ms pause of
     # walking every imported module's objects in the middle of a request).
@@ -289,6 +297,16 @@ def worker_main(settings: Any, sock: socket.socket, spool: Path, index: int, rep
     server.stop()
     for part in parts:
         part.stop()
+
+
+def await_ready(health: Health, stopper: Stopper, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Wait until ``health`` is ready (True), or ``timeout_s`` passed or the worker is asked to
+    stop (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not health.ready()[0]:
+        if time.monotonic() >= deadline or stopper.wait(poll_s):
+            return False
+    return True
 
 
 def shipper_main(settings: Any, spool: Path, stop: Any) -> None:

@@ -17,10 +17,12 @@ from typing import Any
 
 import pytest
 
+from services.runtime.health import Health
+from services.runtime.process import Stopper
 from services.runtime.spool import store as spool
 from services.runtime.spool.ship import Limits, SpoolShipper
 from services.runtime.spool.store import SpoolBusyError, SpoolDirError, SpoolWriter
-from services.wiring.gateway_workers import usable_cores, workers_in_memory
+from services.wiring.gateway_workers import await_ready, usable_cores, workers_in_memory
 
 
 class Future:
@@ -240,3 +242,26 @@ def test_a_spool_directory_that_cannot_be_made_is_a_spool_error(tmp_path: Path) 
     blocker.write_text("not a directory")
     with pytest.raises(SpoolDirError, match="cannot create spool directory"):
         SpoolWriter(blocker / "spool", "w0").open()
+
+
+def test_a_worker_waits_to_accept_until_it_can_serve_but_not_for_ever() -> None:
+    """await_ready returns as soon as the worker is ready, False at its deadline or when the
+    worker is told to stop first."""
+    loaded_at = time.monotonic() + 0.3
+    health = Health()
+    health.add_check("champion_loaded", lambda: time.monotonic() >= loaded_at)
+    health.add_check("broker", lambda: False, required=False)  # advisory: never waited for
+    t0 = time.monotonic()
+    assert await_ready(health, Stopper(), timeout_s=10.0)
+    assert 0.29 <= time.monotonic() - t0 < 2.0
+
+    never = Health()
+    never.add_check("champion_loaded", lambda: False)
+    t0 = time.monotonic()
+    assert not await_ready(never, Stopper(), timeout_s=0.3)
+    assert 0.29 <= time.monotonic() - t0 < 2.0
+    stopped = Stopper()
+    stopped.stop()
+    t0 = time.monotonic()
+    assert not await_ready(never, stopped, timeout_s=10.0)
+    assert time.monotonic() - t0 < 1.0
