@@ -78,6 +78,10 @@ class RewardSettings(Section):
     about 1000/this times a second (docs/ingest.md). Values below ``poll_timeout_ms`` act as it."""
     max_close_per_batch: int = 2000
     """Most windows closed in one transaction (the rest close on the next loop)."""
+    max_poll_interval_ms: int = 30_000
+    """A worker that does not poll for this long leaves the group. It is also how long a
+    rebalance waits for members to rejoin, so it bounds the stall after a worker dies (the
+    client's own default, 5 minutes, would let one slow member hold the group that long)."""
     time_scale: float = 1.0
     """Multiplies every duration of the reward spec's window (horizons, grace, follow-up)
     when deciding *when* a window closes; horizons keep their names. 0.01 makes a 1 h

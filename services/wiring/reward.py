@@ -290,7 +290,7 @@ class RewardWorker:
         member: dict[str, Any] = {"group_instance_id": instance_id} if instance_id else {}
         # a short broker-side fetch wait keeps the loop (and its timers) turning under light load
         consumer = make_member(s.kafka, group_id, max_poll_records=cfg.max_batch, fetch_max_wait_ms=50,
-                               **member)
+                               max_poll_interval_ms=cfg.max_poll_interval_ms, **member)
         self._opened.append(consumer)
         _check_partitions(consumer, s)
         ids = transactional_ids(self.state.r, s.redis.key_prefix, txn_base) if txn_base else None

@@ -43,7 +43,9 @@ def worker(settings: Settings) -> Iterator[tuple[Settings, RewardWorker]]:
 
 
 def test_one_reward_per_served_request_with_components(worker: tuple[Settings, RewardWorker]) -> None:
-    s, _ = worker
+    s, w = worker
+    # a rebalance waits for members to rejoin this long at most, not kafka-python's 5 minutes
+    assert w.loops[0].consumer.config["max_poll_interval_ms"] == s.reward.max_poll_interval_ms == 30_000
     late0 = _metric("rtrl_reward_late_events_total", type="followup.dissatisfied")
     orph0 = _metric("rtrl_reward_orphan_events_total")
     events = [
