@@ -110,19 +110,21 @@ class DemoPlan:
         """When the watch loop ends: ``loop_minutes`` after it started, or, with a whole-run
         budget (``minutes``), when stopping and the report still fit in it."""
         if self.demo.minutes is None:
-            return loop_started + self.demo.loop_minutes * 60.0
+            return loop_started + self.demo.loop_budget_minutes() * 60.0
         return self.started + self.demo.minutes * 60.0 - STOP_RESERVE_S
 
     def budget(self) -> str:
         """The run's budget in words, for progress lines and errors."""
         if self.demo.minutes is None:
-            return f"the loop's own {self.demo.loop_minutes:g} minutes"
+            return f"the loop's own {self.demo.loop_budget_minutes():g} minutes"
         return f"the {self.demo.minutes:g}-minute budget"
 
     def longest_s(self) -> float:
         """A bound on the whole run (for the busy load's own stop): the loop's time plus 30
         minutes of setup, or the whole-run budget."""
-        return 60.0 * (self.demo.minutes if self.demo.minutes is not None else self.demo.loop_minutes + 30)
+        if self.demo.minutes is not None:
+            return 60.0 * self.demo.minutes
+        return 60.0 * (self.demo.loop_budget_minutes() + 30)
 
 
 @dataclass(frozen=True)

@@ -319,7 +319,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rtrl demo", description=__doc__.split("\n")[0])
     parser.add_argument("--loop-minutes", type=float, default=base.loop_minutes,
                         help="the loop's own budget, counted once the stack and the first champion are up "
-                             "(default %(default)s)")
+                             "(default: 12, with --engine vllm 20)")
     parser.add_argument("--minutes", type=float, default=base.minutes,
                         help="a budget for the whole demo instead, from the stack's start to its stop: the "
                              "loop gets what the setup leaves (default: none)")
@@ -373,7 +373,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"--bad-candidate {args.bad_candidate} is an agent's: add --agent")
     if not 0 <= args.load <= MAX_LOAD:
         parser.error(f"--load takes 0 to {MAX_LOAD} busy processes")
-    if not args.loop_minutes > 0 or (args.minutes is not None and not args.minutes > 0):
+    given = [m for m in (args.loop_minutes, args.minutes) if m is not None]
+    if not all(m > 0 for m in given):
         parser.error("--loop-minutes and --minutes take a positive number of minutes")
     command = "rtrl demo " + " ".join(argv) if argv else "rtrl demo"
     plan = DemoPlan.create(demo, args.keep_stack, command.strip(), os.environ)

@@ -12,6 +12,11 @@ from pydantic import Field, SecretStr
 
 from services.settings.services import Section
 
+BUILTIN_LOOP_MINUTES = 12.0
+"""The loop's default budget on the built-in policy."""
+VLLM_LOOP_MINUTES = 20.0
+"""The loop's default budget on vLLM (``engine = vllm``)."""
+
 
 class SimulatorSettings(Section):
     """Simulated users (``rtrl serve simulator``): they call the gateway and send the client
@@ -73,10 +78,11 @@ class DemoSettings(Section):
     """The demo's own stack, registry and logs; wiped at the start of each run."""
     report_dir: Path = Path("reports")
     """Where the demo writes its report (figures, decisions, the reconcile result)."""
-    loop_minutes: Annotated[float, Field(gt=0.0)] = 12.0
+    loop_minutes: Annotated[float, Field(gt=0.0)] | None = None
     """The loop's own budget: it runs this long once the stack, the bootstrap (and, with
     ``--engine vllm``, the engine) are up, however long they took; stopping and the report
-    follow (about a minute)."""
+    follow (about a minute). Unset: 12 minutes on the built-in policy, 20 on vLLM, whose
+    LoRA increments take 3-5 minutes each to train on the 2 cores the engine shares."""
     minutes: Annotated[float, Field(gt=0.0)] | None = None
     """A budget for the whole demo instead, from the stack's start until it is stopped: the
     loop then gets what the setup leaves (at most that less a reserve for stopping), not
@@ -149,3 +155,9 @@ class DemoSettings(Section):
     the packaged spec's none; the increments then learn to answer ambiguous tasks with no
     edit, which the edit-rate detector catches). With the demo's latency weight of 2, a
     penalty of 0.5 leaves a question paying more than a rejected edit."""
+
+    def loop_budget_minutes(self) -> float:
+        """``loop_minutes``, or the engine's default when it is unset."""
+        if self.loop_minutes is not None:
+            return self.loop_minutes
+        return VLLM_LOOP_MINUTES if self.engine == "vllm" else BUILTIN_LOOP_MINUTES

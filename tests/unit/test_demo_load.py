@@ -92,6 +92,17 @@ def test_the_loop_has_its_own_budget_however_long_the_setup_took(tmp_path: Path)
     assert whole.loop_deadline(whole.started + 250.0) == pytest.approx(whole.started + 900.0 - STOP_RESERVE_S)
 
 
+def test_the_loops_default_budget_is_the_engines_and_a_given_one_wins(tmp_path: Path) -> None:
+    def deadline(**kw: object) -> float:
+        plan = DemoPlan.create(DemoSettings(data_dir=tmp_path / "d", **kw), False, "rtrl demo", {})
+        return plan.loop_deadline(plan.started + 100.0) - (plan.started + 100.0)
+
+    assert deadline() == pytest.approx(12 * 60.0)
+    assert deadline(engine="vllm") == pytest.approx(20 * 60.0)  # LoRA increments take minutes each
+    assert deadline(engine="vllm", loop_minutes=7) == pytest.approx(7 * 60.0)
+    assert deadline(loop_minutes=30) == pytest.approx(30 * 60.0)
+
+
 @pytest.mark.parametrize("argv", [["--loop-minutes", "0"], ["--minutes", "-1"]])
 def test_budgets_must_be_positive(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
