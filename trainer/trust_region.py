@@ -18,6 +18,12 @@ offline gate threw them out. The band turns the step size into a setting:
 - below the target, training goes on, over up to ``max_epochs`` passes of the window; a window
   exhausted below ``low`` ends the increment there (recorded, not an error: the gate and the
   canary still decide);
+- after a back-off, a probe whose KL is no higher than the kept state's made no progress
+  towards the target: after ``stall_probes`` such probes in a row the increment **stalled**
+  and stops at the kept state (the furthest it got inside the band). At a halved or quartered
+  rate the probes' KL can fall instead of rising, and without this rule such an increment
+  crawled over its whole window (on the vLLM demo 17-18 minutes, 190-240 steps, ending below
+  where it had been);
 - with a **length guard** (``max_length_change``), each probe also samples completions from the
   policy for up to ``length_probe_size`` probe prompts (fixed seeds, the same for the parent, so
   the two samples differ only by the policy) and a step that changed the mean completion length
@@ -68,6 +74,9 @@ class KLBand:
     """Probe prompts the length guard samples a completion for."""
     target_kl: float | None = None
     """Where training stops (None: the band's midpoint)."""
+    stall_probes: int | None = 2
+    """Probes in a row after a back-off that bring the KL no higher than the kept state's before
+    the increment stops there (None: train on, over the whole window)."""
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.low < self.high and math.isfinite(self.high)):
@@ -79,6 +88,8 @@ class KLBand:
             raise ValueError(f"KL band: max_length_change must be in (0, 1), got {self.max_length_change}")
         if self.length_probe_size < 1:
             raise ValueError("KL band: length_probe_size must be >= 1")
+        if self.stall_probes is not None and self.stall_probes < 1:
+            raise ValueError(f"KL band: stall_probes must be >= 1 (or None), got {self.stall_probes}")
         if self.target_kl is not None and not self.low <= self.target_kl <= self.high:
             raise ValueError(f"KL band: target {self.target_kl} is outside [{self.low}, {self.high}]")
 
@@ -95,10 +106,11 @@ def band_params(band: KLBand | None) -> dict[str, object]:
             "band_probe_every": band.probe_every,
             "band_probe_size": band.probe_size, "band_max_epochs": band.max_epochs,
             "band_max_backoffs": band.max_backoffs,
-            "band_max_length_change": band.max_length_change if band.max_length_change is not None else "off"}
+            "band_max_length_change": band.max_length_change if band.max_length_change is not None else "off",
+            "band_stall_probes": band.stall_probes if band.stall_probes is not None else "off"}
 
 
-Action = Literal["continue", "stop", "back_off"]
+Action = Literal["continue", "stop", "back_off", "stall"]
 
 
 def overshot(kl: float, length_change: float, band: KLBand) -> bool:
@@ -108,18 +120,30 @@ def overshot(kl: float, length_change: float, band: KLBand) -> bool:
     return not math.isfinite(kl) or kl > band.high or too_long
 
 
-def decide(kl: float, band: KLBand, backoffs: int, length_change: float = 0.0) -> Action:
+def decide(kl: float, band: KLBand, backoffs: int, length_change: float = 0.0, stalls: int = 0) -> Action:
     """What to do after a probe measured ``kl`` (and ``length_change``, the relative change of
-    the mean sampled completion length): ``back_off`` on an overshoot (``stop`` once
-    ``max_backoffs`` are used up), ``stop`` at or above the target, else ``continue``."""
+    the mean sampled completion length; ``stalls``, the probes in a row since a back-off that
+    brought the KL no higher than the kept state's, this one included): ``back_off`` on an
+    overshoot (``stop`` once ``max_backoffs`` are used up), ``stop`` at or above the target,
+    ``stall`` (stop at the kept state) after ``stall_probes`` stalls, else ``continue``."""
     if overshot(kl, length_change, band):
         return "back_off" if backoffs < band.max_backoffs else "stop"
-    return "stop" if kl >= band.target else "continue"
+    if kl >= band.target:
+        return "stop"
+    return "stall" if band.stall_probes is not None and stalls >= band.stall_probes else "continue"
+
+
+def stalled(kl: float, kept_kl: float, backoffs: int) -> bool:
+    """Whether a probe inside the band made no progress after a back-off: its KL is no higher
+    than the kept state's (the last probe that did)."""
+    return backoffs > 0 and kl <= kept_kl
 
 
 def stop_reason(kept_kl: float, overshoot: bool, action: Action, last: bool, band: KLBand) -> str:
     """Why training ended (or ``running``), for the increment's record; ``kept_kl`` is the KL
-    of the policy kept after the probe (the restored one after an overshoot)."""
+    of the policy kept after the probe (the restored one after an overshoot or a stall)."""
+    if action == "stall":
+        return "stalled"
     if action == "stop":
         return "backoffs_exhausted" if overshoot else "target"
     if last:
@@ -261,7 +285,7 @@ def lr_at(step: int, base: float, warmup_steps: int, backoffs: int) -> float:
 
 
 STOP_CODES = {"running": 0.0, "target": 1.0, "backoffs_exhausted": 2.0, "window_exhausted_in_band": 3.0,
-              "window_exhausted_below_band": 4.0}
+              "window_exhausted_below_band": 4.0, "stalled": 5.0}
 """Why training ended, as the float the step history carries (``band_stop``)."""
 
 
@@ -280,6 +304,9 @@ class Steady:
         self.lengths = (LengthProbe(parent, probe, band.length_probe_size)
                         if band.max_length_change is not None and probe else None)
         self.backoffs = 0
+        self.stalls = 0
+        """Probes in a row since a back-off that brought the KL no higher than the kept state's
+        (not checkpointed: a resumed run counts afresh)."""
         self.snapshot: Snapshot | None = None
 
     def measure(self, policy: TrainablePolicy) -> tuple[float, float]:
@@ -307,22 +334,29 @@ class Steady:
             return False
         assert self.snapshot is not None, "start() first"
         kl, moved = self.measure(policy)
-        action = decide(kl, self.band, self.backoffs, moved)
+        overshoot = overshot(kl, moved, self.band)
+        stuck = (self.band.stall_probes is not None and not overshoot
+                 and stalled(kl, self.snapshot.kl, self.backoffs))
+        self.stalls = self.stalls + 1 if stuck else 0
+        action = decide(kl, self.band, self.backoffs, moved, self.stalls)
         stats["probe_kl"] = kl
         if self.lengths is not None:
             stats["probe_length_change"] = moved
-        overshoot = overshot(kl, moved, self.band)
-        if overshoot:
+        # back to the kept state after an overshoot, and when a stalled run ends (its kept state
+        # is further along than where it crawled to)
+        restore = overshoot or (stuck and (action != "continue" or last))
+        if restore:
             self.snapshot.restore(policy, opt)
             if action == "back_off":
                 self.backoffs += 1
+                self.stalls = 0
             opt.param_groups[0][BACKOFFS_KEY] = self.backoffs  # checkpointed with the optimiser
-        elif action == "continue":
+        elif action == "continue" and not stuck:
             self.snapshot = Snapshot.take(step, kl, policy, opt, moved)
-        kept = self.snapshot.kl if overshoot else kl
+        kept = self.snapshot.kl if restore else kl
         stats["backoffs"] = float(self.backoffs)
         stats["probe_kl_kept"] = kept
         if self.lengths is not None:
-            stats["probe_length_change_kept"] = self.snapshot.moved if overshoot else moved
+            stats["probe_length_change_kept"] = self.snapshot.moved if restore else moved
         stats["band_stop"] = STOP_CODES[stop_reason(kept, overshoot, action, last, self.band)]
-        return action == "stop" or last
+        return action in ("stop", "stall") or last

@@ -156,6 +156,9 @@ class BandSettings(Section):
     length detector's tolerance, 0.25). Unset: no guard."""
     length_probe_size: Annotated[int, Field(ge=1)] = 128
     """Probe prompts the length guard samples one completion for, at each probe."""
+    stall_probes: Annotated[int, Field(ge=1)] | None = 2
+    """After a back-off, probes in a row that bring the KL no higher than the last kept state's
+    before the increment stops there ("stalled"). Unset: train on over the whole window."""
 
     @model_validator(mode="after")
     def _ordered(self) -> BandSettings:

@@ -87,7 +87,8 @@ def band_from(b: BandSettings) -> KLBand | None:
         return None
     return KLBand(b.low, b.high, probe_every=b.probe_every, probe_size=b.probe_size,
                   max_epochs=b.max_epochs, max_backoffs=b.max_backoffs, max_length_change=b.max_length_change,
-                  length_probe_size=b.length_probe_size, target_kl=b.target)
+                  length_probe_size=b.length_probe_size, target_kl=b.target,
+                  stall_probes=b.stall_probes)
 
 
 def registry_from(settings: Settings) -> MlflowRegistry:

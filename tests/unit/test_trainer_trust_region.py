@@ -31,6 +31,7 @@ from trainer.trust_region import (
     length_change,
     lr_at,
     split_probe,
+    stalled,
     stop_reason,
 )
 from trainer.window import parse_records
@@ -74,6 +75,29 @@ def test_decide_table_with_a_length_guard(kl: float, moved: float, backoffs: int
     assert decide(kl, BAND, backoffs, moved) == decide(kl, BAND, backoffs)  # no guard: length ignored
 
 
+@pytest.mark.parametrize(("kl", "stalls", "action"), [
+    (0.1, 0, "continue"),
+    (0.1, 1, "continue"),
+    (0.1, 2, "stall"),         # two probes in a row without progress after a back-off
+    (0.1, 5, "stall"),
+    (0.15, 2, "stop"),         # at the target: the target wins
+    (0.21, 2, "back_off"),     # an overshoot is an overshoot
+])
+def test_decide_table_with_stalls(kl: float, stalls: int, action: str) -> None:
+    assert decide(kl, BAND, 1, stalls=stalls) == action
+    assert decide(kl, KLBand(0.08, 0.2, stall_probes=None), 1, stalls=stalls) == \
+        decide(kl, BAND, 1)  # no stall rule: the count is ignored
+
+
+@pytest.mark.parametrize(("kl", "kept", "backoffs", "want"), [
+    (0.1, 0.12, 1, True), (0.12, 0.12, 2, True),   # no higher than the kept state, after a back-off
+    (0.13, 0.12, 1, False),                         # progress
+    (0.05, 0.12, 0, False),                         # before any back-off the KL may wander
+])
+def test_a_stall_is_no_progress_after_a_back_off(kl: float, kept: float, backoffs: int, want: bool) -> None:
+    assert stalled(kl, kept, backoffs) is want
+
+
 def test_length_change_is_relative_to_the_parent() -> None:
     assert length_change(9.0, 12.0) == pytest.approx(-0.25)
     assert length_change(15.0, 12.0) == pytest.approx(0.25)
@@ -93,6 +117,8 @@ def test_length_change_is_relative_to_the_parent() -> None:
     (0.05, False, "continue", True, "window_exhausted_below_band"),
     (0.05, True, "back_off", True, "window_exhausted_below_band"),
     (0.1, False, "continue", False, "running"),
+    (0.12, False, "stall", False, "stalled"),
+    (0.05, False, "stall", True, "stalled"),
 ])
 def test_stop_reason_table(kept: float, overshoot: bool, action: str, last: bool, reason: str) -> None:
     assert stop_reason(kept, overshoot, action, last, BAND) == reason  # type: ignore[arg-type]
@@ -105,6 +131,8 @@ def test_band_rejects_nonsense(bad: tuple[float, float]) -> None:
         KLBand(*bad)
     with pytest.raises(ValueError, match="probe_every"):
         KLBand(0.1, 1.0, probe_every=0)
+    with pytest.raises(ValueError, match="stall_probes"):
+        KLBand(0.1, 1.0, stall_probes=0)
 
 
 def test_completion_kl_matches_the_gates_reference() -> None:
@@ -251,6 +279,90 @@ def test_a_step_past_the_length_guard_is_undone_like_a_kl_overshoot() -> None:
     assert stats["band_stop"] == STOP_CODES["target"] and stats["probe_length_change_kept"] == 0.05
 
 
+def scripted(steady: Steady, kls: list[float]) -> None:
+    """Make ``steady``'s probe report ``kls`` in turn (the length guard, if any, sees no change)."""
+    script = iter(kls)
+    steady.probe.kl = lambda _policy: next(script)  # type: ignore[method-assign]
+    if steady.lengths is not None:
+        steady.lengths.change = lambda _policy: 0.0  # type: ignore[method-assign]
+
+
+def nudged(policy: Any) -> list[torch.Tensor]:
+    """Move every parameter (a training step's stand-in); the parameters before the move."""
+    before = [p.detach().clone() for p in policy.module.parameters()]
+    with torch.no_grad():
+        for p in policy.module.parameters():
+            p.add_(0.01)
+    return before
+
+
+@pytest.mark.parametrize("stall_probes", [1, 2, 3])
+def test_an_increment_that_stalls_after_a_back_off_ends_at_its_kept_state(stall_probes: int) -> None:
+    """Steady's bookkeeping with scripted probe KLs: after a back-off, ``stall_probes`` probes in
+    a row no higher than the kept state's end the increment there, with the kept parameters
+    restored; a probe that progresses resets the count."""
+    champion, samples = _world()
+    band = KLBand(0.08, 0.2, probe_every=2, max_backoffs=3, stall_probes=stall_probes)
+    steady = Steady(band, champion, samples[:32], 2.0)
+    # in band below target (kept) -> overshoot (back off to it) -> progress (kept) -> crawl down
+    scripted(steady, [0.1, 0.3, 0.12, *[0.11 - 0.01 * i for i in range(stall_probes)]])
+    policy = champion.clone()
+    opt = torch.optim.Adam(policy.module.parameters(), lr=1e-3)
+    assert steady.start(0, policy, opt)
+    step, outcomes, kept = 0, [], None
+    for _ in range(3 + stall_probes):
+        step += 2
+        before = nudged(policy)
+        if len(outcomes) == 3:
+            kept = before  # the state the third probe (0.12) kept
+        stats: dict[str, float] = {}
+        outcomes.append((steady.after_step(step, False, policy, opt, stats), stats))
+    assert [done for done, _ in outcomes] == [False] * (2 + stall_probes) + [True]
+    assert outcomes[1][1]["backoffs"] == 1
+    last = outcomes[-1][1]
+    assert last["band_stop"] == STOP_CODES["stalled"] and last["probe_kl_kept"] == 0.12
+    assert kept is not None
+    assert all(torch.equal(a, b) for a, b in zip(kept, policy.module.parameters(), strict=True))
+
+
+def test_without_the_stall_rule_a_crawling_increment_goes_on() -> None:
+    champion, samples = _world()
+    steady = Steady(KLBand(0.08, 0.2, probe_every=2, stall_probes=None), champion, samples[:32], 2.0)
+    scripted(steady, [0.1, 0.3, 0.09, 0.08, 0.07, 0.06])
+    policy = champion.clone()
+    opt = torch.optim.Adam(policy.module.parameters(), lr=1e-3)
+    assert steady.start(0, policy, opt)
+    for step in (2, 4, 6, 8, 10):
+        nudged(policy)
+        stats: dict[str, float] = {}
+        assert not steady.after_step(step, False, policy, opt, stats)
+        assert stats["band_stop"] == STOP_CODES["running"]
+    stats = {}
+    nudged(policy)
+    assert steady.after_step(12, True, policy, opt, stats)  # the window's end
+    assert stats["band_stop"] == STOP_CODES["window_exhausted_below_band"] and stats["probe_kl_kept"] == 0.06
+
+
+def test_a_stalled_window_end_keeps_the_furthest_state() -> None:
+    """The window ends while the KL crawls down after a back-off: what is kept is the state the
+    run had reached, not where it crawled to."""
+    champion, samples = _world()
+    steady = Steady(KLBand(0.08, 0.2, probe_every=2, stall_probes=3), champion, samples[:32], 2.0)
+    scripted(steady, [0.1, 0.3, 0.09])
+    policy = champion.clone()
+    opt = torch.optim.Adam(policy.module.parameters(), lr=1e-3)
+    assert steady.start(0, policy, opt)
+    for step in (2, 4):
+        nudged(policy)
+        assert not steady.after_step(step, False, policy, opt, {})
+    kept = [p.detach().clone() for p in policy.module.parameters()]  # restored by the overshoot
+    nudged(policy)
+    stats: dict[str, float] = {}
+    assert steady.after_step(6, True, policy, opt, stats)
+    assert stats["band_stop"] == STOP_CODES["window_exhausted_in_band"] and stats["probe_kl_kept"] == 0.1
+    assert all(torch.equal(a, b) for a, b in zip(kept, policy.module.parameters(), strict=True))
+
+
 def test_a_window_too_small_ends_below_the_band_and_says_so() -> None:
     champion, samples = _world()
     band = KLBand(50.0, 60.0, probe_every=2, probe_size=32, max_epochs=1)
@@ -304,11 +416,14 @@ def test_the_trainers_band_settings_make_its_band() -> None:
     from services.settings.services import BandSettings
     from services.wiring.trainer import band_from
 
-    band = band_from(BandSettings(low=0.4, high=2.0, target=1.5, max_length_change=0.2, length_probe_size=64))
-    assert band == KLBand(0.4, 2.0, max_length_change=0.2, length_probe_size=64, target_kl=1.5)
-    assert band_from(BandSettings()) == KLBand(1.0, 2.0)  # defaults: no guard, target the midpoint
+    band = band_from(BandSettings(low=0.4, high=2.0, target=1.5, max_length_change=0.2, length_probe_size=64,
+                                  stall_probes=3))
+    assert band == KLBand(0.4, 2.0, max_length_change=0.2, length_probe_size=64, target_kl=1.5,
+                          stall_probes=3)
+    assert band_from(BandSettings()) == KLBand(1.0, 2.0)  # defaults: no guard, target the midpoint, 2 stalls
+    assert band_from(BandSettings(stall_probes=None)) == KLBand(1.0, 2.0, stall_probes=None)
     assert band_from(BandSettings(enabled=False)) is None
-    for bad in ({"target": 2.5}, {"max_length_change": 1.0}, {"low": 2.0}):
+    for bad in ({"target": 2.5}, {"max_length_change": 1.0}, {"low": 2.0}, {"stall_probes": 0}):
         with pytest.raises(ValidationError):
             BandSettings(**bad)
 
