@@ -344,12 +344,11 @@ class Steady:
             stats["probe_length_change"] = moved
         # back to the kept state after an overshoot, and when a stalled run ends (its kept state
         # is further along than where it crawled to)
-        restore = overshoot or (stuck and (action != "continue" or last))
+        restore = overshoot or (stuck and (action == "stall" or last))
         if restore:
             self.snapshot.restore(policy, opt)
             if action == "back_off":
                 self.backoffs += 1
-                self.stalls = 0
             opt.param_groups[0][BACKOFFS_KEY] = self.backoffs  # checkpointed with the optimiser
         elif action == "continue" and not stuck:
             self.snapshot = Snapshot.take(step, kl, policy, opt, moved)
