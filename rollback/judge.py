@@ -108,7 +108,9 @@ def judge(
     improved = any(e.status == "better" for e in primary)
     if enough and non_inferior and not holding and (improved or not policy.require_improvement):
         reasons.append("Every primary metric is, with confidence, no worse than its minimum "
-                       "detectable effect; no guardrail or reward-hacking detector fired.")
+                       "detectable effect" + (", and at least one is better"
+                                              if policy.require_improvement else "")
+                       + "; no guardrail or reward-hacking detector fired.")
         reasons += [f"{describe(e, level)}." for e in primary]
         return Verdict(Decision.PROMOTE, tuple(reasons), evidence, guards, detectors, users_s, users_c, st)
 
@@ -122,6 +124,8 @@ def judge(
     else:
         reasons += [f"{describe(e, level)}: not yet shown to be within "
                     f"{fmt_delta(e.metric, e.mde, sign=False)} of stable." for e in waiting]
+        if non_inferior and not improved and policy.require_improvement:
+            reasons.append("No primary metric is yet shown to be better, which promotion requires.")
     if out_of_users or out_of_time:
         budget = (f"the sample budget of {policy.max_users} users per arm" if out_of_users
                   else f"the time budget of {fmt_duration(policy.max_duration_s)}")

@@ -120,11 +120,11 @@ class DemoPlan:
         return f"the {self.demo.minutes:g}-minute budget"
 
     def longest_s(self) -> float:
-        """A bound on the whole run (for the busy load's own stop): the loop's time plus 30
-        minutes of setup, or the whole-run budget."""
+        """A bound on the whole run (for the busy load's own stop): the loop's time and the
+        holdout measurement's plus 30 minutes of setup, or the whole-run budget."""
         if self.demo.minutes is not None:
             return 60.0 * self.demo.minutes
-        return 60.0 * (self.demo.loop_budget_minutes() + 30)
+        return 60.0 * (self.demo.loop_budget_minutes() + 30) + self.demo.holdout_measure_seconds()
 
 
 @dataclass(frozen=True)

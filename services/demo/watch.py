@@ -135,7 +135,8 @@ class Watcher:
 def watch(plan: DemoPlan, live: Live, bad: BadCandidates, notes: list[str],
           chaos: Chaos | None = None) -> None:
     """Look at the loop every ``progress_every_s`` until enough canaries were decided (and the
-    bad candidate's), or the budget less STOP_RESERVE_S is spent."""
+    bad candidate's), or the budget less STOP_RESERVE_S is spent; then measure the last
+    champion against the holdout (:func:`measure_holdout`)."""
     demo = plan.demo
     if "simulator" not in live.supervisor.procs or "gateway" not in live.supervisor.procs:
         say("the loop needs the gateway and the simulator; stopping")
@@ -150,6 +151,7 @@ def watch(plan: DemoPlan, live: Live, bad: BadCandidates, notes: list[str],
         say(f"the stack start and the bootstrap used the whole {demo.minutes:g}-minute budget; "
             "no time is left for the loop (raise --minutes, or leave it out: the loop then has its own)")
         notes.append("The loop did not run: the stack start and the bootstrap used the whole time budget.")
+        return
     watcher = Watcher(live, plan.started, notes)
     while time.time() < deadline:
         time.sleep(demo.progress_every_s)
@@ -160,20 +162,40 @@ def watch(plan: DemoPlan, live: Live, bad: BadCandidates, notes: list[str],
         if increments_decided(watcher.decided, bad.tries, demo.until_promoted) >= demo.increments \
                 and bad.done(watcher.decided):
             say("enough canaries decided; finishing")
-            measure_holdout(demo, deadline, watcher, chaos)
-            return
-    say("time budget reached; finishing")
+            break
+    else:
+        say("the loop's time is up; finishing")
+    measure_holdout(plan, deadline, watcher, chaos)
 
 
-def measure_holdout(demo: DemoSettings, deadline: float, watcher: Watcher, chaos: Chaos | None) -> None:
-    """With a holdout, serve ``holdout_measure_s`` more (within the budget) so that the last
-    champion is measured against the holdout in the same minutes."""
-    until = min(deadline, time.time() + demo.holdout_measure_s)
-    if demo.holdout_share <= 0 or until <= time.time():
+def holdout_until(demo: DemoSettings, deadline: float, now: float) -> float | None:
+    """When the last champion's measurement against the holdout ends, the loop having ended at
+    ``now`` (None: no measurement). Its length is fixed by the settings, never by what was
+    seen; it follows the loop's own minutes, and ends with a whole-run budget (``minutes``)."""
+    length = demo.holdout_measure_seconds()
+    if demo.holdout_share <= 0 or length <= 0:
+        return None
+    until = now + length
+    if demo.minutes is not None:
+        until = min(until, deadline)
+    return until if until > now else None
+
+
+def measure_holdout(plan: DemoPlan, deadline: float, watcher: Watcher, chaos: Chaos | None) -> None:
+    """With a holdout, stop the trainer (no new candidate from here) and serve
+    :func:`holdout_until` more, so that the last champion is measured against the holdout in the
+    same minutes. A canary already running goes on and may still be decided."""
+    until = holdout_until(plan.demo, deadline, time.time())
+    if until is None:
         return
-    say(f"measuring the last champion against the holdout for {until - time.time():.0f}s more")
+    supervisor = watcher.live.supervisor
+    if "trainer" in supervisor.procs:
+        supervisor.stop("trainer", grace_s=20.0)
+        supervisor.reported_exit.add("trainer")  # stopped on purpose: not an exit to report
+    say(f"trainer stopped; measuring the last champion against the holdout for "
+        f"{max(0.0, until - time.time()):.0f}s (fixed before the run)")
     while time.time() < until:
-        time.sleep(min(demo.progress_every_s, max(0.0, until - time.time())))
+        time.sleep(min(plan.demo.progress_every_s, max(0.0, until - time.time())))
         if chaos is not None:
             chaos.step()
         watcher.look()

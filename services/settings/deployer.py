@@ -72,6 +72,10 @@ class DeployerSettings(Section):
     clipped to the [1 - q, q] quantiles of both arms pooled, so a heavy tail cannot keep a
     mean's interval wide (latency's tail has latency_tail and the p99 guardrail); null: plain
     means."""
+    judge_require_improvement: bool = False
+    """Promote only a canary that is confidently better on at least one primary metric (and
+    no worse than its MDE on every other). false: "no worse" on every primary metric is enough,
+    so a chain of promotions can give back up to an MDE at each step."""
     judge_mde: dict[str, float] = Field(default_factory=dict)
     """Minimum detectable effect per judged metric, overriding the judge's defaults (see
     docs/judge.md), e.g. RTRL_DEPLOYER__JUDGE_MDE='{"reward": 0.1, "persistence": 0.05}'."""

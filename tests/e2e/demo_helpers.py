@@ -16,10 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 NO_HOLDOUT_MEASURE = {"RTRL_DEMO__HOLDOUT_MEASURE_S": "0"}
-"""The demo serves ``holdout_measure_s`` (60 s) more once its canaries are decided, so its
-report can compare the last champion with the holdout; no e2e test asserts on that
+"""The demo serves ``holdout_measure_s`` (60 s, 300 s on vLLM) more once its loop has ended, so
+its report can compare the last champion with the holdout; no e2e test asserts on that
 comparison (tests/integration/test_holdout_live.py and the unit tier do), so the bounded
-runs skip that minute. The holdout itself (15% of the users) still runs."""
+runs skip it. The holdout itself (15% of the users) still runs."""
 
 
 def demo_env(demo: Mapping[str, str]) -> dict[str, str]:

@@ -169,3 +169,5 @@ def test_judge_mde_overrides_and_rejects_unknown_metrics() -> None:
     assert mde["reward"] == 0.2 and mde["persistence"] == 0.03 and policy.alpha == 0.05
     with pytest.raises(ValueError, match="unknown metrics"):
         judge_policy(DeployerSettings(judge_mde={"happiness": 1.0}))
+    assert not policy.require_improvement
+    assert judge_policy(DeployerSettings(judge_require_improvement=True)).require_improvement

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -18,6 +19,7 @@ from rollback.types import (
     JudgePolicy,
     MetricSpec,
     RequestOutcome,
+    default_metrics,
 )
 
 
@@ -163,3 +165,21 @@ def test_policy_rejects_nonsense_with_clear_errors() -> None:
         JudgePolicy(min_users=10, max_users=5)
     with pytest.raises(ValueError, match="unknown metric 'vibes'"):
         judge(CohortData("stable"), CohortData("canary"), JudgePolicy(metrics=(MetricSpec("vibes", 1.0),)))
+
+
+def test_require_improvement_holds_a_canary_only_no_worse_and_promotes_a_better_one() -> None:
+    wide = tuple(replace(m, mde=m.mde * 3) for m in default_metrics())  # a small canary's margins
+    lenient_policy = JudgePolicy(min_users=100, max_users=50_000, metrics=wide)
+    strict = replace(lenient_policy, require_improvement=True)
+    stable = _cohort("stable", 1500, seed=1)
+    same = _cohort("canary", 1500, seed=2)
+    lenient = judge(stable, same, lenient_policy)
+    assert lenient.decision == Decision.PROMOTE  # no worse on every primary metric is enough
+    held = judge(stable, same, strict)
+    assert held.decision == Decision.CONTINUE
+    assert not any(e.status == "better" for e in held.metrics if e.metric in ("persistence", "reward"))
+    assert held.reasons[-1] == "No primary metric is yet shown to be better, which promotion requires."
+    faster = judge(stable, _cohort("canary", 1500, seed=2, latency=300.0), strict)
+    assert faster.decision == Decision.PROMOTE
+    assert {e.metric: e.status for e in faster.metrics}["latency_ms"] == "better"
+    assert "at least one is better" in faster.reasons[0]

@@ -16,7 +16,7 @@ from ingest.contracts.registry import CANDIDATE, Tag
 from services.demo import run as demo
 from services.demo.config import DemoPlan
 from services.demo.inject import BASELINE_REWARDS, MAX_BAD_TRIES, BadCandidateInjector
-from services.demo.watch import increments_decided, progress_line
+from services.demo.watch import holdout_until, increments_decided, progress_line
 from services.report.cohorts import Cohort
 from services.settings.demo import DemoSettings
 from services.sim.users import World, make_world
@@ -168,3 +168,18 @@ def test_the_end_follows_an_interrupted_run_and_stops_what_was_started(
     assert {"reward-spec.toml", "bootstrap-corpus.jsonl", "operator-keys", "operator.token"} <= {
         p.name for p in (tmp_path / "demo").iterdir()}
     assert (tmp_path / "demo" / "operator.token").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize(("settings", "deadline", "until"), [
+    ({}, 0.0, 1060.0),  # the built-in policy's 60 s, after the loop's own minutes
+    ({"engine": "vllm"}, 0.0, 1300.0),  # 300 s on vLLM
+    ({"holdout_measure_s": 90.0}, 0.0, 1090.0),
+    ({"minutes": 20.0}, 1030.0, 1030.0),  # a whole-run budget ends it
+    ({"minutes": 20.0}, 2000.0, 1060.0),
+    ({"minutes": 20.0}, 900.0, None),  # nothing left of the budget
+    ({"holdout_measure_s": 0.0}, 0.0, None),
+    ({"holdout_share": 0.0}, 0.0, None),  # no holdout, nothing to measure
+])
+def test_the_holdout_measurement_has_a_length_fixed_before_the_run(
+        settings: dict[str, Any], deadline: float, until: float | None) -> None:
+    assert holdout_until(DemoSettings(**settings), deadline, now=1000.0) == until
