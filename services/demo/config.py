@@ -283,7 +283,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_SIMULATOR__GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
         "RTRL_SIMULATOR__TIME_SCALE": f"{ts:g}",
         "RTRL_SIMULATOR__RATE_PER_S": f"{demo.sim_rate_per_s:g}",
-        "RTRL_SIMULATOR__N_USERS": str(demo.sim_users),
+        "RTRL_SIMULATOR__N_USERS": str(demo.simulated_users()),
         "RTRL_SIMULATOR__CONCURRENCY": "8",
         "RTRL_SIMULATOR__MAX_TOKENS": "16",
         "RTRL_SIMULATOR__SEED": str(demo.seed),

@@ -16,6 +16,10 @@ BUILTIN_LOOP_MINUTES = 12.0
 """The loop's default budget on the built-in policy."""
 VLLM_LOOP_MINUTES = 20.0
 """The loop's default budget on vLLM (``engine = vllm``)."""
+BUILTIN_SIM_USERS = 300
+"""The demo's simulated users on the built-in policy (and under ``agent``)."""
+VLLM_SIM_USERS = 1000
+"""The same on vLLM, one-shot: its canaries need more users than 300 hold (``sim_users``)."""
 BUILTIN_HOLDOUT_MEASURE_S = 60.0
 """How long the built-in policy's last champion is measured against the holdout after the loop."""
 VLLM_HOLDOUT_MEASURE_S = 300.0
@@ -143,8 +147,11 @@ class DemoSettings(Section):
     load: Annotated[int, Field(ge=0, le=64)] = 0
     """Busy processes started beside the demo, each spinning one core, stopped with it
     (``--load``): a busy machine anyone can reproduce."""
-    sim_users: int = 300
-    """Simulated users in the demo (``simulator.n_users``)."""
+    sim_users: Annotated[int, Field(ge=1)] | None = None
+    """Simulated users in the demo (``simulator.n_users``). Unset: 300, or 1,000 on vLLM
+    without ``agent``: the judge counts users, not requests (a user's requests are correlated),
+    and with 300 a 50% canary has about 130 users however long it runs, where its plan asked
+    for hundreds more; the holdout had 45."""
     seed: int = 0
     """Seeds the demo's simulated world, its users and its bad candidate."""
     holdout_share: Annotated[float, Field(ge=0.0, le=0.5)] = 0.15
@@ -163,6 +170,12 @@ class DemoSettings(Section):
     the packaged spec's none; the increments then learn to answer ambiguous tasks with no
     edit, which the edit-rate detector catches). With the demo's latency weight of 2, a
     penalty of 0.5 leaves a question paying more than a rejected edit."""
+
+    def simulated_users(self) -> int:
+        """``sim_users``, or the engine's default when it is unset."""
+        if self.sim_users is not None:
+            return self.sim_users
+        return VLLM_SIM_USERS if self.engine == "vllm" and not self.agent else BUILTIN_SIM_USERS
 
     def holdout_measure_seconds(self) -> float:
         """``holdout_measure_s``, or the engine's default when it is unset."""

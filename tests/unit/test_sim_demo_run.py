@@ -183,3 +183,10 @@ def test_the_end_follows_an_interrupted_run_and_stops_what_was_started(
 def test_the_holdout_measurement_has_a_length_fixed_before_the_run(
         settings: dict[str, Any], deadline: float, until: float | None) -> None:
     assert holdout_until(DemoSettings(**settings), deadline, now=1000.0) == until
+
+
+@pytest.mark.parametrize(("settings", "users"), [
+    ({}, 300), ({"engine": "vllm"}, 1000), ({"engine": "vllm", "agent": True}, 300),
+    ({"engine": "vllm", "sim_users": 500}, 500), ({"sim_users": 40}, 40)])
+def test_the_demos_users_are_the_engines_default_or_the_setting(settings: dict[str, Any], users: int) -> None:
+    assert DemoSettings(**settings).simulated_users() == users
