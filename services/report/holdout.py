@@ -154,8 +154,11 @@ def section(periods: Sequence[HoldoutPeriod]) -> list[str]:
     best = headline(periods)
     ok = {True: "met", False: "**not met**"}
     if best is None:
-        lines += ["", f"The last champion served too few requests beside the holdout (fewer than {MIN_ROWS} "
-                      "on a side) to be judged against the targets.", ""]
+        last = periods[-1]
+        why = (f"is the holdout's own version v{last.pinned}: nothing was promoted, so the row is an A/A "
+               "comparison, not a result" if last.champion == last.pinned
+               else f"served too few requests beside the holdout (fewer than {MIN_ROWS} on a side)")
+        lines += ["", f"The last champion {why}; it is not judged against the targets.", ""]
         return lines
     cmp = best.comparison
     lines += ["", f"**The last champion v{best.champion} against the holdout v{best.pinned}, same minutes:** "

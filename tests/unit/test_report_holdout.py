@@ -110,6 +110,10 @@ def test_no_holdout_no_section_and_a_short_last_time_is_not_judged() -> None:
     periods = holdout_periods(recs, rows, [*decisions, late], "1", T + 300, JudgePolicy())
     assert periods[-1].champion == "4" and headline(periods) is None
     assert "too few requests beside the holdout" in "\n".join(section(periods))
+    unpromoted = holdout_periods(recs, rows, [], "1", T + 300, JudgePolicy())
+    assert [p.champion for p in unpromoted] == ["1"] and headline(unpromoted) is None
+    text = "\n".join(section(unpromoted))
+    assert "is the holdout's own version v1: nothing was promoted" in text and "too few" not in text
 
 
 def test_side_by_side_leaves_the_holdouts_users_out_of_stable() -> None:
