@@ -31,6 +31,9 @@ LEDGER_EVERY_S = 10.0
 """How often the ledger in MLflow is read for new decisions."""
 RECENT_S = 60.0
 """The window of the progress line's live cohort metrics."""
+TRAINER_STOP_GRACE_S = 60.0
+"""How long the trainer has to exit on SIGTERM before the holdout measurement (after the loop):
+one idle at the end of seed 10's loop took more than 20 s and was killed."""
 
 
 def read_routing(client: redis.Redis, prefix: str) -> dict[str, str]:
@@ -190,7 +193,7 @@ def measure_holdout(plan: DemoPlan, deadline: float, watcher: Watcher, chaos: Ch
         return
     supervisor = watcher.live.supervisor
     if "trainer" in supervisor.procs:
-        supervisor.stop("trainer", grace_s=20.0)
+        supervisor.stop("trainer", grace_s=TRAINER_STOP_GRACE_S)
         supervisor.reported_exit.add("trainer")  # stopped on purpose: not an exit to report
     say(f"trainer stopped; measuring the last champion against the holdout for "
         f"{max(0.0, until - time.time()):.0f}s (fixed before the run)")
