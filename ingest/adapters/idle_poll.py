@@ -18,9 +18,13 @@ longer ``quiet_ms``.
 
 from __future__ import annotations
 
+import logging
+import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 FIRST_IDLE_WAIT_S = 0.01
 """The first wait after an empty poll; each further empty poll doubles it up to the cap."""
@@ -74,7 +78,12 @@ class IdlePoller:
         if wait_s > 0:
             self.wait(wait_s)
         timeout_ms = self.join_timeout_ms if joining(self.consumer) else 0
-        got = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        try:
+            got = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        except struct.error as exc:
+            rejoin_after_bad_assignment(self.consumer, exc)
+            self.waiting_s = 0.0
+            return {}
         if any(got.values()):
             self.waiting_s = 0.0
         else:
@@ -105,3 +114,18 @@ def joining(consumer: Any) -> bool:
     need_rejoin = getattr(coordinator, "need_rejoin", None)
     unknown = getattr(coordinator, "coordinator_unknown", None)
     return bool((need_rejoin is not None and need_rejoin()) or (unknown is not None and unknown()))
+
+
+def rejoin_after_bad_assignment(consumer: Any, exc: Exception) -> None:
+    """kafka-python 3.0.12 cannot decode an empty partition assignment: its ``poll`` raises
+    ``struct.error`` out of the group join and leaves the member marked stable with no
+    partitions (seen on the embedded broker while members joined and left during a
+    rebalance; Apache Kafka also sends empty bytes to a member the leader left out). The
+    member asks its coordinator for a new join instead of stopping the process; re-raises
+    when the consumer has no group coordinator to ask."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    request_rejoin = getattr(coordinator, "request_rejoin", None)
+    if request_rejoin is None:
+        raise exc
+    log.warning("the group's partition assignment could not be decoded (%s); rejoining the group", exc)
+    request_rejoin()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import pytest
@@ -158,3 +159,35 @@ def test_a_timer_already_due_is_not_waited_for() -> None:
 def test_a_quiet_cap_below_the_idle_cap_acts_as_the_idle_cap() -> None:
     poller = IdlePoller(FakeConsumer([]), idle_ms=500, quiet_ms=100)
     assert poller.quiet_s == poller.idle_s == 0.5
+
+
+class Rejoinable(Coordinator):
+    def __init__(self) -> None:
+        super().__init__("g")
+        self.requested = 0
+
+    def request_rejoin(self) -> None:
+        self.requested += 1
+
+
+class BadAssignment(GroupConsumer):
+    """kafka-python 3.0.12 decoding an empty SyncGroup assignment inside ``poll``."""
+
+    def poll(self, timeout_ms: int = 0, max_records: int | None = None) -> dict[str, list[int]]:
+        return struct.unpack(">h", b"")  # type: ignore[return-value]
+
+
+def test_an_undecodable_assignment_asks_for_a_rejoin_and_polls_again_at_once() -> None:
+    coordinator = Rejoinable()
+    waits: list[float] = []
+    poller = IdlePoller(BadAssignment(coordinator, set()), idle_ms=100, wait=waits.append)
+    assert poller.poll() == {}
+    assert poller.poll() == {}
+    assert coordinator.requested == 2
+    assert waits == []  # the next poll goes on with the join instead of waiting
+
+
+def test_an_undecodable_assignment_without_a_group_coordinator_is_raised() -> None:
+    consumer = BadAssignment(Coordinator("g"), set())  # a coordinator that cannot rejoin
+    with pytest.raises(struct.error):
+        IdlePoller(consumer, idle_ms=100, wait=lambda _s: None).poll()
