@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class GateConfig:
     max_kl: float = 2.0
+    min_kl: float = 1e-3
+    """A candidate closer than this to its parent (nats per completion on the held-out records)
+    did not move: its training kept no step (a KL band that backed off to where it started), and
+    a canary of it would be an A/A test. 0: not checked."""
     min_ess: float = 0.2
     max_regression: float = 0.1
     truncate: float = 2.0
@@ -151,8 +155,7 @@ def evaluate(
     kls = [kl_parent_candidate(s.parent, s.candidate, s.behavior, cfg.truncate) for s in scores]
     kl = math.fsum(kls) / len(kls)
     figures["kl_parent"] = kl
-    if not math.isfinite(kl) or kl > cfg.max_kl:
-        reasons.append(f"KL to parent {kl:.3g} nats/completion exceeds budget {cfg.max_kl:g}")
+    reasons += kl_check(kl, cfg)
 
     rewards = [s.reward for s in scores]
     weights = [sequence_weight(s.candidate, s.behavior, cfg.truncate) for s in scores]
@@ -169,6 +172,17 @@ def evaluate(
                 f"estimated reward {est:.3f} (CI {lo:.3f}..{hi:.3f}) clearly below logged {baseline:.3f}"
             )
     return GateResult(not reasons, reasons, notes, figures)
+
+
+def kl_check(kl: float, cfg: GateConfig) -> list[str]:
+    """Why the candidate's KL to its parent fails it: over the budget, or so small that the
+    candidate is its parent (empty: it passes)."""
+    if not math.isfinite(kl) or kl > cfg.max_kl:
+        return [f"KL to parent {kl:.3g} nats/completion exceeds budget {cfg.max_kl:g}"]
+    if kl < cfg.min_kl:
+        return [f"KL to parent {kl:.3g} nats/completion below {cfg.min_kl:g}: "
+                "training kept no step, the candidate is its parent"]
+    return []
 
 
 def gate_words(gate: GateResult, parent: str) -> list[str]:

@@ -107,6 +107,10 @@ class GateSettings(Section):
 
     max_kl: Annotated[float, Field(gt=0.0)] = 2.0
     """Budget for KL(parent || candidate) in nats per completion on held-out records."""
+    min_kl: Annotated[float, Field(ge=0.0)] = 1e-3
+    """A candidate closer than this to its parent (same measure) fails: its training kept no
+    step (e.g. the KL band backed off to where it started), and its canary would compare the
+    champion with itself for the whole canary. 0: not checked."""
     min_ess: Annotated[float, Field(ge=0.0, le=1.0)] = 0.2
     """Smallest effective sample size of the importance weights, as a share of held-out records."""
     max_regression: Annotated[float, Field(ge=0.0)] = 0.1

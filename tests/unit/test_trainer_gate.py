@@ -64,14 +64,26 @@ def scores(n: int, shift: float, seed: int = 0) -> list[HeldoutScore]:
     return out
 
 
-def test_unchanged_candidate_passes() -> None:
-    result = evaluate(scores(100, 0.0), [0.5, 0.4], GateConfig())
+def test_unchanged_candidate_passes_when_movement_is_not_required() -> None:
+    result = evaluate(scores(100, 0.0), [0.5, 0.4], GateConfig(min_kl=0.0))
     assert result.passed, result.reasons
     assert result.figures["ess"] == pytest.approx(1.0)
     assert result.figures["kl_parent"] == pytest.approx(0.0)
     assert result.figures["estimate"] == pytest.approx(result.figures["baseline_reward"])
     assert json.loads(result.reasons_json())["reasons"] == []
     assert result.result == "pass"
+
+
+@pytest.mark.parametrize(("shift", "min_kl", "passed"), [
+    (0.0, 1e-3, False),   # training kept no step: the candidate is its parent
+    (0.01, 1e-3, False),  # moved, but less than the floor (KL about 0.5 * 5 * 0.01**2)
+    (0.1, 1e-3, True),
+    (0.01, 1e-5, True),
+])
+def test_a_candidate_that_did_not_move_fails(shift: float, min_kl: float, passed: bool) -> None:
+    result = evaluate(scores(100, shift), [0.5], GateConfig(min_kl=min_kl))
+    assert result.passed is passed, (result.reasons, result.figures)
+    assert any("training kept no step" in r for r in result.reasons) is not passed
 
 
 def test_nan_and_exploding_losses_fail() -> None:
