@@ -276,6 +276,7 @@ def service_env(demo: DemoSettings, data: Path, stack_env: dict[str, str], gatew
         "RTRL_DEPLOYER__MIN_BAKE_S": "6",  # two ticks: a step moves on a promote verdict after it
         "RTRL_DEPLOYER__MAX_DURATION_S": f"{demo.canary_max_s or CANARY_MAX_S:g}",
         "RTRL_DEPLOYER__JUDGE_ALPHA": "0.05",
+        "RTRL_DEPLOYER__JUDGE_REQUIRE_IMPROVEMENT": str(demo.promotes_on_improvement()).lower(),
         "RTRL_DEPLOYER__LEASE_TTL_S": "10",
         "RTRL_DEPLOYER__JUDGE_MIN_USERS": "60",
         "RTRL_DEPLOYER__JUDGE_MIN_REQUESTS": "60",

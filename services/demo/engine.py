@@ -73,13 +73,7 @@ LORA_AGENT_TRAINER_ENV = {
 """The agent demo's LoRA increments: the agent band's edges (services/demo/config.py's
 ``DEMO_AGENT_BAND``) at :data:`LORA_AGENT_LR`, without the length guard (it never stopped a
 step offline at this rate, and its probes took a third of the increment's time)."""
-REQUIRE_IMPROVEMENT_ENV = {"RTRL_DEPLOYER__JUDGE_REQUIRE_IMPROVEMENT": "true"}
-"""The one-shot vLLM demo promotes only a canary confidently better on a primary metric. Its
-canaries are small (hundreds of users per arm), so the demo's margins are wide (10 points of
-persistence, 100 ms, config.DEMO_JUDGE_MDE), and "no worse than that" let each promotion give
-back what the last one gained: seed 6's first champion was +11.1% persistence and -12.2%
-latency against the holdout, its third +1.4% and -0.6% (docs/demo.md). Not under ``--agent``,
-whose runs were measured without it."""
+
 READY_TIMEOUT_S = 420.0
 CANARY_MAX_S = 600.0
 """A canary's wall-clock cap in this demo: the real engine's latency on a busy 2-core machine
@@ -98,9 +92,8 @@ def engine_url(port: int) -> str:
 def engine_env(data: Path, port: int, canary_max_s: float | None = None,
                agent: bool = False) -> dict[str, str]:
     """The services' settings for a gateway in front of the demo's engine (canaries get
-    ``canary_max_s``, by default :data:`CANARY_MAX_S`, and promote on an improvement:
-    :data:`REQUIRE_IMPROVEMENT_ENV`), its LoRA increments learning as :func:`lora_trainer_env`
-    says (``agent``: the agent demo's)."""
+    ``canary_max_s``, by default :data:`CANARY_MAX_S`), its LoRA increments learning as
+    :func:`lora_trainer_env` says (``agent``: the agent demo's)."""
     return {
         "RTRL_ENGINE__KIND": "vllm",
         "RTRL_ENGINE__BASE_URL": engine_url(port),
@@ -110,7 +103,6 @@ def engine_env(data: Path, port: int, canary_max_s: float | None = None,
         **lora_trainer_env(agent),
         "RTRL_SIMULATOR__API": "chat",
         "RTRL_DEPLOYER__MAX_DURATION_S": f"{canary_max_s or CANARY_MAX_S:g}",
-        **({} if agent else REQUIRE_IMPROVEMENT_ENV),
     }
 
 

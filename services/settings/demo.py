@@ -147,6 +147,13 @@ class DemoSettings(Section):
     load: Annotated[int, Field(ge=0, le=64)] = 0
     """Busy processes started beside the demo, each spinning one core, stopped with it
     (``--load``): a busy machine anyone can reproduce."""
+    require_improvement: bool | None = None
+    """Promote a canary only when a primary metric is confidently better, not merely no worse
+    (``deployer.judge_require_improvement``). Unset: on for ``--engine vllm`` without ``agent``:
+    its canaries are small, so its margins are wide (10 points of persistence, 100 ms), and "no
+    worse than that" let each promotion give back what the last one gained (seed 6: the first
+    champion +11.1% persistence and -12.2% latency against the holdout, the third +1.4% and
+    -0.6%; docs/demo.md). Off for the built-in and agent demos, measured without it."""
     sim_users: Annotated[int, Field(ge=1)] | None = None
     """Simulated users in the demo (``simulator.n_users``). Unset: 300, or 1,000 on vLLM
     without ``agent``: the judge counts users, not requests (a user's requests are correlated),
@@ -170,6 +177,12 @@ class DemoSettings(Section):
     the packaged spec's none; the increments then learn to answer ambiguous tasks with no
     edit, which the edit-rate detector catches). With the demo's latency weight of 2, a
     penalty of 0.5 leaves a question paying more than a rejected edit."""
+
+    def promotes_on_improvement(self) -> bool:
+        """``require_improvement``, or the engine's default when it is unset."""
+        if self.require_improvement is not None:
+            return self.require_improvement
+        return self.engine == "vllm" and not self.agent
 
     def simulated_users(self) -> int:
         """``sim_users``, or the engine's default when it is unset."""

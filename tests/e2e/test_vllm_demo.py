@@ -76,8 +76,10 @@ def test_the_vllm_demo_loads_increments_into_the_engine_through_the_canary(tmp_p
     # 9 of a 16-minute whole-run budget, and the increment (length guard included) the rest
     minutes = os.environ.get("RTRL_E2E_VLLM_MINUTES", "10")
     args = ["--loop-minutes", minutes, "--increments", "1", "--bad-candidate", "corrupted"]
-    # any decision will do (an inconclusive abort too): the canary gets 120 s, not the demo's 360
+    # any decision will do (an inconclusive abort too): the canary gets 120 s, not the demo's
+    # 600, and a canary no worse than the champion may promote (the demo waits for a better one)
     demo = {"RTRL_DEMO__TRAINER_CADENCE_S": "45", "RTRL_DEMO__CANARY_MAX_S": "120",
+            "RTRL_DEMO__REQUIRE_IMPROVEMENT": "false",
             "RTRL_DEMO__PROGRESS_EVERY_S": "10", **NO_HOLDOUT_MEASURE}
     data, summary, out = run(tmp_path, args, demo, timeout_s=1740)
     bad = summary["bad_version"]

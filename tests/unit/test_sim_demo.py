@@ -82,7 +82,6 @@ def test_the_demos_steady_step_fits_inside_the_gate_and_under_the_length_detecto
     from bench.loop_offline import parser
     from rollback.types import DetectorPolicy
     from services.demo.engine import engine_env
-    from services.wiring.deployer import judge_policy
 
     env = service_env(DemoSettings(), tmp_path, {}, 4321, {"gateway": "a", "simulator": "b"},
                       tmp_path / "spec.toml")
@@ -109,12 +108,25 @@ def test_the_demos_steady_step_fits_inside_the_gate_and_under_the_length_detecto
         (agent.band.low, agent.band.high, agent.band.target)
     assert agent_lora.band.max_length_change is None and agent_lora.warmup_steps == 0
     assert agent.lr < agent_lora.lr < lora.lr
-    # the one-shot vLLM demo promotes improvements only; the built-in and agent demos "no worse"
-    assert judge_policy(settings_from_env(env).deployer).require_improvement
-    assert not judge_policy(settings_from_env(agent_env).deployer, sessions=True).require_improvement
-    builtin = service_env(DemoSettings(), tmp_path, {}, 4321, {"gateway": "a", "simulator": "b"},
-                          tmp_path / "spec.toml")
-    assert not judge_policy(settings_from_env(builtin).deployer).require_improvement
+
+
+@pytest.mark.parametrize(("engine", "agent", "setting", "expected"), [
+    ("vllm", False, None, True),     # the one-shot vLLM demo promotes improvements only
+    ("vllm", True, None, False),     # the agent and built-in demos promote "no worse"
+    ("builtin", False, None, False),
+    ("vllm", False, False, False),   # the setting wins either way
+    ("builtin", False, True, True),
+])
+def test_the_demo_promotes_on_an_improvement_on_vllm_unless_told(
+        tmp_path: Path, engine: str, agent: bool, setting: bool | None, expected: bool) -> None:
+    from services.demo.engine import engine_env
+    from services.wiring.deployer import judge_policy
+
+    demo = DemoSettings(engine=engine, agent=agent, require_improvement=setting)
+    env = service_env(demo, tmp_path, {}, 4321, {"gateway": "a", "simulator": "b"}, tmp_path / "spec.toml")
+    if engine == "vllm":
+        env.update(engine_env(tmp_path, 1234, demo.canary_max_s, agent=agent))
+    assert judge_policy(settings_from_env(env).deployer, sessions=agent).require_improvement is expected
 
 
 @pytest.mark.parametrize(("engine", "canary_max_s", "expected"),
