@@ -82,7 +82,7 @@ class IdlePoller:
             got = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
         except struct.error as exc:
             rejoin_after_bad_assignment(self.consumer, exc)
-            self.waiting_s = 0.0
+            self.busy()  # the next poll goes on with the join
             return {}
         if any(got.values()):
             self.waiting_s = 0.0
